@@ -1,0 +1,60 @@
+//! Arguments and dispatch. One file per subcommand.
+
+mod external;
+mod inspect;
+mod schema;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Exit code for bad input or a failed command.
+pub(crate) fn exit_error() -> ExitCode {
+    ExitCode::from(2)
+}
+
+/// Layer-wise shadow-precision tracing for LLM inference numerics.
+///
+/// Runs are written by the tracer (`shadowtrace demo`, `shadowtrace run`) or
+/// by the Python hooks (`SHADOWTRACE=1`); this command reads them. Exit
+/// codes: 0 success, 2 bad input or error.
+#[derive(Debug, Parser)]
+#[command(name = "shadowtrace", version, propagate_version = true)]
+pub(crate) struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the trace format: vocabulary, tables, columns, types, encodings.
+    Schema(schema::SchemaArgs),
+    /// Print a run's identity, tables, row counts and status.
+    ///
+    /// Accepts run directories or directories of runs. Every part file is
+    /// checked (Parquet footer, format version, columns and types); a bad run
+    /// is reported with the file and the problem.
+    Inspect(inspect::InspectArgs),
+    /// Any other command NAME runs the program `shadowtrace-NAME` from this
+    /// program's directory or PATH (the tracer provides `shadowtrace-demo`).
+    #[command(external_subcommand)]
+    External(Vec<OsString>),
+}
+
+/// Output format of commands that print data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Format {
+    /// Aligned text for a terminal.
+    Text,
+    /// JSON for scripts.
+    Json,
+}
+
+pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
+    match args.command {
+        Command::Schema(a) => schema::run(&a),
+        Command::Inspect(a) => inspect::run(&a),
+        Command::External(argv) => external::run(&argv),
+    }
+}

@@ -1,0 +1,133 @@
+//! Errors of the analyzer library. Each names the file and what is wrong
+//! with it, expected versus found.
+
+use std::path::PathBuf;
+
+/// A run or file that cannot be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    // === runs ===
+    /// No run was found under a path given on the command line.
+    #[error(
+        "{path}: no shadowtrace run found (expected a directory holding manifest.json, or a directory of such runs)"
+    )]
+    NoRuns {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A directory with table folders but no manifest.
+    #[error("run {run}: manifest.json is missing (the run holds table folders but no manifest)")]
+    MissingManifest {
+        /// The run directory.
+        run: PathBuf,
+    },
+    /// A manifest that is not valid JSON or lacks a required field.
+    #[error("manifest {path}: corrupt: {detail}")]
+    CorruptManifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What the parser found, with line and column.
+        detail: String,
+    },
+    /// A manifest or file of a trace format this analyzer does not read.
+    #[error("{path}: unknown trace format version {got}, expected {expected}")]
+    UnknownSchemaVersion {
+        /// The manifest or Parquet file.
+        path: PathBuf,
+        /// The version this analyzer reads.
+        expected: u32,
+        /// The version found.
+        got: String,
+    },
+    /// A part file the manifest lists but the disk lacks.
+    #[error("parquet file {path}: listed in the manifest but missing on disk")]
+    MissingFile {
+        /// The part file.
+        path: PathBuf,
+    },
+
+    // === Parquet files ===
+    /// A file cut short: its footer is missing or incomplete.
+    #[error("parquet file {path}: truncated or not Parquet: {detail}")]
+    TruncatedParquet {
+        /// The part file.
+        path: PathBuf,
+        /// What is missing.
+        detail: String,
+    },
+    /// Key-value metadata that contradicts where the file sits.
+    #[error("parquet file {path}: metadata {key} is {got:?}, expected {expected:?}")]
+    WrongMetadata {
+        /// The part file.
+        path: PathBuf,
+        /// The metadata key.
+        key: &'static str,
+        /// The value the run implies.
+        expected: String,
+        /// The value found (`<absent>` when missing).
+        got: String,
+    },
+    /// A column the format requires is absent.
+    #[error("parquet file {path}: table {table} is missing column {column}")]
+    MissingColumn {
+        /// The part file.
+        path: PathBuf,
+        /// The table.
+        table: &'static str,
+        /// The column.
+        column: String,
+    },
+    /// A column of another type than the format defines.
+    #[error("parquet file {path}: column {table}.{column} has type {got}, expected {expected}")]
+    WrongType {
+        /// The part file.
+        path: PathBuf,
+        /// The table.
+        table: &'static str,
+        /// The column.
+        column: String,
+        /// The type the format defines.
+        expected: String,
+        /// The type found.
+        got: String,
+    },
+    /// polars failed to decode a file that passed the checks above.
+    #[error("parquet file {path}: {source}")]
+    Decode {
+        /// The part file.
+        path: PathBuf,
+        /// What polars said.
+        #[source]
+        source: polars::prelude::PolarsError,
+    },
+    /// An OS-level read failure.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl LoadError {
+    /// The file or directory the error is about.
+    #[must_use]
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            LoadError::NoRuns { path }
+            | LoadError::CorruptManifest { path, .. }
+            | LoadError::UnknownSchemaVersion { path, .. }
+            | LoadError::MissingFile { path }
+            | LoadError::TruncatedParquet { path, .. }
+            | LoadError::WrongMetadata { path, .. }
+            | LoadError::MissingColumn { path, .. }
+            | LoadError::WrongType { path, .. }
+            | LoadError::Decode { path, .. }
+            | LoadError::Io { path, .. } => path,
+            LoadError::MissingManifest { run } => run,
+        }
+    }
+}

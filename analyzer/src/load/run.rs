@@ -1,0 +1,175 @@
+//! One run directory: its manifest and the part files of each table.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use shadowtrace_schemas::manifest::Status;
+use shadowtrace_schemas::{MANIFEST_FILE, Manifest, SCHEMA_VERSION, TMP_SUFFIX, Table};
+
+use super::part_file::PartFile;
+use crate::LoadError;
+
+/// A run whose manifest and files passed every check.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// Its manifest.
+    pub manifest: Manifest,
+    /// Complete part files per table, in part order.
+    pub files: BTreeMap<Table, Vec<PartFile>>,
+    /// Things a user should know that do not stop the run being read, for
+    /// example files a killed writer left behind.
+    pub notes: Vec<String>,
+}
+
+impl Run {
+    /// Whether the producer closed the run.
+    #[must_use]
+    pub fn is_complete(&self) -> bool {
+        self.manifest.status == Status::Complete
+    }
+
+    /// Rows of `table` in complete files.
+    #[must_use]
+    pub fn rows(&self, table: Table) -> u64 {
+        self.files
+            .get(&table)
+            .map_or(0, |f| f.iter().map(|p| p.rows).sum())
+    }
+
+    /// Bytes of `table` on disk.
+    #[must_use]
+    pub fn bytes(&self, table: Table) -> u64 {
+        self.files
+            .get(&table)
+            .map_or(0, |f| f.iter().map(|p| p.bytes).sum())
+    }
+
+    /// Opens a run directory: reads the manifest, then checks every complete
+    /// part file on disk. A run whose writer was killed is still opened: its
+    /// manifest says `incomplete`, its complete parts are read, and what the
+    /// writer left half-written is listed in [`Run::notes`].
+    ///
+    /// # Errors
+    /// A missing, corrupt or unknown-version manifest, a listed file missing
+    /// on disk, or a part file that fails [`PartFile::open`].
+    pub fn open(dir: &Path) -> Result<Run, LoadError> {
+        let manifest = read_manifest(dir)?;
+        let mut files = BTreeMap::new();
+        let mut notes = Vec::new();
+        if manifest.status == Status::Incomplete {
+            notes.push(
+                "run is incomplete: its writer has not closed it (still running, or killed)"
+                    .to_owned(),
+            );
+        }
+        for table in Table::ALL {
+            let (complete, partial) = list_parts(&dir.join(table.name()))?;
+            let listed: Vec<&String> = manifest
+                .table(table)
+                .map(|t| t.files.iter().collect())
+                .unwrap_or_default();
+            for name in &listed {
+                let path = dir.join(name);
+                if !path.exists() {
+                    return Err(LoadError::MissingFile { path });
+                }
+            }
+            let mut parts = Vec::new();
+            for path in complete {
+                let relative = format!("{}/{}", table.name(), file_name(&path));
+                if !listed.iter().any(|l| **l == relative) {
+                    notes.push(format!(
+                        "{relative}: complete but not yet listed in the manifest (read anyway)"
+                    ));
+                }
+                parts.push(PartFile::open(&path, table, &manifest.run_id)?);
+            }
+            for path in partial {
+                notes.push(format!(
+                    "{}/{}: left half-written by its writer (not read)",
+                    table.name(),
+                    file_name(&path)
+                ));
+            }
+            files.insert(table, parts);
+        }
+        Ok(Run {
+            dir: dir.to_owned(),
+            manifest,
+            files,
+            notes,
+        })
+    }
+}
+
+/// Reads and checks `manifest.json`: JSON first, then the format version, and
+/// only then the full structure, so a newer format is reported as such
+/// rather than as corruption.
+fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
+    let path = dir.join(MANIFEST_FILE);
+    if !path.exists() {
+        return Err(LoadError::MissingManifest {
+            run: dir.to_owned(),
+        });
+    }
+    let text = fs::read_to_string(&path).map_err(|source| LoadError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let corrupt = |e: serde_json::Error| LoadError::CorruptManifest {
+        path: path.clone(),
+        detail: e.to_string(),
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(corrupt)?;
+    let version = value.get("schema_version");
+    if version.and_then(serde_json::Value::as_u64) != Some(u64::from(SCHEMA_VERSION)) {
+        return Err(LoadError::UnknownSchemaVersion {
+            path,
+            expected: SCHEMA_VERSION,
+            got: version.map_or_else(|| "<absent>".to_owned(), ToString::to_string),
+        });
+    }
+    serde_json::from_value(value).map_err(corrupt)
+}
+
+/// Complete and half-written part files of one table folder, sorted by name.
+fn list_parts(table_dir: &Path) -> Result<(Vec<PathBuf>, Vec<PathBuf>), LoadError> {
+    let mut complete = Vec::new();
+    let mut partial = Vec::new();
+    let entries = match fs::read_dir(table_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((complete, partial)),
+        Err(source) => {
+            return Err(LoadError::Io {
+                path: table_dir.to_owned(),
+                source,
+            });
+        }
+    };
+    for entry in entries {
+        let path = entry
+            .map_err(|source| LoadError::Io {
+                path: table_dir.to_owned(),
+                source,
+            })?
+            .path();
+        let name = file_name(&path);
+        if name.ends_with(&format!(".parquet{TMP_SUFFIX}")) {
+            partial.push(path);
+        } else if name.ends_with(".parquet") {
+            complete.push(path);
+        }
+    }
+    complete.sort();
+    partial.sort();
+    Ok((complete, partial))
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}

@@ -1,0 +1,280 @@
+//! The run manifest (`manifest.json`): identity, tags, status and row counts.
+//!
+//! The JSON Schema in `schemas/v1/manifest.schema.json` is the contract; these
+//! types serialize to documents that validate against it (checked by the
+//! Python contract test, which uses an independent JSON Schema validator).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{SCHEMA_VERSION, Table};
+
+/// Whether a run or one of its tables was closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Still being written, or its process died before closing it.
+    Incomplete,
+    /// Closed; every listed file is complete.
+    Complete,
+}
+
+impl Status {
+    /// The status word as written in the manifest.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Incomplete => "incomplete",
+            Status::Complete => "complete",
+        }
+    }
+}
+
+/// The manifest of one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Trace format version; [`SCHEMA_VERSION`] for runs this crate writes.
+    pub schema_version: u32,
+    /// The producer.
+    pub tool: Tool,
+    /// Unique run identity; also the `run_id` column of every table.
+    pub run_id: String,
+    /// Whether the run was closed.
+    pub status: Status,
+    /// When the run was opened, Unix milliseconds.
+    pub started_unix_ms: u64,
+    /// When the run was closed, Unix milliseconds.
+    #[serde(default)]
+    pub closed_unix_ms: Option<u64>,
+    /// The model traced.
+    pub model: Model,
+    /// The engine that ran the production path.
+    pub engine: Engine,
+    /// Where it ran.
+    pub device: Device,
+    /// Dtype per role.
+    pub dtypes: Dtypes,
+    /// Parallel layout and this writer's rank.
+    pub parallelism: Parallelism,
+    /// Shadow precision and modes.
+    pub shadow: Shadow,
+    /// The prompt's identity (never its text).
+    pub prompt: Prompt,
+    /// Producer settings that shape the trace.
+    pub settings: serde_json::Map<String, serde_json::Value>,
+    /// User tags, grid grouping keys.
+    pub tags: BTreeMap<String, String>,
+    /// Per-table status, row counts and files.
+    pub tables: BTreeMap<String, TableEntry>,
+    /// Losses and failures, each counted.
+    pub counters: BTreeMap<String, u64>,
+    /// Faults planted on purpose.
+    pub injections: Vec<serde_json::Value>,
+}
+
+impl Manifest {
+    /// A fresh, incomplete manifest for a run with this identity.
+    #[must_use]
+    pub fn open(identity: RunIdentity, tool: Tool, started_unix_ms: u64) -> Manifest {
+        Manifest {
+            schema_version: SCHEMA_VERSION,
+            tool,
+            run_id: identity.run_id,
+            status: Status::Incomplete,
+            started_unix_ms,
+            closed_unix_ms: None,
+            model: identity.model,
+            engine: identity.engine,
+            device: identity.device,
+            dtypes: identity.dtypes,
+            parallelism: identity.parallelism,
+            shadow: identity.shadow,
+            prompt: identity.prompt,
+            settings: identity.settings,
+            tags: identity.tags,
+            tables: BTreeMap::new(),
+            counters: BTreeMap::new(),
+            injections: identity.injections,
+        }
+    }
+
+    /// The entry of one table, if the run lists it.
+    #[must_use]
+    pub fn table(&self, table: Table) -> Option<&TableEntry> {
+        self.tables.get(table.name())
+    }
+}
+
+/// Everything about a run that its producer knows before the first row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunIdentity {
+    /// Unique run identity: letters, digits, `.`, `_`, `-`.
+    pub run_id: String,
+    /// The model traced.
+    pub model: Model,
+    /// The engine.
+    pub engine: Engine,
+    /// Where it runs.
+    pub device: Device,
+    /// Dtype per role.
+    pub dtypes: Dtypes,
+    /// Parallel layout.
+    pub parallelism: Parallelism,
+    /// Shadow precision and modes.
+    pub shadow: Shadow,
+    /// The prompt's identity.
+    pub prompt: Prompt,
+    /// Producer settings.
+    pub settings: serde_json::Map<String, serde_json::Value>,
+    /// User tags.
+    pub tags: BTreeMap<String, String>,
+    /// Faults planted on purpose.
+    pub injections: Vec<serde_json::Value>,
+}
+
+/// The producer that wrote a run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tool {
+    /// For example `shadowtrace-tracer` or `shadowtrace-hooks`.
+    pub name: String,
+    /// Its version.
+    pub version: String,
+}
+
+/// The model traced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Model {
+    /// For example `zai-org/GLM-5.1-FP8`.
+    pub name: String,
+    /// HF `model_type`, for example `glm_moe_dsa`.
+    pub architecture: String,
+    /// sha256 of the `config.json` bytes.
+    pub config_hash: String,
+    /// Checkpoint revision, if known.
+    pub revision: Option<String>,
+    /// Decoder layers.
+    pub num_layers: u32,
+    /// The indexer's k, if the model has an indexer.
+    pub index_topk: Option<u32>,
+}
+
+/// The engine that ran the production path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Engine {
+    /// `shadowtrace-reference`, `transformers`, `tensorrt_llm`, `sglang`, `vllm`.
+    pub name: String,
+    /// Its version.
+    pub version: String,
+    /// Its commit, if known.
+    pub commit: Option<String>,
+    /// FP8 indexer variant, if it matters.
+    #[serde(default)]
+    pub variant: Option<String>,
+}
+
+/// Where the run executed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    /// `cpu` or `cuda`.
+    pub kind: String,
+    /// Human name, for example `NVIDIA H200`.
+    pub name: String,
+    /// Device ordinal.
+    #[serde(default)]
+    pub index: Option<u32>,
+}
+
+/// Dtype per role.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dtypes {
+    /// Production dtype, for example `fp8_e4m3`.
+    pub prod: String,
+    /// Shadow dtype, `bf16` or `fp32`; null without a shadow.
+    pub shadow: Option<String>,
+    /// Further roles, for example `kv_cache`.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, String>,
+}
+
+/// Parallel layout and this writer's rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parallelism {
+    /// Tensor parallel size.
+    pub tp: u32,
+    /// Pipeline parallel size.
+    pub pp: u32,
+    /// Data parallel size.
+    pub dp: u32,
+    /// Expert parallel size.
+    pub ep: u32,
+    /// This writer's global rank.
+    pub rank: u32,
+    /// Processes in the job.
+    pub world_size: u32,
+}
+
+impl Parallelism {
+    /// One process, no parallelism.
+    pub const SINGLE: Parallelism = Parallelism {
+        tp: 1,
+        pp: 1,
+        dp: 1,
+        ep: 1,
+        rank: 0,
+        world_size: 1,
+    };
+}
+
+/// Shadow precision and modes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shadow {
+    /// `bf16` or `fp32`; null without a shadow.
+    pub precision: Option<String>,
+    /// `local`, `free`, or both.
+    pub modes: Vec<String>,
+}
+
+/// The prompt's identity; its text is never stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prompt {
+    /// `tool`, `no_tool`, or a user word.
+    pub kind: Option<String>,
+    /// Prompt length in tokens.
+    pub length: u64,
+    /// Salted sha256 of the token ids.
+    pub token_hash: String,
+    /// Names the salt, so hashes of the same salt can be compared.
+    #[serde(default)]
+    pub salt_id: Option<String>,
+}
+
+/// Status, row counts and files of one table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableEntry {
+    /// Whether the table was closed.
+    pub status: Status,
+    /// Rows in completed files.
+    pub rows: u64,
+    /// Rows the lossy queue dropped.
+    pub dropped_rows: u64,
+    /// Completed part files, relative to the run directory.
+    pub files: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_words_match_the_vocabulary() {
+        let words = &crate::vocabulary().run_statuses;
+        for s in [Status::Incomplete, Status::Complete] {
+            assert!(words.contains_key(s.as_str()), "{}", s.as_str());
+            assert_eq!(
+                serde_json::to_value(s).ok(),
+                Some(serde_json::Value::from(s.as_str()))
+            );
+        }
+    }
+}

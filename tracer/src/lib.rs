@@ -1,0 +1,22 @@
+//! shadowtrace's producer side: the FP8 production path and its shadow, the
+//! hook sites, and the Parquet writer that records them as runs in trace
+//! format v1 (see the `shadowtrace-schemas` crate).
+//!
+//! What is here today:
+//! - [`writer`]: the run writer, off the caller's thread behind a bounded
+//!   queue, with per-table part files and an always-current manifest;
+//! - [`record`]: the rows producers hand it;
+//! - [`identity`]: hashes and device facts that identify a run;
+//! - [`synth`]: synthetic runs with known contents, for the demo, tests and
+//!   benchmarks.
+
+#![warn(missing_docs)]
+
+mod error;
+pub mod identity;
+pub mod record;
+pub mod synth;
+pub mod writer;
+
+pub use error::TraceError;
+pub use writer::{Delivery, QueueMode, RunWriter, WriterOptions};

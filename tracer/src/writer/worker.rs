@@ -1,0 +1,258 @@
+//! The writer thread: buffers rows per table, writes batches into part files,
+//! rolls parts over by size and keeps the manifest current.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use shadowtrace_schemas::manifest::{Status, TableEntry};
+use shadowtrace_schemas::{MANIFEST_FILE, Manifest, TMP_SUFFIX, Table};
+
+use super::batch::{TableBuffer, is_well_formed, normalize_selection};
+use super::part::PartWriter;
+use super::{Message, Shared};
+use crate::TraceError;
+use crate::record::Record;
+
+/// Rows buffered before they are encoded as one batch: large enough to
+/// amortise the per-batch cost, small enough to bound the worker's memory.
+fn batch_rows(table: Table) -> usize {
+    match table {
+        Table::Topk => 256,
+        Table::Hidden | Table::Events | Table::Logits => 8192,
+    }
+}
+
+struct TableState {
+    table: Table,
+    buffer: TableBuffer,
+    part: Option<PartWriter>,
+    next_part: u32,
+    files: Vec<String>,
+    rows: u64,
+    invalid_rows: u64,
+    closed: bool,
+}
+
+pub(crate) struct Worker {
+    dir: PathBuf,
+    manifest: Manifest,
+    part_max_bytes: usize,
+    shared: Arc<Shared>,
+    tables: Vec<TableState>,
+}
+
+impl Worker {
+    pub(crate) fn new(
+        dir: PathBuf,
+        manifest: Manifest,
+        part_max_bytes: usize,
+        shared: Arc<Shared>,
+    ) -> Worker {
+        let tables = Table::ALL
+            .iter()
+            .map(|&table| TableState {
+                table,
+                buffer: TableBuffer::new(table, &manifest.run_id),
+                part: None,
+                next_part: 0,
+                files: Vec::new(),
+                rows: 0,
+                invalid_rows: 0,
+                closed: false,
+            })
+            .collect();
+        Worker {
+            dir,
+            manifest,
+            part_max_bytes,
+            shared,
+            tables,
+        }
+    }
+
+    /// Runs until the run is closed or the sender is gone. After the first
+    /// error, rows are drained and counted as dropped so the producer never
+    /// blocks on a dead writer.
+    pub(crate) fn run(mut self, rx: &Receiver<Message>) -> Result<Manifest, TraceError> {
+        let mut error = None;
+        let mut close_run = false;
+        for message in rx {
+            if error.is_some() {
+                if let Message::Row(record) = message {
+                    self.shared.dropped[record.table() as usize].fetch_add(1, Ordering::Relaxed);
+                }
+                continue;
+            }
+            let result = match message {
+                Message::Row(record) => self.push(record),
+                Message::CloseTable(table) => self.close_table(table),
+                Message::CloseRun => {
+                    close_run = true;
+                    break;
+                }
+            };
+            if let Err(e) = result {
+                self.shared.failed.store(true, Ordering::Relaxed);
+                error = Some(e);
+            }
+        }
+        if let Some(e) = error {
+            // Keep what was completed before the error on record; the run stays incomplete.
+            let _ = self.write_manifest(Status::Incomplete);
+            return Err(e);
+        }
+        for table in Table::ALL {
+            self.finish_table(table)?;
+        }
+        let status = if close_run {
+            Status::Complete
+        } else {
+            Status::Incomplete
+        };
+        self.write_manifest(status)?;
+        Ok(self.manifest)
+    }
+
+    fn push(&mut self, mut record: Record) -> Result<(), TraceError> {
+        let state = &mut self.tables[record.table() as usize];
+        if state.closed {
+            self.shared.dropped[record.table() as usize].fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if !is_well_formed(&record) {
+            state.invalid_rows += 1;
+            return Ok(());
+        }
+        if let Record::Topk(row) = &mut record {
+            normalize_selection(&mut row.prod);
+            if let Some((_, shadow)) = row.shadow.as_mut() {
+                normalize_selection(shadow);
+            }
+        }
+        state.buffer.push(&record)?;
+        if state.buffer.rows() >= batch_rows(state.table) {
+            self.flush_batch(record.table())?;
+        }
+        Ok(())
+    }
+
+    fn flush_batch(&mut self, table: Table) -> Result<(), TraceError> {
+        let state = &mut self.tables[table as usize];
+        if state.buffer.rows() == 0 {
+            return Ok(());
+        }
+        let batch = state.buffer.take_batch()?;
+        if state.part.is_none() {
+            state.part = Some(PartWriter::create(
+                &self.dir,
+                table,
+                state.next_part,
+                &self.manifest.run_id,
+            )?);
+            state.next_part += 1;
+        }
+        let rolled = match state.part.as_mut() {
+            Some(part) => {
+                part.write(&batch)?;
+                part.size() >= self.part_max_bytes
+            }
+            None => false,
+        };
+        if rolled {
+            self.finish_part(table)?;
+        }
+        Ok(())
+    }
+
+    fn finish_part(&mut self, table: Table) -> Result<(), TraceError> {
+        let state = &mut self.tables[table as usize];
+        if let Some(part) = state.part.take() {
+            let (relative, rows) = part.finish()?;
+            state.files.push(relative);
+            state.rows += rows;
+            self.write_manifest(Status::Incomplete)?;
+        }
+        Ok(())
+    }
+
+    fn finish_table(&mut self, table: Table) -> Result<(), TraceError> {
+        if self.tables[table as usize].closed {
+            return Ok(());
+        }
+        self.flush_batch(table)?;
+        self.finish_part(table)?;
+        self.tables[table as usize].closed = true;
+        Ok(())
+    }
+
+    fn close_table(&mut self, table: Table) -> Result<(), TraceError> {
+        self.finish_table(table)?;
+        self.write_manifest(Status::Incomplete)
+    }
+
+    fn write_manifest(&mut self, status: Status) -> Result<(), TraceError> {
+        let mut dropped_total = 0;
+        let mut invalid_total = 0;
+        let mut tables = BTreeMap::new();
+        for state in &self.tables {
+            let dropped_rows = self.shared.dropped[state.table as usize].load(Ordering::Relaxed);
+            dropped_total += dropped_rows;
+            invalid_total += state.invalid_rows;
+            let table_status = if state.closed {
+                Status::Complete
+            } else {
+                Status::Incomplete
+            };
+            tables.insert(
+                state.table.name().to_owned(),
+                TableEntry {
+                    status: table_status,
+                    rows: state.rows,
+                    dropped_rows,
+                    files: state.files.clone(),
+                },
+            );
+        }
+        self.manifest.tables = tables;
+        self.manifest
+            .counters
+            .insert("dropped_rows".to_owned(), dropped_total);
+        self.manifest
+            .counters
+            .insert("invalid_rows".to_owned(), invalid_total);
+        self.manifest.status = status;
+        if status == Status::Complete {
+            self.manifest.closed_unix_ms = Some(unix_ms());
+        }
+        write_manifest(&self.dir, &self.manifest)
+    }
+}
+
+/// Writes `manifest.json` atomically: a reader sees the old or the new one,
+/// never half of either.
+pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), TraceError> {
+    let path = dir.join(MANIFEST_FILE);
+    let tmp = dir.join(format!("{MANIFEST_FILE}{TMP_SUFFIX}"));
+    let mut text =
+        serde_json::to_string_pretty(manifest).map_err(|source| TraceError::Manifest {
+            path: path.clone(),
+            source,
+        })?;
+    text.push('\n');
+    fs::write(&tmp, text).map_err(|source| TraceError::Io {
+        path: tmp.clone(),
+        source,
+    })?;
+    fs::rename(&tmp, &path).map_err(|source| TraceError::Io { path, source })
+}
+
+pub(crate) fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
