@@ -1,7 +1,7 @@
-//! Link libtorch_cuda even though no symbol of it is referenced: it registers
-//! the CUDA backend from a static initializer, and without it libtorch
-//! silently reports CUDA as unavailable. Also record libtorch's directory as
-//! an rpath so binaries find it without LD_LIBRARY_PATH.
+// Link libtorch_cuda even though no symbol of it is referenced: it registers
+// the CUDA backend from a static initializer, and without it libtorch
+// silently reports CUDA as unavailable. Also record libtorch's directory as
+// an rpath so binaries find it without LD_LIBRARY_PATH.
 
 use std::path::PathBuf;
 

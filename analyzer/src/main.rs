@@ -1,5 +1,10 @@
 //! `shadowtrace`: the command line. Thin: parse, dispatch, map to exit codes.
 
+#![allow(
+    clippy::print_stderr,
+    reason = "a command line reports progress and errors on its terminal"
+)]
+
 mod cli;
 
 use std::process::ExitCode;

@@ -3,6 +3,11 @@
 //! will produce real traces is a later piece of work), then reads it back
 //! through the analyzer's loader and prints what `shadowtrace inspect` prints.
 
+#![allow(
+    clippy::print_stderr,
+    reason = "a command line reports progress and errors on its terminal"
+)]
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 

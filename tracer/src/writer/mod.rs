@@ -90,6 +90,10 @@ pub enum Delivery {
     Dropped,
 }
 
+#[expect(
+    clippy::large_enum_variant,
+    reason = "rows are nearly every message; boxing would allocate once more per row"
+)]
 pub(crate) enum Message {
     Row(Record),
     CloseTable(Table),

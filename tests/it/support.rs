@@ -1,0 +1,173 @@
+//! Small runs and row builders shared by the tests.
+
+use shadowtrace_tracer::record::{
+    Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Selection, TopLogits, TopkRow,
+    VectorStats,
+};
+use shadowtrace_tracer::synth::SynthSpec;
+
+/// A synthetic run small enough to read back in a test, still with dense and
+/// sparse topk rows and a planted NaN.
+pub(crate) fn small_spec(run_id: &str) -> SynthSpec {
+    SynthSpec {
+        run_id: run_id.to_owned(),
+        layers: 3,
+        tokens: 48,
+        hidden_size: 64,
+        k: 16,
+        topk_queries: 6,
+        shadow_recall: 0.75,
+        logits_positions: 4,
+        logits_top_n: 5,
+        planted_nan: Some((1, "attn_out", 30)),
+        prompt_kind: "no_tool".to_owned(),
+        seed: 11,
+    }
+}
+
+pub(crate) fn hidden_row(seq: i64, token: i32) -> HiddenRow {
+    HiddenRow {
+        seq,
+        step: 0,
+        layer: 0,
+        site: "layer_in".to_owned(),
+        token,
+        numel: 8,
+        prod: VectorStats {
+            nan: 0,
+            pos_inf: 0,
+            neg_inf: 0,
+            max_abs: 1.0,
+            l2: 2.0,
+        },
+        shadow: None,
+    }
+}
+
+/// Rows at the edges of what the format holds: non-finite floats, negative
+/// zero, empty and padded index lists, all-null optionals.
+pub(crate) fn edge_rows() -> (Vec<HiddenRow>, Vec<TopkRow>, Vec<EventRow>, Vec<LogitsRow>) {
+    let hidden = vec![
+        HiddenRow {
+            prod: VectorStats {
+                nan: 3,
+                pos_inf: 1,
+                neg_inf: 2,
+                max_abs: f32::INFINITY,
+                l2: f32::NAN,
+            },
+            ..hidden_row(1000, 1)
+        },
+        HiddenRow {
+            shadow: Some(HiddenShadow {
+                mode: "free".to_owned(),
+                stats: VectorStats {
+                    nan: 0,
+                    pos_inf: 0,
+                    neg_inf: 0,
+                    max_abs: f32::MIN_POSITIVE / 2.0,
+                    l2: -0.0,
+                },
+                comparison: Comparison {
+                    rel_l2_err: f32::NEG_INFINITY,
+                    cosine: f32::NAN,
+                    max_abs_diff: f32::MAX,
+                },
+            }),
+            ..hidden_row(1001, 2)
+        },
+    ];
+    let topk = vec![
+        TopkRow {
+            step: 1,
+            layer: 0,
+            token: 0,
+            indexer_layer: 0,
+            k: 2048,
+            visible: 0,
+            prod: Selection::default(),
+            shadow: None,
+            boundary_band: None,
+        },
+        TopkRow {
+            step: 1,
+            layer: 2,
+            token: 9,
+            indexer_layer: 1,
+            k: 4,
+            visible: 10,
+            prod: Selection {
+                indices: vec![7, -1, 3, 9, -1, 0],
+                kth_score: Some(f32::NAN),
+                kth_margin: Some(0.0),
+                boundary: Some(shadowtrace_tracer::record::Boundary {
+                    indices: vec![9, 2],
+                    scores: vec![0.5, 0.25],
+                }),
+            },
+            shadow: Some((
+                "dequant".to_owned(),
+                Selection {
+                    indices: vec![],
+                    ..Selection::default()
+                },
+            )),
+            boundary_band: Some(f32::INFINITY),
+        },
+    ];
+    let events = vec![
+        EventRow {
+            seq: 1002,
+            step: 1,
+            layer: 2,
+            site: "layer_out".to_owned(),
+            path: "shadow".to_owned(),
+            kind: "pos_inf".to_owned(),
+            token: None,
+            channel: None,
+            count: 0,
+            shadow_finite: None,
+            check: None,
+            passed: None,
+            value: None,
+            detail: None,
+        },
+        EventRow {
+            seq: 1003,
+            step: 1,
+            layer: 0,
+            site: "attn_out".to_owned(),
+            path: "prod".to_owned(),
+            kind: "sentinel".to_owned(),
+            token: Some(0),
+            channel: Some(511),
+            count: 1,
+            shadow_finite: Some(false),
+            check: Some("kv_slot0_finite".to_owned()),
+            passed: Some(false),
+            value: Some(f32::NAN),
+            detail: Some("reserved KV slot 0 read by padded rows".to_owned()),
+        },
+    ];
+    let logits = vec![
+        LogitsRow {
+            step: 1,
+            token: 5,
+            prod: TopLogits::default(),
+            shadow: None,
+        },
+        LogitsRow {
+            step: 2,
+            token: 6,
+            prod: TopLogits {
+                ids: vec![5, 1],
+                logprobs: vec![-0.0, f32::NEG_INFINITY],
+            },
+            shadow: Some(TopLogits {
+                ids: vec![1],
+                logprobs: vec![-1.5],
+            }),
+        },
+    ];
+    (hidden, topk, events, logits)
+}

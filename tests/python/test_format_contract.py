@@ -1,0 +1,96 @@
+"""Python tools read what the Rust writer wrote, against the shipped definitions.
+
+The definitions in schemas/v1 are the contract between producers (Rust tracer,
+Python hooks) and consumers (analyzer, notebooks, DuckDB, Spark). These tests
+read a run written by the Rust writer with pyarrow, polars and DuckDB, and
+validate its manifest with an independent JSON Schema validator.
+"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import duckdb
+import jsonschema
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import SCHEMAS, binary
+
+TABLES = ["hidden", "topk", "events", "logits"]
+
+ARROW_TYPES = {
+    "i32": pa.int32(),
+    "i64": pa.int64(),
+    "f32": pa.float32(),
+    "bool": pa.bool_(),
+    "utf8": pa.string(),
+    "list<i32>": pa.list_(pa.int32()),
+    "list<f32>": pa.list_(pa.float32()),
+}
+
+
+def definition(table: str) -> dict:
+    return json.loads((SCHEMAS / f"{table}.json").read_text())
+
+
+def arrow_schema(table: str) -> pa.Schema:
+    """The table's Arrow schema, built from its definition alone."""
+    return pa.schema(
+        [
+            pa.field(c["name"], ARROW_TYPES[c["type"]], nullable=c["nullable"])
+            for c in definition(table)["columns"]
+        ]
+    )
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_every_part_file_has_the_defined_arrow_schema(demo_run: Path, table: str) -> None:
+    parts = sorted((demo_run / table).glob("part-*.parquet"))
+    assert parts, f"the demo writes {table}"
+    for part in parts:
+        got = pq.read_schema(part)
+        assert got.remove_metadata().equals(arrow_schema(table)), f"{part}:\n{got}"
+        metadata = pq.read_metadata(part).metadata
+        assert metadata[b"shadowtrace.schema_version"] == b"1"
+        assert metadata[b"shadowtrace.table"] == table.encode()
+
+
+def test_the_manifest_validates_against_its_json_schema(demo_run: Path) -> None:
+    schema = json.loads((SCHEMAS / "manifest.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    manifest = json.loads((demo_run / "manifest.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(manifest)
+    assert manifest["status"] == "complete"
+
+
+def test_polars_reads_the_runs_directory_as_one_dataset(demo_root: Path, demo_run: Path) -> None:
+    manifest = json.loads((demo_run / "manifest.json").read_text())
+    for table in TABLES:
+        frame = pl.read_parquet(demo_root / "*" / table / "*.parquet")
+        assert frame.height == manifest["tables"][table]["rows"], table
+    topk = pl.read_parquet(demo_root / "*" / "topk" / "*.parquet")
+    unsorted = topk.filter(pl.col("prod_indices") != pl.col("prod_indices").list.sort())
+    assert unsorted.height == 0, "index lists are stored sorted"
+
+
+def test_duckdb_reads_the_runs_directory_without_shadowtrace(demo_root: Path) -> None:
+    pattern = str(demo_root / "*" / "hidden" / "*.parquet")
+    ((nan_rows,),) = duckdb.sql(
+        f"select count(*) from read_parquet('{pattern}') where prod_nan > 0"
+    ).fetchall()
+    # The demo plants one NaN at layer 3 mlp_out; it reaches layer_out and the
+    # four sites of each of layers 4 and 5.
+    assert nan_rows == 10
+
+
+def test_schema_json_is_exactly_the_shipped_definitions() -> None:
+    out = subprocess.run(
+        [binary("shadowtrace"), "schema", "--format", "json"], check=True, capture_output=True
+    )
+    doc = json.loads(out.stdout)
+    for table in TABLES:
+        assert doc["tables"][table] == definition(table)
+    assert doc["manifest"] == json.loads((SCHEMAS / "manifest.schema.json").read_text())
+    assert doc["vocabulary"] == json.loads((SCHEMAS / "vocabulary.json").read_text())
