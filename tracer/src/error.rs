@@ -55,6 +55,29 @@ pub enum TraceError {
         got: String,
     },
 
+    // === Numerics ===
+    /// A tensor of the wrong rank, size or dtype for a numerics function.
+    #[error("{op}: {what}: expected {expected}, got {got}")]
+    Shape {
+        /// The function.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// What the function needs.
+        expected: String,
+        /// What it was given.
+        got: String,
+    },
+    /// libtorch refused an operation.
+    #[error("{op}: libtorch: {source}")]
+    Torch {
+        /// The function.
+        op: &'static str,
+        /// What libtorch said.
+        #[source]
+        source: tch::TchError,
+    },
+
     // === Defects ===
     /// A row type and the table definition disagree: a defect in this crate.
     #[error("table {table}: column {column} expects {expected}, the row supplied {got}")]

@@ -6,14 +6,20 @@
 //! - [`writer`]: the run writer, off the caller's thread behind a bounded
 //!   queue, with per-table part files and an always-current manifest;
 //! - [`record`]: the rows producers hand it;
+//! - [`fp8`]: FP8 formats, block quantization (tch, and an ndarray reference);
 //! - [`identity`]: hashes and device facts that identify a run;
+//! - [`indexer`]: the DSA indexer score in fp32, bf16 and engine FP8 variants, top-k with margins;
+//! - [`overlap`]: Jaccard and recall between selections, with and without boundary churn;
 //! - [`synth`]: synthetic runs with known contents, for the demo, tests and
 //!   benchmarks.
 
 #![warn(missing_docs)]
 
 mod error;
+pub mod fp8;
 pub mod identity;
+pub mod indexer;
+pub mod overlap;
 pub mod record;
 pub mod synth;
 pub mod writer;

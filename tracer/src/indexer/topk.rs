@@ -1,0 +1,143 @@
+//! Top-k over indexer scores, with the k-th score and its margin to the
+//! (k+1)-th, and rows with at most k visible keys marked dense.
+
+use tch::{Kind, Tensor};
+
+use crate::TraceError;
+use crate::record::{Boundary, Selection};
+
+const OP: &str = "topk_with_margin";
+
+fn torch(source: tch::TchError) -> TraceError {
+    TraceError::Torch { op: OP, source }
+}
+
+/// The top-k of each query row.
+#[derive(Debug)]
+pub struct TopkSelection {
+    /// `[T, k]` int64 key positions, best first; a dense row lists its
+    /// visible keys in order and pads with -1.
+    pub indices: Tensor,
+    /// `[T]` fp32 k-th largest score; NaN for a dense row.
+    pub kth_score: Tensor,
+    /// `[T]` fp32 k-th minus (k+1)-th largest score; NaN for a dense row.
+    pub kth_margin: Tensor,
+    /// `[T]` bool: at most k visible keys, so the row selects all of them.
+    pub dense: Tensor,
+}
+
+/// Selects the top `k` keys of each row of `scores` `[T, S]`, where row t
+/// sees `visible[t]` keys (the rest are masked, -inf). Ties among equal
+/// scores are broken as `torch.topk` breaks them, which PyTorch leaves
+/// unspecified: compare selections as sets, and treat members tied with the
+/// k-th score as boundary churn.
+///
+/// # Errors
+/// Shapes that do not fit, `k < 1`, or a libtorch failure.
+pub fn topk_with_margin(
+    scores: &Tensor,
+    k: i64,
+    visible: &Tensor,
+) -> Result<TopkSelection, TraceError> {
+    let size = scores.size();
+    if size.len() != 2 || scores.kind() != Kind::Float || k < 1 {
+        return Err(TraceError::Shape {
+            op: OP,
+            what: "scores",
+            expected: "fp32 [T, S] and k >= 1".to_owned(),
+            got: format!("{:?} {size:?}, k = {k}", scores.kind()),
+        });
+    }
+    let (t, s) = (size[0], size[1]);
+    if visible.size() != [t] {
+        return Err(TraceError::Shape {
+            op: OP,
+            what: "visible",
+            expected: format!("[{t}]"),
+            got: format!("{:?}", visible.size()),
+        });
+    }
+    let options = (Kind::Int64, scores.device());
+    let run = || -> Result<TopkSelection, tch::TchError> {
+        let visible = visible.f_to_kind(Kind::Int64)?;
+        let dense = visible.f_le(k)?;
+        let positions = Tensor::f_arange(k, options)?
+            .f_unsqueeze(0)?
+            .f_expand([t, k], false)?;
+        let dense_indices = positions.f_where_self(
+            &positions.f_lt_tensor(&visible.f_unsqueeze(1)?)?,
+            &positions.f_full_like(-1)?,
+        )?;
+        let nan = Tensor::f_full([t], f64::NAN, (Kind::Float, scores.device()))?;
+        if s <= k {
+            // Every row sees at most S <= k keys: all dense.
+            return Ok(TopkSelection {
+                indices: dense_indices,
+                kth_score: nan.f_detach_copy()?,
+                kth_margin: nan,
+                dense,
+            });
+        }
+        let (values, indices) = scores.f_topk(k + 1, -1, true, true)?;
+        let kth = values.f_select(1, k - 1)?;
+        let margin = kth.f_sub(&values.f_select(1, k)?)?;
+        let sparse_indices = indices.f_narrow(1, 0, k)?;
+        Ok(TopkSelection {
+            indices: dense_indices.f_where_self(&dense.f_unsqueeze(1)?, &sparse_indices)?,
+            kth_score: nan.f_where_self(&dense, &kth)?,
+            kth_margin: nan.f_where_self(&dense, &margin)?,
+            dense,
+        })
+    };
+    run().map_err(torch)
+}
+
+impl TopkSelection {
+    /// Row `t` in the stored form: valid indices ascending; with `band`, the
+    /// keys whose score in `scores` lies within `band` of the k-th score.
+    ///
+    /// # Errors
+    /// When `t` is out of range or libtorch fails.
+    pub fn row(&self, t: i64, scores: &Tensor, band: Option<f32>) -> Result<Selection, TraceError> {
+        let run = || -> Result<Selection, tch::TchError> {
+            let mut indices: Vec<i32> =
+                Vec::<i64>::try_from(self.indices.f_get(t)?.f_to_device(tch::Device::Cpu)?)?
+                    .into_iter()
+                    .filter(|&i| i >= 0)
+                    .map(|i| i32::try_from(i).unwrap_or(i32::MAX))
+                    .collect();
+            indices.sort_unstable();
+            let kth = self.kth_score.f_double_value(&[t])? as f32;
+            let margin = self.kth_margin.f_double_value(&[t])? as f32;
+            let dense = kth.is_nan();
+            let boundary = match band {
+                Some(band) if !dense => Some(boundary_keys(&scores.f_get(t)?, kth, band)?),
+                _ => None,
+            };
+            Ok(Selection {
+                indices,
+                kth_score: (!dense).then_some(kth),
+                kth_margin: (!dense).then_some(margin),
+                boundary,
+            })
+        };
+        run().map_err(torch)
+    }
+}
+
+/// Keys whose score lies within `band` of `kth` (inclusive), ascending.
+fn boundary_keys(row: &Tensor, kth: f32, band: f32) -> Result<Boundary, tch::TchError> {
+    let near = row
+        .f_sub_scalar(f64::from(kth))?
+        .f_abs()?
+        .f_le(f64::from(band))?;
+    let keys = near.f_nonzero()?.f_view([-1])?;
+    let scores = row.f_index_select(0, &keys)?;
+    Ok(Boundary {
+        indices: Vec::<i64>::try_from(keys.f_to_device(tch::Device::Cpu)?)?
+            .into_iter()
+            .map(|i| i32::try_from(i).unwrap_or(i32::MAX))
+            .collect(),
+        scores: Vec::<f32>::try_from(scores.f_to_device(tch::Device::Cpu)?)?,
+    })
+}

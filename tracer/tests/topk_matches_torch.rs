@@ -1,0 +1,145 @@
+//! Top-k with margins: the tch path is torch.topk; the ndarray reference
+//! must select the same keys except among scores tied at the k-th, which
+//! the tests construct on purpose.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed unwrap is a failed test"
+)]
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{GOLDEN, floats};
+use shadowtrace_tracer::indexer::{reference, topk_with_margin};
+use tch::Tensor;
+
+fn tch_row(scores: &[f32], k: usize, visible: usize) -> (Vec<i64>, f32, f32) {
+    let t = Tensor::from_slice(scores).view([1, scores.len() as i64]);
+    let sel = topk_with_margin(&t, k as i64, &Tensor::from_slice(&[visible as i64])).unwrap();
+    let indices = Vec::<i64>::try_from(sel.indices.view([-1])).unwrap();
+    (
+        indices,
+        sel.kth_score.double_value(&[0]) as f32,
+        sel.kth_margin.double_value(&[0]) as f32,
+    )
+}
+
+/// Keys scoring strictly above the k-th score: every correct top-k holds them.
+fn above(scores: &[f32], kth: f32) -> BTreeSet<i64> {
+    scores
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| **s > kth)
+        .map(|(i, _)| i as i64)
+        .collect()
+}
+
+#[test]
+fn top_k_agrees_with_torch_topk_except_among_ties() {
+    for case in &GOLDEN.topk {
+        let scores = floats(&case.scores);
+        let (tch_idx, tch_kth, tch_margin) = tch_row(&scores, case.k, case.visible);
+        let (ref_idx, ref_kth, ref_margin) = reference::topk_row(&scores, case.k, case.visible);
+        if case.visible <= case.k {
+            let all: Vec<i64> = (0..case.visible as i64)
+                .chain(std::iter::repeat_n(-1, case.k - case.visible))
+                .collect();
+            assert_eq!(
+                tch_idx, all,
+                "{}: dense rows list every visible key, then -1",
+                case.name
+            );
+            assert_eq!(
+                ref_idx,
+                (0..case.visible as i64).collect::<Vec<_>>(),
+                "{}",
+                case.name
+            );
+            assert!(
+                tch_kth.is_nan() && tch_margin.is_nan() && ref_kth.is_none(),
+                "{}: no k-th score",
+                case.name
+            );
+            continue;
+        }
+        let kth = f32::from_bits(case.kth_score);
+        let margin = kth - f32::from_bits(case.next_score);
+        assert_eq!(
+            (tch_kth.to_bits(), tch_margin.to_bits()),
+            (kth.to_bits(), margin.to_bits()),
+            "{}",
+            case.name
+        );
+        assert_eq!(
+            (ref_kth, ref_margin),
+            (Some(kth), Some(margin)),
+            "{}",
+            case.name
+        );
+        let torch_set: BTreeSet<i64> = case.torch_topk_indices.iter().copied().collect();
+        let tch_set: BTreeSet<i64> = tch_idx.iter().copied().collect();
+        let ref_set: BTreeSet<i64> = ref_idx.iter().copied().collect();
+        assert_eq!(
+            tch_set, torch_set,
+            "{}: the tch path is torch.topk",
+            case.name
+        );
+        let tied_at_kth = scores.iter().filter(|s| **s == kth).count();
+        if tied_at_kth == 1 {
+            assert_eq!(ref_set, torch_set, "{}: no ties, same keys", case.name);
+        } else {
+            // Both hold every key above the k-th score, and fill the rest
+            // from the keys tied with it; which ones is the tie-break.
+            let must = above(&scores, kth);
+            assert!(
+                must.is_subset(&ref_set) && must.is_subset(&torch_set),
+                "{}",
+                case.name
+            );
+            for i in ref_set.symmetric_difference(&torch_set) {
+                assert_eq!(
+                    scores[*i as usize], kth,
+                    "{}: key {i} differs but is not tied",
+                    case.name
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_golden_rows_include_ties_across_the_boundary() {
+    let case = GOLDEN
+        .topk
+        .iter()
+        .find(|c| c.name == "boundary_ties")
+        .unwrap();
+    let scores = floats(&case.scores);
+    let kth = f32::from_bits(case.kth_score);
+    assert!(
+        scores.iter().filter(|s| **s == kth).count() > 2,
+        "ties straddle the k-th rank"
+    );
+    assert_eq!(f32::from_bits(case.next_score), kth, "margin zero");
+}
+
+#[test]
+fn a_row_in_stored_form_is_sorted_with_its_boundary_band() {
+    let scores = [0.1_f32, 0.9, 0.5, 0.52, 0.3, 0.49, 0.8];
+    let t = Tensor::from_slice(&scores).view([1, 7]);
+    let sel = topk_with_margin(&t, 3, &Tensor::from_slice(&[7_i64])).unwrap();
+    let row = sel.row(0, &t, Some(0.05)).unwrap();
+    assert_eq!(row.indices, [1, 3, 6]);
+    assert_eq!(row.kth_score, Some(0.52));
+    assert!((row.kth_margin.unwrap() - 0.02).abs() < 1e-6);
+    let boundary = row.boundary.unwrap();
+    assert_eq!(
+        boundary.indices,
+        [2, 3, 5],
+        "0.5, 0.52 and 0.49 lie within 0.05 of 0.52"
+    );
+    assert_eq!(boundary.scores, [0.5, 0.52, 0.49]);
+}
