@@ -57,7 +57,11 @@ pub fn quantize_blocks(
     let amax = amax
         .f_clamp_min(f64::from(spec.amax_clamp))
         .map_err(torch(OP))?;
-    let mut scale = amax.f_div_scalar(max).map_err(torch(OP))?;
+    // A one-element tensor on the device, not a scalar: CUDA divides by a
+    // scalar as a multiply by its reciprocal, one ulp off IEEE division and
+    // off the CPU; tensor by tensor division is IEEE on both.
+    let divisor = Tensor::f_full([1], max, (Kind::Float, x.device())).map_err(torch(OP))?;
+    let mut scale = amax.f_div(&divisor).map_err(torch(OP))?;
     if spec.scale == ScaleFormat::Ue8m0 {
         scale = round_up_pow2(&scale)?;
     }
