@@ -12,11 +12,12 @@ use crate::load::Run;
 #[must_use]
 pub fn render_run(run: &Run) -> String {
     let m = &run.manifest;
+    let id = &m.identity;
     let mut out = String::new();
     let mut line = |label: &str, value: String| {
         let _ = writeln!(out, "{label:<11}{value}");
     };
-    line("run", format!("{}  ({})", m.run_id, run.dir.display()));
+    line("run", format!("{}  ({})", id.run_id, run.dir.display()));
     let status = match (m.status, m.closed_unix_ms) {
         (Status::Complete, Some(closed)) => {
             format!(
@@ -43,14 +44,14 @@ pub fn render_run(run: &Run) -> String {
         "model",
         format!(
             "{} ({}), {} layers, index_topk {}, config sha256 {}",
-            m.model.name,
-            m.model.architecture,
-            m.model.num_layers,
-            m.model
+            id.model.name,
+            id.model.architecture,
+            id.model.num_layers,
+            id.model
                 .index_topk
                 .map_or_else(|| "-".to_owned(), |k| k.to_string()),
-            short(&m.model.config_hash),
-        ) + &m
+            short(&id.model.config_hash),
+        ) + &id
             .model
             .revision
             .as_ref()
@@ -58,11 +59,11 @@ pub fn render_run(run: &Run) -> String {
             .unwrap_or_default(),
     );
     let engine_extras: Vec<String> = [
-        m.engine
+        id.engine
             .commit
             .as_ref()
             .map(|c| format!("commit {}", short(c))),
-        m.engine.variant.as_ref().map(|v| format!("variant {v}")),
+        id.engine.variant.as_ref().map(|v| format!("variant {v}")),
     ]
     .into_iter()
     .flatten()
@@ -70,25 +71,25 @@ pub fn render_run(run: &Run) -> String {
     line(
         "engine",
         join_nonempty(
-            &format!("{} {}", m.engine.name, m.engine.version),
+            &format!("{} {}", id.engine.name, id.engine.version),
             &engine_extras,
         ),
     );
     line(
         "device",
-        if m.device.name == m.device.kind {
-            m.device.kind.clone()
+        if id.device.name == id.device.kind {
+            id.device.kind.clone()
         } else {
-            format!("{} ({})", m.device.name, m.device.kind)
+            format!("{} ({})", id.device.name, id.device.kind)
         },
     );
     let mut dtypes = vec![
-        format!("prod {}", m.dtypes.prod),
-        format!("shadow {}", m.dtypes.shadow.as_deref().unwrap_or("-")),
+        format!("prod {}", id.dtypes.prod),
+        format!("shadow {}", id.dtypes.shadow.as_deref().unwrap_or("-")),
     ];
-    dtypes.extend(m.dtypes.other.iter().map(|(k, v)| format!("{k} {v}")));
+    dtypes.extend(id.dtypes.other.iter().map(|(k, v)| format!("{k} {v}")));
     line("dtypes", dtypes.join(", "));
-    let p = m.parallelism;
+    let p = id.parallelism;
     line(
         "parallel",
         format!(
@@ -98,8 +99,8 @@ pub fn render_run(run: &Run) -> String {
     );
     line(
         "shadow",
-        match &m.shadow.precision {
-            Some(precision) => format!("{precision}, modes {}", m.shadow.modes.join(" + ")),
+        match &id.shadow.precision {
+            Some(precision) => format!("{precision}, modes {}", id.shadow.modes.join(" + ")),
             None => "none".to_owned(),
         },
     );
@@ -107,17 +108,17 @@ pub fn render_run(run: &Run) -> String {
         "prompt",
         format!(
             "{}, {} tokens, token sha256 {}{}",
-            m.prompt.kind.as_deref().unwrap_or("-"),
-            m.prompt.length,
-            short(&m.prompt.token_hash),
-            m.prompt
+            id.prompt.kind.as_deref().unwrap_or("-"),
+            id.prompt.length,
+            short(&id.prompt.token_hash),
+            id.prompt
                 .salt_id
                 .as_ref()
                 .map(|s| format!(" (salt {s})"))
                 .unwrap_or_default(),
         ),
     );
-    let tags: Vec<String> = m.tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let tags: Vec<String> = id.tags.iter().map(|(k, v)| format!("{k}={v}")).collect();
     line(
         "tags",
         if tags.is_empty() {
@@ -126,19 +127,23 @@ pub fn render_run(run: &Run) -> String {
             tags.join(" ")
         },
     );
-    if !m.settings.is_empty() {
-        let settings: Vec<String> = m.settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if !id.settings.is_empty() {
+        let settings: Vec<String> = id
+            .settings
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         line("settings", settings.join(" "));
     }
     line(
         "injections",
-        if m.injections.is_empty() {
+        if id.injections.is_empty() {
             "none".to_owned()
         } else {
-            format!("{}", m.injections.len())
+            format!("{}", id.injections.len())
         },
     );
-    for injection in &m.injections {
+    for injection in &id.injections {
         line("", format!("- {injection}"));
     }
 

@@ -38,8 +38,6 @@ pub struct Manifest {
     pub schema_version: u32,
     /// The producer.
     pub tool: Tool,
-    /// Unique run identity; also the `run_id` column of every table.
-    pub run_id: String,
     /// Whether the run was closed.
     pub status: Status,
     /// When the run was opened, Unix milliseconds.
@@ -47,30 +45,13 @@ pub struct Manifest {
     /// When the run was closed, Unix milliseconds.
     #[serde(default)]
     pub closed_unix_ms: Option<u64>,
-    /// The model traced.
-    pub model: Model,
-    /// The engine that ran the production path.
-    pub engine: Engine,
-    /// Where it ran.
-    pub device: Device,
-    /// Dtype per role.
-    pub dtypes: Dtypes,
-    /// Parallel layout and this writer's rank.
-    pub parallelism: Parallelism,
-    /// Shadow precision and modes.
-    pub shadow: Shadow,
-    /// The prompt's identity (never its text).
-    pub prompt: Prompt,
-    /// Producer settings that shape the trace.
-    pub settings: serde_json::Map<String, serde_json::Value>,
-    /// User tags, grid grouping keys.
-    pub tags: BTreeMap<String, String>,
+    /// Who and what the run is: model, engine, device, prompt, tags.
+    #[serde(flatten)]
+    pub identity: RunIdentity,
     /// Per-table status, row counts and files.
     pub tables: BTreeMap<String, TableEntry>,
     /// Losses and failures, each counted.
     pub counters: BTreeMap<String, u64>,
-    /// Faults planted on purpose.
-    pub injections: Vec<serde_json::Value>,
 }
 
 impl Manifest {
@@ -80,23 +61,19 @@ impl Manifest {
         Manifest {
             schema_version: SCHEMA_VERSION,
             tool,
-            run_id: identity.run_id,
             status: Status::Incomplete,
             started_unix_ms,
             closed_unix_ms: None,
-            model: identity.model,
-            engine: identity.engine,
-            device: identity.device,
-            dtypes: identity.dtypes,
-            parallelism: identity.parallelism,
-            shadow: identity.shadow,
-            prompt: identity.prompt,
-            settings: identity.settings,
-            tags: identity.tags,
+            identity,
             tables: BTreeMap::new(),
             counters: BTreeMap::new(),
-            injections: identity.injections,
         }
+    }
+
+    /// The run id; also the `run_id` column of every table.
+    #[must_use]
+    pub fn run_id(&self) -> &str {
+        &self.identity.run_id
     }
 
     /// The entry of one table, if the run lists it.
@@ -107,7 +84,7 @@ impl Manifest {
 }
 
 /// Everything about a run that its producer knows before the first row.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunIdentity {
     /// Unique run identity: letters, digits, `.`, `_`, `-`.
     pub run_id: String,

@@ -288,7 +288,7 @@ fn bad_runs_are_skipped_and_reported_or_fatal_when_strict() {
 
     let lenient = Dataset::load(&grid, false, |_, _| {}).unwrap();
     assert_eq!(lenient.runs.len(), 1);
-    assert_eq!(lenient.runs[0].manifest.run_id, "good");
+    assert_eq!(lenient.runs[0].manifest.run_id(), "good");
     assert_eq!(lenient.skipped.len(), 1);
     assert_eq!(lenient.skipped[0].path(), bad.join(MANIFEST_FILE));
 

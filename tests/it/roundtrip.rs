@@ -226,11 +226,7 @@ fn a_directory_of_runs_loads_as_one_dataset() {
             .unwrap();
     }
     let dataset = Dataset::load(&[tmp.path().to_owned()], true, |_, _| {}).unwrap();
-    let ids: Vec<&str> = dataset
-        .runs
-        .iter()
-        .map(|r| r.manifest.run_id.as_str())
-        .collect();
+    let ids: Vec<&str> = dataset.runs.iter().map(|r| r.manifest.run_id()).collect();
     assert_eq!(ids, ["a", "b"]);
     let frame = dataset.read_table(Table::Logits, None).unwrap();
     assert_eq!(frame.height(), 2 * 4);

@@ -85,7 +85,7 @@ impl Run {
                         "{relative}: complete but not yet listed in the manifest (read anyway)"
                     ));
                 }
-                parts.push(PartFile::open(&path, table, &manifest.run_id)?);
+                parts.push(PartFile::open(&path, table, manifest.run_id())?);
             }
             for path in partial {
                 notes.push(format!(

@@ -145,16 +145,18 @@ impl RunWriter {
         })?;
         let mut manifest = Manifest::open(identity, options.tool.clone(), worker::unix_ms());
         manifest
+            .identity
             .settings
             .insert("queue_mode".to_owned(), options.queue_mode.as_str().into());
         manifest
+            .identity
             .settings
             .insert("queue_capacity".to_owned(), options.queue_capacity.into());
         worker::write_manifest(dir, &manifest)?;
 
         let (tx, rx) = sync_channel(options.queue_capacity.max(1));
         let shared = Arc::new(Shared::default());
-        let run_id = manifest.run_id.clone();
+        let run_id = manifest.run_id().to_owned();
         let worker = worker::Worker::new(
             dir.to_owned(),
             manifest,
