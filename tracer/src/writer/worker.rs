@@ -57,7 +57,7 @@ impl Worker {
             .iter()
             .map(|&table| TableState {
                 table,
-                buffer: TableBuffer::new(table, &manifest.run_id()),
+                buffer: TableBuffer::new(table, manifest.run_id()),
                 part: None,
                 next_part: 0,
                 files: Vec::new(),
@@ -152,7 +152,7 @@ impl Worker {
                 &self.dir,
                 table,
                 state.next_part,
-                &self.manifest.run_id(),
+                self.manifest.run_id(),
             )?);
             state.next_part += 1;
         }
