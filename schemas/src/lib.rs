@@ -16,6 +16,7 @@
 pub mod columns;
 mod error;
 pub mod manifest;
+pub mod selection;
 mod table;
 mod vocabulary;
 

@@ -16,12 +16,13 @@ pub(crate) fn small_spec(run_id: &str) -> SynthSpec {
         hidden_size: 64,
         k: 16,
         topk_queries: 6,
-        shadow_recall: 0.75,
+        churn: 0.25,
         logits_positions: 4,
         logits_top_n: 5,
         planted_nan: Some((1, "attn_out", 30)),
         prompt_kind: "no_tool".to_owned(),
         seed: 11,
+        ..SynthSpec::demo(run_id)
     }
 }
 

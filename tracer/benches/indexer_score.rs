@@ -14,10 +14,10 @@
 
 use std::time::Instant;
 
+use shadowtrace_schemas::selection::overlap;
 use shadowtrace_tracer::indexer::{
     DotProduct, Fp8Indexer, Precision, index_scores, topk_with_margin,
 };
-use shadowtrace_tracer::overlap::overlap;
 use tch::{Device, Kind, Tensor};
 
 const KEYS: i64 = 8192;

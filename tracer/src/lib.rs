@@ -9,7 +9,6 @@
 //! - [`fp8`]: FP8 formats, block quantization (tch, and an ndarray reference);
 //! - [`identity`]: hashes and device facts that identify a run;
 //! - [`indexer`]: the DSA indexer score in fp32, bf16 and engine FP8 variants, top-k with margins;
-//! - [`overlap`]: Jaccard and recall between selections, with and without boundary churn;
 //! - [`synth`]: synthetic runs with known contents, for the demo, tests and
 //!   benchmarks.
 
@@ -19,7 +18,6 @@ mod error;
 pub mod fp8;
 pub mod identity;
 pub mod indexer;
-pub mod overlap;
 pub mod record;
 pub mod synth;
 pub mod writer;

@@ -21,11 +21,20 @@ use crate::{RunWriter, TraceError, WriterOptions};
 /// The hidden-state sites a synthetic layer records, in execution order.
 pub const HIDDEN_SITES: [&str; 4] = ["layer_in", "attn_out", "mlp_out", "layer_out"];
 
-/// What to synthesise.
+/// Band around the k-th score within which synthetic boundary keys lie, as
+/// recorded in the manifest settings (f64, so it prints as written).
+const BOUNDARY_BAND_F64: f64 = 1e-3;
+/// The same band as stored in the `topk` table.
+pub const BOUNDARY_BAND: f32 = BOUNDARY_BAND_F64 as f32;
+
+/// What to synthesise. Every knob plants something whose answer is known:
+/// the analyzer's tests and the demo rely on it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SynthSpec {
     /// Run id.
     pub run_id: String,
+    /// Model name in the manifest (a grid groups by it).
+    pub model: String,
     /// Decoder layers.
     pub layers: i32,
     /// Prompt length: tokens in the prefill.
@@ -36,9 +45,15 @@ pub struct SynthSpec {
     pub k: i32,
     /// Query tokens with a `topk` row per layer, evenly spaced over the prompt.
     pub topk_queries: i32,
-    /// Share of the prod selection the shadow keeps (the rest it swaps for
-    /// unselected keys).
-    pub shadow_recall: f64,
+    /// Share of the k selected keys that prod and shadow swap among keys tied
+    /// at the k-th score: boundary churn, not divergence.
+    pub churn: f64,
+    /// From this layer on, the shadow keeps only 40% of prod's selection and
+    /// the swapped keys are far from the k-th score: a selection collapse.
+    pub collapse_from_layer: Option<i32>,
+    /// From this layer on, the hidden-state error is 200 times its healthy
+    /// size (about 0.1 to 0.6 relative L2): a divergence.
+    pub divergence_from_layer: Option<i32>,
     /// Positions with a `logits` row (the last ones of the prompt).
     pub logits_positions: i32,
     /// Top-N of each `logits` row.
@@ -54,17 +69,21 @@ pub struct SynthSpec {
 
 impl SynthSpec {
     /// A small GLM-5-shaped run: k = 2048 over a 3072-token prompt, so the
-    /// later queries are in the sparse regime and the early ones dense.
+    /// later queries are in the sparse regime and the early ones dense, with
+    /// a NaN planted at layer 3.
     #[must_use]
     pub fn demo(run_id: &str) -> SynthSpec {
         SynthSpec {
             run_id: run_id.to_owned(),
+            model: "synthetic/glm5-shaped".to_owned(),
             layers: 6,
             tokens: 3072,
             hidden_size: 6144,
             k: 2048,
             topk_queries: 48,
-            shadow_recall: 0.95,
+            churn: 0.02,
+            collapse_from_layer: None,
+            divergence_from_layer: None,
             logits_positions: 16,
             logits_top_n: 20,
             planted_nan: Some((3, "mlp_out", 2500)),
@@ -84,11 +103,24 @@ impl SynthSpec {
         let ids: Vec<u32> = (0..self.tokens.unsigned_abs()).collect();
         let mut settings = serde_json::Map::new();
         settings.insert("synthetic_seed".to_owned(), self.seed.into());
-        settings.insert("shadow_recall".to_owned(), self.shadow_recall.into());
+        settings.insert("boundary_band".to_owned(), BOUNDARY_BAND_F64.into());
+        let mut injections: Vec<serde_json::Value> = self
+            .planted_nan
+            .iter()
+            .map(|(layer, site, token)| {
+                serde_json::json!({"kind": "nan", "path": "prod", "layer": layer, "site": site, "token": token})
+            })
+            .collect();
+        if let Some(layer) = self.collapse_from_layer {
+            injections.push(serde_json::json!({"kind": "selection_collapse", "from_layer": layer}));
+        }
+        if let Some(layer) = self.divergence_from_layer {
+            injections.push(serde_json::json!({"kind": "hidden_divergence", "from_layer": layer}));
+        }
         RunIdentity {
             run_id: self.run_id.clone(),
             model: Model {
-                name: "synthetic/glm5-shaped".to_owned(),
+                name: self.model.clone(),
                 architecture: "synthetic".to_owned(),
                 config_hash: config_hash(config.as_bytes()),
                 revision: None,
@@ -102,9 +134,16 @@ impl SynthSpec {
                 variant: None,
             },
             device: default_device(),
-            dtypes: Dtypes { prod: "fp8_e4m3".to_owned(), shadow: Some("fp32".to_owned()), other: BTreeMap::new() },
+            dtypes: Dtypes {
+                prod: "fp8_e4m3".to_owned(),
+                shadow: Some("fp32".to_owned()),
+                other: BTreeMap::new(),
+            },
             parallelism: Parallelism::SINGLE,
-            shadow: Shadow { precision: Some("fp32".to_owned()), modes: vec!["local".to_owned()] },
+            shadow: Shadow {
+                precision: Some("fp32".to_owned()),
+                modes: vec!["local".to_owned()],
+            },
             prompt: Prompt {
                 kind: Some(self.prompt_kind.clone()),
                 length: u64::from(self.tokens.unsigned_abs()),
@@ -113,13 +152,7 @@ impl SynthSpec {
             },
             settings,
             tags: BTreeMap::from([("synthetic".to_owned(), "true".to_owned())]),
-            injections: self
-                .planted_nan
-                .iter()
-                .map(|(layer, site, token)| {
-                    serde_json::json!({"kind": "nan", "path": "prod", "layer": layer, "site": site, "token": token})
-                })
-                .collect(),
+            injections,
         }
     }
 
@@ -212,7 +245,11 @@ impl SynthSpec {
             l2: scale * (70.0 + 10.0 * rng.next_f32()),
         };
         let shadow = VectorStats { nan: 0, ..prod };
-        let err = 1e-3 * (1.0 + layer as f32) * (0.5 + rng.next_f32());
+        let diverged = self.divergence_from_layer.is_some_and(|l| layer >= l);
+        let err = 1e-3
+            * (1.0 + 0.1 * layer as f32)
+            * (0.5 + rng.next_f32())
+            * if diverged { 200.0 } else { 1.0 };
         let comparison = if poisoned {
             Comparison {
                 rel_l2_err: f32::NAN,
@@ -244,26 +281,56 @@ impl SynthSpec {
 
     fn topk_rows(&self, layer: i32, rng: &mut SplitMix64) -> Vec<TopkRow> {
         let queries = self.topk_queries.max(1);
+        let collapsed = self.collapse_from_layer.is_some_and(|l| layer >= l);
         (0..queries)
             .map(|q| {
                 let token =
                     (i64::from(self.tokens - 1) * i64::from(q + 1) / i64::from(queries)) as i32;
                 let visible = token + 1;
-                let (prod, shadow) =
-                    realistic_selection_pair(visible, self.k, self.shadow_recall, rng);
-                let dense = visible <= self.k;
-                let band = 0.05_f32;
-                let selection = |indices: Vec<i32>, rng: &mut SplitMix64| Selection {
-                    kth_score: (!dense).then(|| 1.0 + rng.next_f32()),
-                    kth_margin: (!dense).then(|| 1e-3 * rng.next_f32()),
-                    boundary: (!dense).then(|| {
-                        let picks: Vec<i32> = indices.iter().copied().step_by(97).collect();
-                        Boundary {
-                            scores: picks.iter().map(|_| 1.0 + band * rng.next_f32()).collect(),
-                            indices: picks,
-                        }
-                    }),
+                let recall = if collapsed { 0.4 } else { 1.0 - self.churn };
+                let (prod, shadow) = realistic_selection_pair(visible, self.k, recall, rng);
+                if visible <= self.k {
+                    let dense = |indices| Selection {
+                        indices,
+                        kth_score: None,
+                        kth_margin: None,
+                        boundary: None,
+                    };
+                    return TopkRow {
+                        step: 0,
+                        layer,
+                        token,
+                        indexer_layer: layer,
+                        k: self.k,
+                        visible,
+                        prod: dense(prod),
+                        shadow: Some(("raw".to_owned(), dense(shadow))),
+                        boundary_band: None,
+                    };
+                }
+                // Keys one path took and the other did not. Churn: all of
+                // them scored within the band of the k-th score, in both
+                // paths. Collapse: far from it, so the boundary lists hold
+                // none of them.
+                let swapped: Vec<i32> = symmetric_difference(&prod, &shadow);
+                let kth = 1.0 + rng.next_f32();
+                let boundary = |rng: &mut SplitMix64| {
+                    let indices = if collapsed {
+                        Vec::new()
+                    } else {
+                        swapped.clone()
+                    };
+                    let scores = indices
+                        .iter()
+                        .map(|_| kth + BOUNDARY_BAND * (rng.next_f32() - 0.5))
+                        .collect();
+                    Boundary { indices, scores }
+                };
+                let selection = |indices, rng: &mut SplitMix64| Selection {
                     indices,
+                    kth_score: Some(kth),
+                    kth_margin: Some(BOUNDARY_BAND * 1e-2 * rng.next_f32()),
+                    boundary: Some(boundary(rng)),
                 };
                 TopkRow {
                     step: 0,
@@ -274,7 +341,7 @@ impl SynthSpec {
                     visible,
                     prod: selection(prod, rng),
                     shadow: Some(("raw".to_owned(), selection(shadow, rng))),
-                    boundary_band: (!dense).then_some(band),
+                    boundary_band: Some(BOUNDARY_BAND),
                 }
             })
             .collect()
@@ -284,23 +351,37 @@ impl SynthSpec {
         let first = (self.tokens - self.logits_positions).max(0);
         (first..self.tokens)
             .map(|token| {
-                let top = |rng: &mut SplitMix64| {
-                    let n = self.logits_top_n.max(0);
-                    let ids = (0..n).map(|_| (rng.next_u64() % 150_000) as i32).collect();
-                    let logprobs = (0..n)
-                        .map(|i| -0.1 - i as f32 * (0.5 + rng.next_f32()))
-                        .collect();
-                    TopLogits { ids, logprobs }
+                let n = self.logits_top_n.max(0);
+                let ids: Vec<i32> = (0..n).map(|_| (rng.next_u64() % 150_000) as i32).collect();
+                let logprobs: Vec<f32> = (0..n)
+                    .map(|i| -0.1 - i as f32 * (0.5 + rng.next_f32()))
+                    .collect();
+                // The shadow ranks the same tokens with logprobs a little off.
+                let shadow = TopLogits {
+                    ids: ids.clone(),
+                    logprobs: logprobs.iter().map(|l| l - 0.01 * rng.next_f32()).collect(),
                 };
                 LogitsRow {
                     step: 0,
                     token,
-                    prod: top(rng),
-                    shadow: Some(top(rng)),
+                    prod: TopLogits { ids, logprobs },
+                    shadow: Some(shadow),
                 }
             })
             .collect()
     }
+}
+
+/// Keys in exactly one of two sorted selections, ascending.
+fn symmetric_difference(a: &[i32], b: &[i32]) -> Vec<i32> {
+    let mut out: Vec<i32> = a
+        .iter()
+        .filter(|x| b.binary_search(x).is_err())
+        .chain(b.iter().filter(|x| a.binary_search(x).is_err()))
+        .copied()
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// A prod selection of `k` among `visible` keys, sorted, and a shadow

@@ -1,6 +1,8 @@
-//! Overlap between two top-k selections: Jaccard and recall over valid
-//! entries (padding, any negative index, excluded), and the same with
-//! boundary churn removed.
+//! Top-k Jaccard and boundary churn as the vocabulary defines them
+//! (DESIGN.md): overlap between two selections over their valid entries
+//! (padding, any negative index, excluded), and the same with boundary churn
+//! removed. Defined once here, beside the format that stores selections, so
+//! the tracer and the analyzer compute the same thing.
 //!
 //! Inputs are sorted ascending (the stored form); merging two sorted lists
 //! needs no allocation and no hashing.
