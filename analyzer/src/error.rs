@@ -3,6 +3,40 @@
 
 use std::path::PathBuf;
 
+/// What can go wrong while analysing runs that loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AnalyzeError {
+    /// A run could not be read.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// A column the metric reads is missing or of another type.
+    #[error("column {column}: {source}")]
+    Frame {
+        /// The column.
+        column: String,
+        /// What polars said.
+        #[source]
+        source: polars::prelude::PolarsError,
+    },
+    /// A column's memory layout is not what the metric reads zero-copy.
+    #[error("column {column}: {detail}")]
+    Layout {
+        /// The column.
+        column: String,
+        /// What is off.
+        detail: String,
+    },
+    /// A report file could not be written.
+    #[error("{path}: {detail}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        detail: String,
+    },
+}
+
 /// A run or file that cannot be read.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

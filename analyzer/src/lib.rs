@@ -4,15 +4,26 @@
 //!
 //! What is here today:
 //! - [`load`]: a directory of runs as one dataset, each run checked whole;
+//! - [`metrics`]: top-k overlap, hidden-state error, logits agreement,
+//!   non-finite onset — one per module, each with its definition;
+//! - [`verdict`]: first-divergence layers and the thresholds behind them;
+//! - [`analysis`], [`grid`], [`report`]: runs to answers, tables, files;
 //! - [`inspect`]: one run as a person reads it;
 //! - [`schema_doc`]: the format as text or JSON.
 
 #![warn(missing_docs)]
 
+pub mod analysis;
 mod error;
+mod frame;
+pub mod grid;
 pub mod inspect;
 pub mod load;
+pub mod metrics;
+pub mod report;
 pub mod schema_doc;
+pub mod verdict;
 
-pub use error::LoadError;
+pub use analysis::{Analysis, Options, RunAnalysis, analyze};
+pub use error::{AnalyzeError, LoadError};
 pub use load::{Dataset, PartFile, Run};

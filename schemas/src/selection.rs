@@ -45,14 +45,19 @@ impl Overlap {
 /// negative entries (padding) are ignored.
 #[must_use]
 pub fn overlap(prod: &[i32], shadow: &[i32]) -> Overlap {
-    overlap_excluding(prod, shadow, &[])
+    overlap_excluding(prod, shadow, std::iter::empty())
 }
 
-/// As [`overlap`], with the keys in `excluded` (sorted ascending) removed
-/// from both selections first: the overlap without boundary churn.
+/// As [`overlap`], with the keys `excluded` yields (ascending) removed from
+/// both selections first: the overlap without boundary churn.
 #[must_use]
-pub fn overlap_excluding(prod: &[i32], shadow: &[i32], excluded: &[i32]) -> Overlap {
-    let mut a = Members::new(prod, excluded);
+pub fn overlap_excluding<I>(prod: &[i32], shadow: &[i32], excluded: I) -> Overlap
+where
+    I: IntoIterator<Item = i32>,
+    I::IntoIter: Clone,
+{
+    let excluded = excluded.into_iter();
+    let mut a = Members::new(prod, excluded.clone());
     let mut b = Members::new(shadow, excluded);
     let (mut intersection, mut union, mut reference_len) = (0, 0, 0);
     let (mut x, mut y) = (a.next(), b.next());
@@ -93,9 +98,23 @@ pub fn overlap_excluding(prod: &[i32], shadow: &[i32], excluded: &[i32]) -> Over
     }
 }
 
-/// Keys of a boundary list whose score lies within `margin` of the k-th
-/// score, ascending: the members whose selection is a coin toss at this
-/// precision.
+/// Keys of a boundary list (ascending) whose score lies within `margin` of
+/// the k-th score: the members whose selection is a coin toss at this
+/// precision. Lazy and allocation-free.
+pub fn churn<'a>(
+    boundary_indices: &'a [i32],
+    boundary_scores: &'a [f32],
+    kth_score: f32,
+    margin: f32,
+) -> impl Iterator<Item = i32> + Clone + 'a {
+    boundary_indices
+        .iter()
+        .zip(boundary_scores)
+        .filter(move |&(_, &score)| (score - kth_score).abs() <= margin)
+        .map(|(&i, _)| i)
+}
+
+/// [`churn`] collected, sorted and deduplicated.
 #[must_use]
 pub fn churn_keys(
     boundary_indices: &[i32],
@@ -103,33 +122,68 @@ pub fn churn_keys(
     kth_score: f32,
     margin: f32,
 ) -> Vec<i32> {
-    let mut keys: Vec<i32> = boundary_indices
-        .iter()
-        .zip(boundary_scores)
-        .filter(|&(_, &score)| (score - kth_score).abs() <= margin)
-        .map(|(&i, _)| i)
-        .collect();
+    let mut keys: Vec<i32> = churn(boundary_indices, boundary_scores, kth_score, margin).collect();
     keys.sort_unstable();
     keys.dedup();
     keys
 }
 
-/// Valid members of a sorted selection, skipping padding and excluded keys.
-struct Members<'a> {
-    keys: std::slice::Iter<'a, i32>,
-    excluded: &'a [i32],
+/// The ascending union of two ascending key sequences, each key once: the
+/// churn seen from prod's scores merged with the churn seen from the shadow's.
+pub fn union_sorted<A, B>(a: A, b: B) -> impl Iterator<Item = i32> + Clone
+where
+    A: Iterator<Item = i32> + Clone,
+    B: Iterator<Item = i32> + Clone,
+{
+    UnionSorted {
+        a: a.peekable(),
+        b: b.peekable(),
+        last: None,
+    }
 }
 
-impl<'a> Members<'a> {
-    fn new(keys: &'a [i32], excluded: &'a [i32]) -> Members<'a> {
-        Members {
-            keys: keys.iter(),
-            excluded,
+#[derive(Clone)]
+struct UnionSorted<A: Iterator<Item = i32>, B: Iterator<Item = i32>> {
+    a: std::iter::Peekable<A>,
+    b: std::iter::Peekable<B>,
+    last: Option<i32>,
+}
+
+impl<A: Iterator<Item = i32>, B: Iterator<Item = i32>> Iterator for UnionSorted<A, B> {
+    type Item = i32;
+
+    fn next(&mut self) -> Option<i32> {
+        loop {
+            let next = match (self.a.peek(), self.b.peek()) {
+                (None, None) => return None,
+                (Some(&x), Some(&y)) if x <= y => self.a.next(),
+                (Some(_), None) => self.a.next(),
+                _ => self.b.next(),
+            };
+            if next != self.last {
+                self.last = next;
+                return next;
+            }
         }
     }
 }
 
-impl Iterator for Members<'_> {
+/// Valid members of a sorted selection, skipping padding and excluded keys.
+struct Members<'a, E: Iterator<Item = i32>> {
+    keys: std::slice::Iter<'a, i32>,
+    excluded: std::iter::Peekable<E>,
+}
+
+impl<'a, E: Iterator<Item = i32>> Members<'a, E> {
+    fn new(keys: &'a [i32], excluded: E) -> Members<'a, E> {
+        Members {
+            keys: keys.iter(),
+            excluded: excluded.peekable(),
+        }
+    }
+}
+
+impl<E: Iterator<Item = i32>> Iterator for Members<'_, E> {
     type Item = i32;
 
     fn next(&mut self) -> Option<i32> {
@@ -137,15 +191,9 @@ impl Iterator for Members<'_> {
             if key < 0 {
                 continue;
             }
-            // Both lists ascend, so the excluded cursor only moves forward.
-            while let Some((&first, rest)) = self.excluded.split_first() {
-                if first < key {
-                    self.excluded = rest;
-                } else {
-                    break;
-                }
-            }
-            if self.excluded.first() != Some(&key) {
+            // Both sequences ascend, so the excluded cursor only moves forward.
+            while self.excluded.next_if(|&e| e < key).is_some() {}
+            if self.excluded.peek() != Some(&key) {
                 return Some(key);
             }
         }
@@ -227,15 +275,25 @@ mod tests {
         assert_eq!(overlap(&prod, &shadow).jaccard(), 6.0 / 8.0);
         let churn = churn_keys(&[9, 8, 3], &[0.7, 0.7000001, 0.9], 0.7, 1e-6);
         assert_eq!(churn, [8, 9], "key 3 is far from the k-th score");
-        let o = overlap_excluding(&prod, &shadow, &churn);
+        let o = overlap_excluding(&prod, &shadow, churn.iter().copied());
         assert_eq!((o.jaccard(), o.recall()), (1.0, 1.0));
+    }
+
+    #[test]
+    fn churn_seen_from_either_path_is_merged_once_and_in_order() {
+        let from_prod = churn(&[2, 5, 9], &[1.0, 1.0005, 3.0], 1.0, 1e-3);
+        let from_shadow = churn(&[1, 5, 7], &[0.9995, 1.0, 1.0], 1.0, 1e-3);
+        assert_eq!(
+            union_sorted(from_prod, from_shadow).collect::<Vec<_>>(),
+            [1, 2, 5, 7]
+        );
     }
 
     #[test]
     fn excluding_churn_keeps_a_real_divergence() {
         let prod = [0, 1, 2, 50];
         let shadow = [0, 1, 2, 60];
-        let o = overlap_excluding(&prod, &shadow, &[60]);
+        let o = overlap_excluding(&prod, &shadow, [60]);
         assert_eq!(
             o,
             Overlap {

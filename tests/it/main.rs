@@ -3,10 +3,12 @@
 // Test helpers, not only #[test] functions: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod analyze_verdicts;
 mod bad_input;
 mod encodings;
 mod inspect_output;
 mod killed_writer;
 mod queue_modes;
+mod report_output;
 mod roundtrip;
 mod support;

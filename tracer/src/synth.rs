@@ -51,9 +51,12 @@ pub struct SynthSpec {
     /// From this layer on, the shadow keeps only 40% of prod's selection and
     /// the swapped keys are far from the k-th score: a selection collapse.
     pub collapse_from_layer: Option<i32>,
-    /// From this layer on, the hidden-state error is 200 times its healthy
-    /// size (about 0.1 to 0.6 relative L2): a divergence.
+    /// From this layer on, the hidden-state error is `divergence_scale`
+    /// times its healthy size (about 1e-3): a divergence.
     pub divergence_from_layer: Option<i32>,
+    /// How many times the healthy error a divergence is (200 in the demo:
+    /// about 0.1 to 0.6 relative L2).
+    pub divergence_scale: f32,
     /// Positions with a `logits` row (the last ones of the prompt).
     pub logits_positions: i32,
     /// Top-N of each `logits` row.
@@ -84,6 +87,7 @@ impl SynthSpec {
             churn: 0.02,
             collapse_from_layer: None,
             divergence_from_layer: None,
+            divergence_scale: 200.0,
             logits_positions: 16,
             logits_top_n: 20,
             planted_nan: Some((3, "mlp_out", 2500)),
@@ -100,7 +104,11 @@ impl SynthSpec {
             self.layers, self.hidden_size, self.k
         );
         let salt = b"shadowtrace-synthetic";
-        let ids: Vec<u32> = (0..self.tokens.unsigned_abs()).collect();
+        // Stand-in token ids: a different prompt kind is a different prompt.
+        let kind_offset = self.prompt_kind.bytes().map(u32::from).sum::<u32>() << 16;
+        let ids: Vec<u32> = (0..self.tokens.unsigned_abs())
+            .map(|i| i + kind_offset)
+            .collect();
         let mut settings = serde_json::Map::new();
         settings.insert("synthetic_seed".to_owned(), self.seed.into());
         settings.insert("boundary_band".to_owned(), BOUNDARY_BAND_F64.into());
@@ -249,7 +257,7 @@ impl SynthSpec {
         let err = 1e-3
             * (1.0 + 0.1 * layer as f32)
             * (0.5 + rng.next_f32())
-            * if diverged { 200.0 } else { 1.0 };
+            * if diverged { self.divergence_scale } else { 1.0 };
         let comparison = if poisoned {
             Comparison {
                 rel_l2_err: f32::NAN,

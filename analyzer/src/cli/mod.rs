@@ -1,5 +1,6 @@
 //! Arguments and dispatch. One file per subcommand.
 
+mod analyze;
 mod external;
 mod inspect;
 mod schema;
@@ -18,7 +19,8 @@ pub(crate) fn exit_error() -> ExitCode {
 ///
 /// Runs are written by the tracer (`shadowtrace demo`, `shadowtrace run`) or
 /// by the Python hooks (`SHADOWTRACE=1`); this command reads them. Exit
-/// codes: 0 success, 2 bad input or error.
+/// codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input or
+/// error.
 #[derive(Debug, Parser)]
 #[command(name = "shadowtrace", version, propagate_version = true)]
 pub(crate) struct Args {
@@ -36,6 +38,13 @@ enum Command {
     /// checked (Parquet footer, format version, columns and types); a bad run
     /// is reported with the file and the problem.
     Inspect(inspect::InspectArgs),
+    /// Compute metrics and verdicts over runs: top-k overlap, hidden-state
+    /// error, logits agreement, non-finite onset, first-divergence layers,
+    /// grouped into a grid.
+    ///
+    /// Every verdict is printed with the rule and threshold that produced
+    /// it. Exit codes: 0 success, 1 a verdict named by --fail-on, 2 error.
+    Analyze(Box<analyze::AnalyzeArgs>),
     /// Any other command NAME runs the program `shadowtrace-NAME` from this
     /// program's directory or PATH (the tracer provides `shadowtrace-demo`).
     #[command(external_subcommand)]
@@ -55,6 +64,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
     match args.command {
         Command::Schema(a) => schema::run(&a),
         Command::Inspect(a) => inspect::run(&a),
+        Command::Analyze(a) => analyze::run(&a),
         Command::External(argv) => external::run(&argv),
     }
 }

@@ -72,30 +72,42 @@ impl Dataset {
         table: Table,
         columns: Option<&[&str]>,
     ) -> Result<DataFrame, LoadError> {
-        let mut stacked: Option<DataFrame> = None;
-        for part in self
-            .runs
-            .iter()
-            .flat_map(|r| r.files.get(&table).into_iter().flatten())
-        {
-            let frame = part.read(columns)?;
-            match stacked.as_mut() {
-                Some(acc) => {
-                    acc.vstack_mut(&frame).map_err(|source| LoadError::Decode {
-                        path: part.path.clone(),
-                        source,
-                    })?;
-                }
-                None => stacked = Some(frame),
+        stack(
+            self.runs
+                .iter()
+                .flat_map(|r| r.files.get(&table).into_iter().flatten()),
+            table,
+            columns,
+        )
+    }
+}
+
+/// Reads part files and stacks them into one rechunked frame (an empty
+/// frame of the table's types when there are none).
+fn stack<'a>(
+    parts: impl Iterator<Item = &'a PartFile>,
+    table: Table,
+    columns: Option<&[&str]>,
+) -> Result<DataFrame, LoadError> {
+    let mut stacked: Option<DataFrame> = None;
+    for part in parts {
+        let frame = part.read(columns)?;
+        match stacked.as_mut() {
+            Some(acc) => {
+                acc.vstack_mut(&frame).map_err(|source| LoadError::Decode {
+                    path: part.path.clone(),
+                    source,
+                })?;
             }
+            None => stacked = Some(frame),
         }
-        match stacked {
-            Some(mut frame) => {
-                frame.rechunk_mut();
-                Ok(frame)
-            }
-            None => Ok(empty_frame(table, columns)),
+    }
+    match stacked {
+        Some(mut frame) => {
+            frame.rechunk_mut();
+            Ok(frame)
         }
+        None => Ok(empty_frame(table, columns)),
     }
 }
 

@@ -47,6 +47,19 @@ impl Run {
             .map_or(0, |f| f.iter().map(|p| p.bytes).sum())
     }
 
+    /// The named columns (all when `None`) of one table of this run, its
+    /// part files stacked.
+    ///
+    /// # Errors
+    /// When a file cannot be decoded.
+    pub fn read_table(
+        &self,
+        table: Table,
+        columns: Option<&[&str]>,
+    ) -> Result<polars::prelude::DataFrame, LoadError> {
+        super::stack(self.files.get(&table).into_iter().flatten(), table, columns)
+    }
+
     /// Opens a run directory: reads the manifest, then checks every complete
     /// part file on disk. A run whose writer was killed is still opened: its
     /// manifest says `incomplete`, its complete parts are read, and what the

@@ -1,0 +1,310 @@
+//! The analysis of a set of runs: per-run metrics and verdicts, baseline
+//! calibration, determinism pairs and the grid. Everything a report prints
+//! comes from here.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Serialize;
+use shadowtrace_schemas::Table;
+use shadowtrace_schemas::manifest::Status;
+
+use crate::AnalyzeError;
+use crate::grid::{Grid, group_runs};
+use crate::load::{Dataset, Run};
+use crate::metrics::hidden_error::{self, SiteError};
+use crate::metrics::logits::{self, Agreement, TopN};
+use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
+use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
+use crate::verdict::{LayerVerdict, NoiseFloor, Thresholds, hidden_verdict, topk_verdict};
+
+/// How to analyse.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Thresholds of the verdicts.
+    pub thresholds: Thresholds,
+    /// Tags runs are grouped by; empty: model, prompt_kind, length_bucket.
+    pub group_by: Vec<String>,
+    /// Fail on the first bad run instead of skipping it.
+    pub strict: bool,
+}
+
+/// The default grouping of the grid.
+pub const DEFAULT_GROUP_BY: [&str; 3] = ["model", "prompt_kind", "length_bucket"];
+
+/// One run, analysed.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunAnalysis {
+    /// Run id.
+    pub run_id: String,
+    /// Run directory.
+    pub dir: PathBuf,
+    /// Whether the producer closed the run.
+    pub complete: bool,
+    /// Tags: the manifest's identity flattened, then the user's tags.
+    pub tags: BTreeMap<String, String>,
+    /// Losses and failures the producer counted, and rows dropped per table.
+    pub counters: BTreeMap<String, u64>,
+    /// What the loader noticed (files left half-written, ...).
+    pub notes: Vec<String>,
+    /// Top-k overlap per layer.
+    pub topk: Vec<LayerOverlap>,
+    /// Hidden-state error per layer and site.
+    pub hidden: Vec<SiteError>,
+    /// Prod against shadow logits.
+    pub logits: Option<Agreement>,
+    /// First non-finite value of prod.
+    pub onset: Option<Onset>,
+    /// Sentinel checks that failed.
+    pub failed_sentinels: Vec<FailedSentinel>,
+    /// First hidden-state divergence.
+    pub hidden_verdict: Option<LayerVerdict>,
+    /// First top-k divergence.
+    pub topk_verdict: Option<LayerVerdict>,
+    /// The rules the verdicts applied, thresholds included.
+    pub rules: Vec<String>,
+    /// Per-row overlaps, for heatmaps and the metrics Parquet.
+    #[serde(skip)]
+    pub topk_rows: Vec<RowOverlap>,
+    /// Prod top-N logits, for determinism pairs.
+    #[serde(skip)]
+    pub prod_top_n: TopN,
+}
+
+impl RunAnalysis {
+    /// Whether any verdict fired.
+    #[must_use]
+    pub fn has_verdict(&self) -> bool {
+        self.onset.is_some()
+            || self.hidden_verdict.is_some()
+            || self.topk_verdict.is_some()
+            || !self.failed_sentinels.is_empty()
+    }
+}
+
+/// Two runs of the same model, engine and prompt, prod against prod.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeterminismPair {
+    /// First run.
+    pub a: String,
+    /// Second run.
+    pub b: String,
+    /// Their prod logits' agreement.
+    pub agreement: Agreement,
+}
+
+/// Everything the analysis found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Analysis {
+    /// The thresholds used.
+    pub thresholds: Thresholds,
+    /// Noise floors per model, from baseline runs.
+    pub floors: BTreeMap<String, NoiseFloor>,
+    /// Runs analysed, in path order.
+    pub runs: Vec<RunAnalysis>,
+    /// Runs that could not be read, with the file and the problem.
+    pub skipped: Vec<String>,
+    /// Grid over the runs.
+    pub grid: Grid,
+    /// Determinism pairs among the runs.
+    pub determinism: Vec<DeterminismPair>,
+}
+
+/// Analyses the runs under `paths`, calibrating against the runs under
+/// `baselines` when given. `progress(done, total)` is called per run.
+///
+/// # Errors
+/// No run under a path, a bad run under `strict`, or an unreadable column.
+pub fn analyze(
+    paths: &[PathBuf],
+    baselines: &[PathBuf],
+    options: &Options,
+    mut progress: impl FnMut(&str, usize, usize),
+) -> Result<Analysis, AnalyzeError> {
+    let t = &options.thresholds;
+    let mut skipped = Vec::new();
+    let mut floors: BTreeMap<String, NoiseFloor> = BTreeMap::new();
+    if !baselines.is_empty() {
+        let dataset = Dataset::load(baselines, options.strict, |d, n| {
+            progress("reading baselines", d, n)
+        })?;
+        skipped.extend(dataset.skipped.iter().map(|e| format!("baseline {e}")));
+        for (i, run) in dataset.runs.iter().enumerate() {
+            let a = analyze_run(run, t, None)?;
+            let model = a.tags.get("model").cloned().unwrap_or_default();
+            floors
+                .entry(model)
+                .or_default()
+                .add(&a.run_id, &a.hidden, &a.topk, t);
+            progress("calibrating", i + 1, dataset.runs.len());
+        }
+    }
+    let dataset = Dataset::load(paths, options.strict, |d, n| progress("reading runs", d, n))?;
+    skipped.extend(dataset.skipped.iter().map(ToString::to_string));
+    let mut runs = Vec::with_capacity(dataset.runs.len());
+    for (i, run) in dataset.runs.iter().enumerate() {
+        let model = run.manifest.identity.model.name.clone();
+        runs.push(analyze_run(run, t, floors.get(&model))?);
+        progress("analysing", i + 1, dataset.runs.len());
+    }
+    let group_by: Vec<String> = if options.group_by.is_empty() {
+        DEFAULT_GROUP_BY.iter().map(|s| (*s).to_owned()).collect()
+    } else {
+        options.group_by.clone()
+    };
+    let grid = group_runs(&runs, &group_by);
+    let determinism = determinism_pairs(&runs);
+    Ok(Analysis {
+        thresholds: t.clone(),
+        floors,
+        runs,
+        skipped,
+        grid,
+        determinism,
+    })
+}
+
+/// Analyses one run.
+///
+/// # Errors
+/// When a table cannot be read or lacks a column.
+pub fn analyze_run(
+    run: &Run,
+    t: &Thresholds,
+    floor: Option<&NoiseFloor>,
+) -> Result<RunAnalysis, AnalyzeError> {
+    // Part by part: a GLM-5.1 prefill's selections are tens of GB decoded;
+    // one part file at a time bounds memory by the writer's part size.
+    let mut topk_rows = Vec::new();
+    let mut skipped_rows = topk_overlap::Uninformative::new();
+    for part in run.files.get(&Table::Topk).into_iter().flatten() {
+        let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
+        frame.rechunk_mut();
+        let (rows, skipped) = topk_overlap::row_overlaps(&frame, t.churn_margin)?;
+        topk_rows.extend(rows);
+        for (layer, (dense, no_shadow)) in skipped {
+            let entry = skipped_rows.entry(layer).or_default();
+            entry.0 += dense;
+            entry.1 += no_shadow;
+        }
+    }
+    let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows, t.topk_jaccard);
+
+    let mut hidden_columns: Vec<&str> = hidden_error::COLUMNS.to_vec();
+    hidden_columns.extend(
+        nonfinite::HIDDEN_COLUMNS
+            .iter()
+            .filter(|c| !hidden_error::COLUMNS.contains(c)),
+    );
+    let hidden_frame = run.read_table(Table::Hidden, Some(&hidden_columns))?;
+    let hidden = hidden_error::by_site(&hidden_frame)?;
+    let events_frame = run.read_table(Table::Events, Some(&nonfinite::EVENT_COLUMNS))?;
+    let (onset, failed_sentinels) = nonfinite::onset(&hidden_frame, &events_frame)?;
+    drop(hidden_frame);
+
+    let logits_frame = run.read_table(Table::Logits, Some(&logits::COLUMNS))?;
+    let (prod_top_n, shadow_top_n) = logits::top_n(&logits_frame)?;
+    let logits = logits::agreement(&prod_top_n, &shadow_top_n);
+
+    let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
+    let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
+    let m = &run.manifest;
+    let mut counters = m.counters.clone();
+    for (table, entry) in &m.tables {
+        if entry.dropped_rows > 0 {
+            counters.insert(format!("dropped_rows.{table}"), entry.dropped_rows);
+        }
+    }
+    Ok(RunAnalysis {
+        run_id: m.run_id().to_owned(),
+        dir: run.dir.clone(),
+        complete: m.status == Status::Complete,
+        tags: run_tags(run),
+        counters,
+        notes: run.notes.clone(),
+        topk,
+        hidden,
+        logits,
+        onset,
+        failed_sentinels,
+        hidden_verdict,
+        topk_verdict,
+        rules: vec![hidden_rule.text, topk_rule.text],
+        topk_rows,
+        prod_top_n,
+    })
+}
+
+/// The tags a run is grouped by: its identity flattened, then user tags
+/// (which do not override the identity's names).
+#[must_use]
+pub fn run_tags(run: &Run) -> BTreeMap<String, String> {
+    let id = &run.manifest.identity;
+    let mut tags = BTreeMap::new();
+    tags.insert("model".to_owned(), id.model.name.clone());
+    tags.insert("architecture".to_owned(), id.model.architecture.clone());
+    tags.insert("engine".to_owned(), id.engine.name.clone());
+    if let Some(v) = &id.engine.variant {
+        tags.insert("engine_variant".to_owned(), v.clone());
+    }
+    tags.insert("device".to_owned(), id.device.kind.clone());
+    tags.insert("prod_dtype".to_owned(), id.dtypes.prod.clone());
+    tags.insert(
+        "shadow_precision".to_owned(),
+        id.shadow
+            .precision
+            .clone()
+            .unwrap_or_else(|| "none".to_owned()),
+    );
+    tags.insert(
+        "prompt_kind".to_owned(),
+        id.prompt.kind.clone().unwrap_or_else(|| "-".to_owned()),
+    );
+    tags.insert("prompt_len".to_owned(), id.prompt.length.to_string());
+    tags.insert("token_hash".to_owned(), id.prompt.token_hash.clone());
+    tags.insert(
+        "length_bucket".to_owned(),
+        length_bucket(id.prompt.length, id.model.index_topk),
+    );
+    tags.insert("rank".to_owned(), id.parallelism.rank.to_string());
+    for (k, v) in &id.tags {
+        tags.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+    tags
+}
+
+/// A prompt length relative to the indexer's k: at most k (every query
+/// dense), up to 2k (the sparse regime begins), or beyond.
+#[must_use]
+pub fn length_bucket(length: u64, k: Option<u32>) -> String {
+    match k {
+        None => "no indexer".to_owned(),
+        Some(k) if length <= u64::from(k) => format!("<={k}"),
+        Some(k) if length <= 2 * u64::from(k) => format!("{}-{}", k + 1, 2 * k),
+        Some(k) => format!(">{}", 2 * k),
+    }
+}
+
+/// Pairs runs that share model, engine, prod dtype and prompt (token hash):
+/// their prod logits should agree exactly if the engine is deterministic.
+fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
+    let mut by_identity: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
+    for run in runs {
+        let key = ["model", "engine", "prod_dtype", "token_hash"]
+            .iter()
+            .map(|k| run.tags.get(*k).cloned().unwrap_or_default())
+            .collect();
+        by_identity.entry(key).or_default().push(run);
+    }
+    by_identity
+        .values()
+        .flat_map(|group| group.windows(2))
+        .filter_map(|w| {
+            logits::agreement(&w[0].prod_top_n, &w[1].prod_top_n).map(|agreement| DeterminismPair {
+                a: w[0].run_id.clone(),
+                b: w[1].run_id.clone(),
+                agreement,
+            })
+        })
+        .collect()
+}

@@ -1,0 +1,160 @@
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::ValueEnum;
+use shadowtrace_analyzer::report::{render_terminal, write_report};
+use shadowtrace_analyzer::verdict::{
+    DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
+};
+use shadowtrace_analyzer::{Analysis, Options, analyze};
+
+use super::Format;
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct AnalyzeArgs {
+    /// Run directories, or directories holding runs.
+    #[arg(required = true, value_name = "DIR")]
+    paths: Vec<PathBuf>,
+    /// Healthy runs to calibrate against: per layer, the worst error they
+    /// show becomes the noise floor, and a verdict needs --baseline-factor
+    /// times it. Matched to runs by model. Repeatable.
+    #[arg(long, value_name = "DIR")]
+    baseline: Vec<PathBuf>,
+    /// Multiple of the baseline noise floor that marks divergence.
+    #[arg(long, default_value_t = DEFAULT_BASELINE_FACTOR, value_name = "X")]
+    baseline_factor: f64,
+    /// p95 relative L2 error (over tokens) above which a layer's hidden
+    /// state has diverged, without a baseline.
+    #[arg(long, default_value_t = DEFAULT_HIDDEN_REL_ERR, value_name = "ERR")]
+    hidden_threshold: f64,
+    /// Capture site whose hidden-state error decides.
+    #[arg(long, default_value = "layer_out", value_name = "SITE")]
+    hidden_site: String,
+    /// Shadow mode whose error decides [default: local where recorded, else free].
+    #[arg(long, value_parser = ["local", "free"], value_name = "MODE")]
+    shadow_mode: Option<String>,
+    /// Mean churn-free top-k Jaccard below which a layer's selection has
+    /// diverged, without a baseline.
+    #[arg(long, default_value_t = DEFAULT_TOPK_JACCARD, value_name = "J")]
+    topk_threshold: f64,
+    /// Largest score distance from the k-th score counted as boundary churn
+    /// [default: each run's recorded band].
+    #[arg(long, value_name = "SCORE")]
+    churn_margin: Option<f32>,
+    /// Tags to group the grid by, comma-separated (manifest identity names
+    /// such as model, engine, prompt_kind, length_bucket, or user tags).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "model,prompt_kind,length_bucket",
+        value_name = "TAGS"
+    )]
+    group_by: Vec<String>,
+    /// Write report.md, plots/*.svg and metrics/*.parquet into this directory.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
+    /// text for people, json for scripts.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// Exit with status 1 when a run has this verdict. Repeatable.
+    #[arg(long, value_enum, value_name = "VERDICT")]
+    fail_on: Vec<FailOn>,
+    /// Fail on the first unreadable run instead of reporting and skipping it.
+    #[arg(long)]
+    strict: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FailOn {
+    /// Any verdict below.
+    Any,
+    /// A non-finite onset in prod, or a failed sentinel check.
+    Nonfinite,
+    /// A hidden-state divergence.
+    Hidden,
+    /// A top-k selection divergence.
+    Topk,
+}
+
+pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
+    for (name, value, lo, hi) in [
+        ("--topk-threshold", args.topk_threshold, 0.0, 1.0),
+        (
+            "--hidden-threshold",
+            args.hidden_threshold,
+            0.0,
+            f64::INFINITY,
+        ),
+        (
+            "--baseline-factor",
+            args.baseline_factor,
+            1.0,
+            f64::INFINITY,
+        ),
+    ] {
+        anyhow::ensure!(
+            value >= lo && value <= hi && !value.is_nan(),
+            "{name}: expected a value in [{lo}, {hi}], got {value}"
+        );
+    }
+    let options = Options {
+        thresholds: Thresholds {
+            hidden_rel_err: args.hidden_threshold,
+            hidden_site: args.hidden_site.clone(),
+            hidden_mode: args.shadow_mode.clone(),
+            topk_jaccard: args.topk_threshold,
+            churn_margin: args.churn_margin,
+            baseline_factor: args.baseline_factor,
+        },
+        group_by: args.group_by.clone(),
+        strict: args.strict,
+    };
+    let show_progress = std::io::stderr().is_terminal();
+    let analysis = analyze(
+        &args.paths,
+        &args.baseline,
+        &options,
+        |what, done, total| {
+            if show_progress {
+                eprint!("\r{what} {done}/{total}   ");
+                if done == total {
+                    eprintln!();
+                }
+            }
+        },
+    )?;
+    let mut stdout = std::io::stdout().lock();
+    match args.format {
+        Format::Text => stdout.write_all(render_terminal(&analysis).as_bytes())?,
+        Format::Json => writeln!(stdout, "{}", serde_json::to_string_pretty(&analysis)?)?,
+    }
+    if let Some(dir) = &args.report {
+        let files = write_report(dir, &analysis)?;
+        eprintln!(
+            "report: {} ({} files)",
+            dir.join(shadowtrace_analyzer::report::REPORT_FILE)
+                .display(),
+            files.len()
+        );
+    }
+    for s in &analysis.skipped {
+        eprintln!("warning: skipped {s}");
+    }
+    Ok(if fails(&analysis, &args.fail_on) {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {
+    a.runs.iter().any(|r| {
+        fail_on.iter().any(|f| match f {
+            FailOn::Any => r.has_verdict(),
+            FailOn::Nonfinite => r.onset.is_some() || !r.failed_sentinels.is_empty(),
+            FailOn::Hidden => r.hidden_verdict.is_some(),
+            FailOn::Topk => r.topk_verdict.is_some(),
+        })
+    })
+}

@@ -1,0 +1,157 @@
+//! Typed, zero-copy views of the columns the metrics read. Frames come from
+//! [`crate::Dataset::read_table`], which rechunks, so each column is one
+//! contiguous arrow array.
+
+use polars::prelude::{DataFrame, Series};
+use polars_arrow::array::{Array, ListArray, PrimitiveArray};
+
+use crate::AnalyzeError;
+
+fn series<'a>(df: &'a DataFrame, name: &str) -> Result<&'a Series, AnalyzeError> {
+    df.column(name)
+        .map(polars::prelude::Column::as_materialized_series)
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })
+}
+
+/// A non-null i32 column as a slice.
+pub(crate) fn i32s<'a>(df: &'a DataFrame, name: &str) -> Result<&'a [i32], AnalyzeError> {
+    series(df, name)?
+        .i32()
+        .and_then(|ca| ca.cont_slice())
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })
+}
+
+/// A non-null i64 column as a slice.
+pub(crate) fn i64s<'a>(df: &'a DataFrame, name: &str) -> Result<&'a [i64], AnalyzeError> {
+    series(df, name)?
+        .i64()
+        .and_then(|ca| ca.cont_slice())
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })
+}
+
+/// A nullable f32 column, nulls as `None`.
+pub(crate) fn opt_f32s(df: &DataFrame, name: &str) -> Result<Vec<Option<f32>>, AnalyzeError> {
+    let ca = series(df, name)?
+        .f32()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    Ok(ca.iter().collect())
+}
+
+/// A nullable i64 column, nulls as `None`.
+pub(crate) fn opt_i64s(df: &DataFrame, name: &str) -> Result<Vec<Option<i64>>, AnalyzeError> {
+    let ca = series(df, name)?
+        .i64()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    Ok(ca.iter().collect())
+}
+
+/// A nullable i32 column, nulls as `None`.
+pub(crate) fn opt_i32s(df: &DataFrame, name: &str) -> Result<Vec<Option<i32>>, AnalyzeError> {
+    let ca = series(df, name)?
+        .i32()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    Ok(ca.iter().collect())
+}
+
+/// A nullable bool column, nulls as `None`.
+pub(crate) fn opt_bools(df: &DataFrame, name: &str) -> Result<Vec<Option<bool>>, AnalyzeError> {
+    let ca = series(df, name)?
+        .bool()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    Ok(ca.iter().collect())
+}
+
+/// A string column, nulls as `None`.
+pub(crate) fn opt_strs(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>, AnalyzeError> {
+    let ca = series(df, name)?
+        .str()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    Ok(ca.iter().map(|v| v.map(str::to_owned)).collect())
+}
+
+/// A list column of primitive values, row by row as slices into one
+/// buffer: no allocation per row.
+#[derive(Debug)]
+pub(crate) struct ListView<'a, T: polars_arrow::types::NativeType> {
+    /// `None` for a column with no chunk (an empty frame).
+    list: Option<&'a ListArray<i64>>,
+    offsets: &'a [i64],
+    values: &'a [T],
+}
+
+impl<'a, T: polars_arrow::types::NativeType> ListView<'a, T> {
+    /// Row `i`, or `None` where the list is null.
+    pub(crate) fn get(&self, i: usize) -> Option<&'a [T]> {
+        if !self.list?.is_valid(i) {
+            return None;
+        }
+        let (start, end) = (self.offsets[i] as usize, self.offsets[i + 1] as usize);
+        Some(&self.values[start..end])
+    }
+}
+
+/// A list column as a [`ListView`]. The frame must be rechunked (one array).
+pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
+    df: &'a DataFrame,
+    name: &str,
+) -> Result<ListView<'a, T>, AnalyzeError> {
+    let bad = |detail: &str| AnalyzeError::Layout {
+        column: name.to_owned(),
+        detail: detail.to_owned(),
+    };
+    let ca = series(df, name)?
+        .list()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    let mut chunks = ca.downcast_iter();
+    let list = match (chunks.next(), chunks.next()) {
+        (Some(list), None) => list,
+        (None, _) => {
+            return Ok(ListView {
+                list: None,
+                offsets: &[0],
+                values: &[],
+            });
+        }
+        _ => return Err(bad("more than one chunk: rechunk first")),
+    };
+    let values = list
+        .values()
+        .as_any()
+        .downcast_ref::<PrimitiveArray<T>>()
+        .ok_or_else(|| bad("list values of an unexpected type"))?;
+    if values.null_count() > 0 {
+        return Err(bad("null entries inside a list"));
+    }
+    Ok(ListView {
+        list: Some(list),
+        offsets: list.offsets().as_slice(),
+        values: values.values().as_slice(),
+    })
+}

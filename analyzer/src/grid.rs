@@ -1,0 +1,149 @@
+//! The grid: runs grouped by tags, one summary row per group, and a
+//! side-by-side comparison along the first grouping tag (for example GLM
+//! against DeepSeek at each prompt kind and length).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::analysis::RunAnalysis;
+use crate::verdict::topk_series;
+
+/// One group of runs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupRow {
+    /// The group's tag values, in `group_by` order.
+    pub key: Vec<String>,
+    /// Runs in the group.
+    pub runs: usize,
+    /// Informative top-k rows over all runs and layers.
+    pub informative_rows: usize,
+    /// Mean churn-free Jaccard over those rows.
+    pub jaccard_no_churn: Option<f64>,
+    /// The layer with the lowest mean churn-free Jaccard, and that mean.
+    pub worst_topk_layer: Option<(i32, f64)>,
+    /// Largest p95 relative L2 error at any layer (at the verdict's site), and where.
+    pub worst_hidden_layer: Option<(i32, f64)>,
+    /// Runs with a non-finite onset.
+    pub nonfinite_runs: usize,
+    /// First hidden-divergence layer of each run that has one.
+    pub hidden_verdicts: Vec<i32>,
+    /// First top-k divergence layer of each run that has one.
+    pub topk_verdicts: Vec<i32>,
+}
+
+/// The grid.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Grid {
+    /// Tags grouped by.
+    pub group_by: Vec<String>,
+    /// One row per group, sorted by key.
+    pub groups: Vec<GroupRow>,
+}
+
+impl Grid {
+    /// The comparison along the first grouping tag: its values as columns,
+    /// the other tags' value combinations as rows.
+    #[must_use]
+    pub fn comparison(&self) -> Comparison {
+        let mut columns: Vec<String> = self
+            .groups
+            .iter()
+            .filter_map(|g| g.key.first().cloned())
+            .collect();
+        columns.sort();
+        columns.dedup();
+        let mut rows: BTreeMap<Vec<String>, Vec<Option<GroupRow>>> = BTreeMap::new();
+        for g in &self.groups {
+            let (Some(first), rest) = (g.key.first(), g.key.get(1..).unwrap_or_default().to_vec())
+            else {
+                continue;
+            };
+            let slot = columns.iter().position(|c| c == first).unwrap_or(0);
+            rows.entry(rest)
+                .or_insert_with(|| vec![None; columns.len()])[slot] = Some(g.clone());
+        }
+        Comparison {
+            by: self.group_by.first().cloned().unwrap_or_default(),
+            rest: self.group_by.get(1..).unwrap_or_default().to_vec(),
+            columns,
+            rows: rows.into_iter().collect(),
+        }
+    }
+}
+
+/// Groups side by side.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    /// The tag whose values are the columns.
+    pub by: String,
+    /// The tags whose values label the rows.
+    pub rest: Vec<String>,
+    /// The column values.
+    pub columns: Vec<String>,
+    /// Row label values, and each column's group (if any).
+    pub rows: Vec<(Vec<String>, Vec<Option<GroupRow>>)>,
+}
+
+/// Groups runs by the values of `group_by` tags (a missing tag reads `-`).
+#[must_use]
+pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
+    let mut groups: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
+    for run in runs {
+        let key = group_by
+            .iter()
+            .map(|t| run.tags.get(t).cloned().unwrap_or_else(|| "-".to_owned()))
+            .collect();
+        groups.entry(key).or_default().push(run);
+    }
+    let rows = groups
+        .into_iter()
+        .map(|(key, runs)| {
+            let mut rows_total = 0;
+            let mut weighted = 0.0;
+            let mut worst_topk: Option<(i32, f64)> = None;
+            let mut worst_hidden: Option<(i32, f64)> = None;
+            for run in &runs {
+                for layer in &run.topk {
+                    if let Some(j) = layer.jaccard_no_churn {
+                        rows_total += layer.informative_rows;
+                        weighted += j.mean * layer.informative_rows as f64;
+                    }
+                }
+                for (layer, j) in topk_series(&run.topk) {
+                    if worst_topk.is_none_or(|(_, w)| j < w) {
+                        worst_topk = Some((layer, j));
+                    }
+                }
+                for s in run.hidden.iter().filter(|s| s.site == "layer_out") {
+                    if let Some(e) = s.rel_l2_err
+                        && worst_hidden.is_none_or(|(_, w)| e.p95 > w)
+                    {
+                        worst_hidden = Some((s.layer, e.p95));
+                    }
+                }
+            }
+            GroupRow {
+                key,
+                runs: runs.len(),
+                informative_rows: rows_total,
+                jaccard_no_churn: (rows_total > 0).then(|| weighted / rows_total as f64),
+                worst_topk_layer: worst_topk,
+                worst_hidden_layer: worst_hidden,
+                nonfinite_runs: runs.iter().filter(|r| r.onset.is_some()).count(),
+                hidden_verdicts: runs
+                    .iter()
+                    .filter_map(|r| r.hidden_verdict.as_ref().map(|v| v.layer))
+                    .collect(),
+                topk_verdicts: runs
+                    .iter()
+                    .filter_map(|r| r.topk_verdict.as_ref().map(|v| v.layer))
+                    .collect(),
+            }
+        })
+        .collect();
+    Grid {
+        group_by: group_by.to_vec(),
+        groups: rows,
+    }
+}

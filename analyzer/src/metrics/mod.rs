@@ -1,0 +1,8 @@
+//! Metrics: one per file, each with its definition in the module docs.
+//! Producers record raw facts; every derived number is computed here.
+
+pub mod hidden_error;
+pub mod logits;
+pub mod nonfinite;
+pub mod summary;
+pub mod topk_overlap;

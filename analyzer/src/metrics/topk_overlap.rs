@@ -1,0 +1,227 @@
+//! Top-k overlap between the production and shadow selections.
+//!
+//! ## What it measures
+//! Whether the FP8 indexer still picks the keys the shadow (reference)
+//! indexer picks, per query row, and how that is distributed over a layer.
+//!
+//! ## Definition
+//! Per `topk` row with a shadow: Jaccard |P ∩ S| / |P ∪ S| and recall
+//! |P ∩ S| / |S| over the stored selections (padding excluded; see
+//! `shadowtrace_schemas::selection`). The same again with boundary churn
+//! removed from both: keys of either path's boundary list whose score lies
+//! within the churn margin of that path's k-th score. The margin is the
+//! run's recorded `boundary_band` unless a smaller one is asked for; a row
+//! without boundary lists has no churn to remove.
+//!
+//! Rows with at most k visible keys (`visible <= k`) select every key and
+//! carry no information: they are counted as dense and kept out of every
+//! average. Per (run, layer) over the informative rows: mean, 5th
+//! percentile and minimum of each, and the share of rows below the
+//! verdict's Jaccard threshold.
+//!
+//! ## Why it matters
+//! A selection that loses keys the reference needs changes attention
+//! itself; churn among near-tied scores does not, which is why both are
+//! reported and only the churn-free one drives a verdict.
+//!
+//! ## References
+//! DeepSeek-V3.2 lightning indexer (index_topk = 2048);
+//! `../shared/reference/dsa_numerics.md` sections 1 and 3.
+
+use std::collections::BTreeMap;
+
+use polars::prelude::DataFrame;
+use rayon::prelude::*;
+use serde::Serialize;
+use shadowtrace_schemas::columns::topk as c;
+use shadowtrace_schemas::selection::{churn, overlap, overlap_excluding, union_sorted};
+
+use super::summary::Summary;
+use crate::AnalyzeError;
+use crate::frame::{i32s, list, opt_f32s};
+
+/// Columns this metric reads.
+pub const COLUMNS: [&str; 14] = [
+    c::STEP,
+    c::LAYER,
+    c::TOKEN,
+    c::K,
+    c::VISIBLE,
+    c::PROD_INDICES,
+    c::SHADOW_INDICES,
+    c::PROD_KTH_SCORE,
+    c::SHADOW_KTH_SCORE,
+    c::PROD_BOUNDARY_INDICES,
+    c::PROD_BOUNDARY_SCORES,
+    c::SHADOW_BOUNDARY_INDICES,
+    c::SHADOW_BOUNDARY_SCORES,
+    c::BOUNDARY_BAND,
+];
+
+/// Per layer, rows left out of the averages: (dense rows, rows without a shadow).
+pub type Uninformative = BTreeMap<i32, (usize, usize)>;
+
+/// Overlap of one informative row.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RowOverlap {
+    /// Forward step.
+    pub step: i32,
+    /// Layer.
+    pub layer: i32,
+    /// Query token.
+    pub token: i32,
+    /// Jaccard, churn included.
+    pub jaccard: f64,
+    /// Recall of the shadow's keys, churn included.
+    pub recall: f64,
+    /// Jaccard with boundary churn removed.
+    pub jaccard_no_churn: f64,
+    /// Recall with boundary churn removed.
+    pub recall_no_churn: f64,
+    /// Keys removed as churn.
+    pub churn_keys: usize,
+}
+
+/// What a layer's rows amount to.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerOverlap {
+    /// Layer.
+    pub layer: i32,
+    /// Rows with more than k visible keys and a shadow.
+    pub informative_rows: usize,
+    /// Rows with at most k visible keys (not averaged in).
+    pub dense_rows: usize,
+    /// Rows without a shadow selection (not averaged in).
+    pub rows_without_shadow: usize,
+    /// Jaccard, churn included.
+    pub jaccard: Option<Summary>,
+    /// Recall, churn included.
+    pub recall: Option<Summary>,
+    /// Jaccard with churn removed.
+    pub jaccard_no_churn: Option<Summary>,
+    /// Recall with churn removed.
+    pub recall_no_churn: Option<Summary>,
+    /// Share of informative rows whose churn-free Jaccard is below the threshold.
+    pub share_below: f64,
+    /// Mean keys removed as churn per informative row.
+    pub churn_keys_mean: f64,
+}
+
+/// Per-row overlap of one run's `topk` frame ([`COLUMNS`]), in parallel over
+/// rows, with no allocation per row. `churn_margin` caps the recorded band.
+/// Also returns the dense and shadow-less row counts per layer.
+///
+/// # Errors
+/// When a column is missing or has an unexpected layout.
+pub fn row_overlaps(
+    frame: &DataFrame,
+    churn_margin: Option<f32>,
+) -> Result<(Vec<RowOverlap>, Uninformative), AnalyzeError> {
+    let step = i32s(frame, c::STEP)?;
+    let layer = i32s(frame, c::LAYER)?;
+    let token = i32s(frame, c::TOKEN)?;
+    let k = i32s(frame, c::K)?;
+    let visible = i32s(frame, c::VISIBLE)?;
+    let prod = list::<i32>(frame, c::PROD_INDICES)?;
+    let shadow = list::<i32>(frame, c::SHADOW_INDICES)?;
+    let prod_kth = opt_f32s(frame, c::PROD_KTH_SCORE)?;
+    let shadow_kth = opt_f32s(frame, c::SHADOW_KTH_SCORE)?;
+    let prod_bi = list::<i32>(frame, c::PROD_BOUNDARY_INDICES)?;
+    let prod_bs = list::<f32>(frame, c::PROD_BOUNDARY_SCORES)?;
+    let shadow_bi = list::<i32>(frame, c::SHADOW_BOUNDARY_INDICES)?;
+    let shadow_bs = list::<f32>(frame, c::SHADOW_BOUNDARY_SCORES)?;
+    let band = opt_f32s(frame, c::BOUNDARY_BAND)?;
+
+    let mut skipped = Uninformative::new();
+    for i in 0..frame.height() {
+        let entry = skipped.entry(layer[i]).or_default();
+        if visible[i] <= k[i] {
+            entry.0 += 1;
+        } else if shadow.get(i).is_none() {
+            entry.1 += 1;
+        }
+    }
+    let rows: Vec<RowOverlap> = (0..frame.height())
+        .into_par_iter()
+        .filter(|&i| visible[i] > k[i])
+        .filter_map(|i| {
+            let (p, s) = (prod.get(i)?, shadow.get(i)?);
+            let all = overlap(p, s);
+            let margin = match (band[i], churn_margin) {
+                (Some(b), Some(m)) => b.min(m),
+                (Some(b), None) => b,
+                (None, _) => -1.0, // no boundary lists recorded: nothing is churn
+            };
+            let kth_or_nan = |kth: Option<f32>| kth.unwrap_or(f32::NAN);
+            let from_prod = churn(
+                prod_bi.get(i).unwrap_or(&[]),
+                prod_bs.get(i).unwrap_or(&[]),
+                kth_or_nan(prod_kth[i]),
+                margin,
+            );
+            let from_shadow = churn(
+                shadow_bi.get(i).unwrap_or(&[]),
+                shadow_bs.get(i).unwrap_or(&[]),
+                kth_or_nan(shadow_kth[i]),
+                margin,
+            );
+            let excluded = union_sorted(from_prod, from_shadow);
+            let churn_keys = excluded.clone().count();
+            let clean = overlap_excluding(p, s, excluded);
+            Some(RowOverlap {
+                step: step[i],
+                layer: layer[i],
+                token: token[i],
+                jaccard: all.jaccard(),
+                recall: all.recall(),
+                jaccard_no_churn: clean.jaccard(),
+                recall_no_churn: clean.recall(),
+                churn_keys,
+            })
+        })
+        .collect();
+    Ok((rows, skipped))
+}
+
+/// Per-layer summaries of row overlaps; `threshold` is the Jaccard below
+/// which a row counts in [`LayerOverlap::share_below`].
+#[must_use]
+pub fn by_layer(rows: &[RowOverlap], skipped: &Uninformative, threshold: f64) -> Vec<LayerOverlap> {
+    let mut groups: BTreeMap<i32, Vec<&RowOverlap>> =
+        skipped.keys().map(|&l| (l, Vec::new())).collect();
+    for row in rows {
+        groups.entry(row.layer).or_default().push(row);
+    }
+    groups
+        .into_iter()
+        .map(|(layer, rows)| {
+            let take = |f: fn(&RowOverlap) -> f64| Summary::of(rows.iter().map(|r| f(r)).collect());
+            let n = rows.len();
+            let (dense_rows, rows_without_shadow) =
+                skipped.get(&layer).copied().unwrap_or_default();
+            LayerOverlap {
+                layer,
+                informative_rows: n,
+                dense_rows,
+                rows_without_shadow,
+                jaccard: take(|r| r.jaccard),
+                recall: take(|r| r.recall),
+                jaccard_no_churn: take(|r| r.jaccard_no_churn),
+                recall_no_churn: take(|r| r.recall_no_churn),
+                share_below: if n == 0 {
+                    0.0
+                } else {
+                    rows.iter()
+                        .filter(|r| r.jaccard_no_churn < threshold)
+                        .count() as f64
+                        / n as f64
+                },
+                churn_keys_mean: if n == 0 {
+                    0.0
+                } else {
+                    rows.iter().map(|r| r.churn_keys as f64).sum::<f64>() / n as f64
+                },
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,225 @@
+//! The analysis as a Markdown report.
+
+use std::fmt::Write;
+
+use super::terminal::layer_rows;
+use super::{marks, num, sci};
+use crate::Analysis;
+
+/// Renders the report; `plots` are paths relative to the report, embedded
+/// in order.
+#[must_use]
+pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# shadowtrace report\n");
+    let _ = writeln!(
+        out,
+        "{} run{} analysed, {} skipped.\n",
+        a.runs.len(),
+        if a.runs.len() == 1 { "" } else { "s" },
+        a.skipped.len()
+    );
+    for s in &a.skipped {
+        let _ = writeln!(out, "- skipped: `{s}`");
+    }
+    let _ = writeln!(out, "## Rules\n");
+    if let Some(run) = a.runs.first() {
+        for rule in &run.rules {
+            let _ = writeln!(out, "- {rule}");
+        }
+    }
+    for (model, floor) in &a.floors {
+        let _ = writeln!(out, "- baseline for `{model}`: {}", floor.runs.join(", "));
+    }
+    let _ = writeln!(
+        out,
+        "- non-finite onset: first NaN or Inf of prod in execution order, with the shadow's finiteness there\n"
+    );
+
+    let _ = writeln!(out, "## Grid by {}\n", a.grid.group_by.join(", "));
+    let mut header: Vec<String> = a.grid.group_by.clone();
+    header.extend(
+        [
+            "runs",
+            "J no churn",
+            "worst top-k layer",
+            "worst hidden p95",
+            "NaN runs",
+            "verdicts",
+        ]
+        .map(str::to_owned),
+    );
+    let rows: Vec<Vec<String>> = a
+        .grid
+        .groups
+        .iter()
+        .map(|g| {
+            let mut row = g.key.clone();
+            row.extend([
+                g.runs.to_string(),
+                num(g.jaccard_no_churn, 4),
+                g.worst_topk_layer
+                    .map_or_else(|| "-".to_owned(), |(l, j)| format!("L{l} {j:.4}")),
+                g.worst_hidden_layer
+                    .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
+                g.nonfinite_runs.to_string(),
+                marks(None, &g.hidden_verdicts, &g.topk_verdicts),
+            ]);
+            row
+        })
+        .collect();
+    table(&mut out, &header, &rows);
+
+    let c = a.grid.comparison();
+    if c.columns.len() >= 2 {
+        let _ = writeln!(out, "## Side by side by {}\n", c.by);
+        let mut header = c.rest.clone();
+        header.extend(c.columns.iter().cloned());
+        let rows: Vec<Vec<String>> = c
+            .rows
+            .iter()
+            .map(|(label, cells)| {
+                let mut row = label.clone();
+                row.extend(cells.iter().map(|g| {
+                    g.as_ref().map_or_else(
+                        || "-".to_owned(),
+                        |g| {
+                            format!(
+                                "{} {}",
+                                num(g.jaccard_no_churn, 4),
+                                marks(None, &g.hidden_verdicts, &g.topk_verdicts)
+                            )
+                        },
+                    )
+                }));
+                row
+            })
+            .collect();
+        table(&mut out, &header, &rows);
+    }
+    if !a.determinism.is_empty() {
+        let _ = writeln!(out, "## Determinism\n");
+        let rows: Vec<Vec<String>> = a
+            .determinism
+            .iter()
+            .map(|d| {
+                vec![
+                    d.a.clone(),
+                    d.b.clone(),
+                    d.agreement.positions.to_string(),
+                    format!("{:.4}", d.agreement.argmax_agreement),
+                    sci(d.agreement.js_divergence.map(|s| s.max)),
+                ]
+            })
+            .collect();
+        table(
+            &mut out,
+            &[
+                "run a",
+                "run b",
+                "positions",
+                "argmax agreement",
+                "max JS (bits)",
+            ]
+            .map(str::to_owned),
+            &rows,
+        );
+    }
+    if !plots.is_empty() {
+        let _ = writeln!(out, "## Plots\n");
+        for p in plots {
+            let _ = writeln!(out, "![{p}]({p})\n");
+        }
+    }
+    let _ = writeln!(out, "## Runs\n");
+    for run in &a.runs {
+        let tag = |k: &str| run.tags.get(k).map_or("-", String::as_str);
+        let _ = writeln!(
+            out,
+            "### {}\n\n{} on {}, {} prompt of {} tokens, {}.\n",
+            run.run_id,
+            tag("model"),
+            tag("engine"),
+            tag("prompt_kind"),
+            tag("prompt_len"),
+            if run.complete {
+                "complete"
+            } else {
+                "**incomplete**"
+            }
+        );
+        if let Some(o) = &run.onset {
+            let _ = writeln!(
+                out,
+                "- non-finite onset: step {}, layer {}, `{}`, token {}: {} (shadow {})",
+                o.step,
+                o.layer,
+                o.site,
+                o.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
+                o.kind,
+                match o.shadow_finite {
+                    Some(true) => "finite",
+                    Some(false) => "non-finite too",
+                    None => "unknown",
+                }
+            );
+        } else {
+            let _ = writeln!(out, "- non-finite onset: none");
+        }
+        let _ = match &run.hidden_verdict {
+            Some(v) => writeln!(
+                out,
+                "- hidden divergence: layer {} (p95 rel L2 err {:.4e} > {:.4e})",
+                v.layer, v.value, v.limit
+            ),
+            None => writeln!(out, "- hidden divergence: none"),
+        };
+        let _ = match &run.topk_verdict {
+            Some(v) => writeln!(
+                out,
+                "- top-k divergence: layer {} (mean Jaccard {:.4} < {:.4})",
+                v.layer, v.value, v.limit
+            ),
+            None => writeln!(out, "- top-k divergence: none"),
+        };
+        for note in &run.notes {
+            let _ = writeln!(out, "- note: {note}");
+        }
+        let _ = writeln!(out);
+        let header = [
+            "layer",
+            "J",
+            "J no churn",
+            "J p5",
+            "rows",
+            "dense",
+            "hidden p95",
+            "cos min",
+            "NaN tok",
+            "marks",
+        ]
+        .map(str::to_owned);
+        table(&mut out, &header, &layer_rows(run));
+    }
+    out
+}
+
+fn table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
+    let _ = writeln!(out, "| {} |", header.join(" | "));
+    let _ = writeln!(
+        out,
+        "|{}",
+        header.iter().map(|_| " --- |").collect::<String>()
+    );
+    for row in rows {
+        let _ = writeln!(
+            out,
+            "| {} |",
+            row.iter()
+                .map(|c| if c.is_empty() { " " } else { c.as_str() })
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+    }
+    let _ = writeln!(out);
+}

@@ -1,0 +1,344 @@
+//! The analysis as terminal tables.
+
+use std::fmt::Write;
+
+use super::{marks, num, sci};
+use crate::Analysis;
+use crate::analysis::RunAnalysis;
+use crate::grid::GroupRow;
+
+/// Renders an analysis for a terminal: thresholds, grid, comparison,
+/// determinism, then each run with its verdicts and layer table.
+#[must_use]
+pub fn render_terminal(a: &Analysis) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "shadowtrace analyze: {} run{}, {} skipped",
+        a.runs.len(),
+        plural(a.runs.len()),
+        a.skipped.len()
+    );
+    for s in &a.skipped {
+        let _ = writeln!(out, "  skipped: {s}");
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(out, "rules");
+    if let Some(run) = a.runs.first() {
+        for rule in &run.rules {
+            let _ = writeln!(out, "  {rule}");
+        }
+    }
+    for (model, floor) in &a.floors {
+        let _ = writeln!(out, "  baseline for {model}: {}", floor.runs.join(", "));
+    }
+    let _ = writeln!(out);
+    grid_table(&mut out, a);
+    comparison_table(&mut out, a);
+    if !a.determinism.is_empty() {
+        let _ = writeln!(
+            out,
+            "determinism (prod against prod, same model, engine and prompt)"
+        );
+        for d in &a.determinism {
+            let js = d.agreement.js_divergence.map(|s| s.max);
+            let _ = writeln!(
+                out,
+                "  {} vs {}: argmax agreement {:.4} over {} positions, max JS {} bits",
+                d.a,
+                d.b,
+                d.agreement.argmax_agreement,
+                d.agreement.positions,
+                sci(js)
+            );
+        }
+        let _ = writeln!(out);
+    }
+    for run in &a.runs {
+        run_section(&mut out, run);
+    }
+    out
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+fn group_cells(g: &GroupRow) -> Vec<String> {
+    vec![
+        g.runs.to_string(),
+        num(g.jaccard_no_churn, 4),
+        g.worst_topk_layer
+            .map_or_else(|| "-".to_owned(), |(l, j)| format!("L{l} {j:.4}")),
+        g.worst_hidden_layer
+            .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
+        g.nonfinite_runs.to_string(),
+        marks(None, &g.hidden_verdicts, &g.topk_verdicts),
+    ]
+}
+
+fn grid_table(out: &mut String, a: &Analysis) {
+    let _ = writeln!(out, "grid by {}", a.grid.group_by.join(", "));
+    let mut header: Vec<String> = a.grid.group_by.clone();
+    header.extend(
+        [
+            "runs",
+            "J no churn",
+            "worst top-k layer",
+            "worst hidden p95",
+            "NaN runs",
+            "verdicts",
+        ]
+        .map(str::to_owned),
+    );
+    let rows: Vec<Vec<String>> = a
+        .grid
+        .groups
+        .iter()
+        .map(|g| {
+            let mut row = g.key.clone();
+            row.extend(group_cells(g));
+            row
+        })
+        .collect();
+    table(out, &header, &rows);
+    let _ = writeln!(out);
+}
+
+fn comparison_table(out: &mut String, a: &Analysis) {
+    let c = a.grid.comparison();
+    if c.columns.len() < 2 {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "side by side by {} (mean churn-free Jaccard; verdicts)",
+        c.by
+    );
+    let mut header = c.rest.clone();
+    header.extend(c.columns.iter().cloned());
+    let rows: Vec<Vec<String>> = c
+        .rows
+        .iter()
+        .map(|(label, cells)| {
+            let mut row = label.clone();
+            row.extend(cells.iter().map(|g| match g {
+                Some(g) => {
+                    let m = marks(None, &g.hidden_verdicts, &g.topk_verdicts);
+                    let nan = if g.nonfinite_runs > 0 {
+                        format!(" NaN x{}", g.nonfinite_runs)
+                    } else {
+                        String::new()
+                    };
+                    format!("{} {m}{nan}", num(g.jaccard_no_churn, 4))
+                }
+                None => "-".to_owned(),
+            }));
+            row
+        })
+        .collect();
+    table(out, &header, &rows);
+    let _ = writeln!(out);
+}
+
+fn run_section(out: &mut String, run: &RunAnalysis) {
+    let tag = |k: &str| run.tags.get(k).map_or("-", String::as_str);
+    let status = if run.complete {
+        "complete"
+    } else {
+        "INCOMPLETE"
+    };
+    let _ = writeln!(
+        out,
+        "run {}: {} on {}, {} prompt of {} tokens, {status}",
+        run.run_id,
+        tag("model"),
+        tag("engine"),
+        tag("prompt_kind"),
+        tag("prompt_len")
+    );
+    for (k, v) in run.counters.iter().filter(|(_, v)| **v > 0) {
+        let _ = writeln!(out, "  counted: {k} = {v}");
+    }
+    for note in &run.notes {
+        let _ = writeln!(out, "  note: {note}");
+    }
+    let onset = match &run.onset {
+        Some(o) => format!(
+            "step {}, layer {}, {}, token {}: {} (shadow {})",
+            o.step,
+            o.layer,
+            o.site,
+            o.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
+            o.kind,
+            match o.shadow_finite {
+                Some(true) => "finite there",
+                Some(false) => "non-finite there too",
+                None => "unknown",
+            }
+        ),
+        None => "none".to_owned(),
+    };
+    let _ = writeln!(out, "  non-finite onset:  {onset}");
+    for s in &run.failed_sentinels {
+        let _ = writeln!(
+            out,
+            "  failed sentinel:   {} at step {}, layer {}{}",
+            s.check,
+            s.step,
+            s.layer,
+            s.detail
+                .as_ref()
+                .map(|d| format!(" ({d})"))
+                .unwrap_or_default()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "  hidden divergence: {}",
+        run.hidden_verdict.as_ref().map_or_else(
+            || "none".to_owned(),
+            |v| format!(
+                "layer {}: p95 rel L2 err {:.3e} > {:.3e}",
+                v.layer, v.value, v.limit
+            )
+        )
+    );
+    let _ = writeln!(
+        out,
+        "  top-k divergence:  {}",
+        run.topk_verdict.as_ref().map_or_else(
+            || "none".to_owned(),
+            |v| format!(
+                "layer {}: mean Jaccard {:.4} < {:.4}",
+                v.layer, v.value, v.limit
+            )
+        )
+    );
+    if let Some(l) = &run.logits {
+        let _ = writeln!(
+            out,
+            "  logits:            argmax agreement {:.4} over {} positions, JS mean {} max {} bits",
+            l.argmax_agreement,
+            l.positions,
+            sci(l.js_divergence.map(|s| s.mean)),
+            sci(l.js_divergence.map(|s| s.max))
+        );
+    }
+    let header: Vec<String> = [
+        "layer",
+        "J",
+        "J no churn",
+        "J p5",
+        "rows",
+        "dense",
+        "hidden p95",
+        "cos min",
+        "NaN tok",
+        "marks",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    table(out, &header, &layer_rows(run));
+    let _ = writeln!(out);
+}
+
+/// The per-run layer table: layer | top-k overlap | hidden-state error |
+/// non-finite | verdict marks.
+pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
+    let mut layers: Vec<i32> = run
+        .topk
+        .iter()
+        .map(|l| l.layer)
+        .chain(run.hidden.iter().map(|h| h.layer))
+        .collect();
+    layers.sort_unstable();
+    layers.dedup();
+    layers
+        .iter()
+        .map(|&layer| {
+            let t = run.topk.iter().find(|l| l.layer == layer);
+            let h = run
+                .hidden
+                .iter()
+                .find(|s| s.layer == layer && s.site == "layer_out");
+            let nonfinite: usize = run
+                .hidden
+                .iter()
+                .filter(|s| s.layer == layer)
+                .map(|s| s.nonfinite_tokens)
+                .max()
+                .unwrap_or(0);
+            let onset = run
+                .onset
+                .as_ref()
+                .filter(|o| o.layer == layer)
+                .map(|o| o.layer);
+            let hv: Vec<i32> = run
+                .hidden_verdict
+                .iter()
+                .filter(|v| v.layer == layer)
+                .map(|v| v.layer)
+                .collect();
+            let kv: Vec<i32> = run
+                .topk_verdict
+                .iter()
+                .filter(|v| v.layer == layer)
+                .map(|v| v.layer)
+                .collect();
+            vec![
+                layer.to_string(),
+                num(t.and_then(|t| t.jaccard.map(|s| s.mean)), 4),
+                num(t.and_then(|t| t.jaccard_no_churn.map(|s| s.mean)), 4),
+                num(t.and_then(|t| t.jaccard_no_churn.map(|s| s.p5)), 4),
+                t.map_or_else(|| "-".to_owned(), |t| t.informative_rows.to_string()),
+                t.map_or_else(|| "-".to_owned(), |t| t.dense_rows.to_string()),
+                sci(h.and_then(|h| h.rel_l2_err.map(|s| s.p95))),
+                num(h.and_then(|h| h.cosine.map(|s| s.min)), 6),
+                nonfinite.to_string(),
+                if onset.is_none() && hv.is_empty() && kv.is_empty() {
+                    String::new()
+                } else {
+                    marks(onset, &hv, &kv)
+                },
+            ]
+        })
+        .collect()
+}
+
+/// Aligned columns: text left, everything else right.
+fn table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
+                .max()
+                .unwrap_or(0)
+                .max(header[i].chars().count())
+        })
+        .collect();
+    let numeric = |i: usize| {
+        rows.iter().all(|r| {
+            r.get(i)
+                .is_none_or(|c| c == "-" || c.parse::<f64>().is_ok())
+        })
+    };
+    let line = |cells: &[String]| {
+        let parts: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if numeric(i) {
+                    format!("{c:>w$}", w = widths[i])
+                } else {
+                    format!("{c:<w$}", w = widths[i])
+                }
+            })
+            .collect();
+        parts.join("  ").trim_end().to_owned()
+    };
+    let _ = writeln!(out, "  {}", line(header));
+    for row in rows {
+        let _ = writeln!(out, "  {}", line(row));
+    }
+}

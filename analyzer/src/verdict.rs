@@ -1,0 +1,239 @@
+//! Verdicts: the first layer where prod departs from the shadow, in hidden
+//! states and in top-k selection, each with the threshold that produced it.
+//!
+//! A threshold is either fixed (a flag with a documented default) or
+//! calibrated from baseline runs the user marks healthy: per layer, the
+//! noise floor is the worst value any baseline run of the same model showed
+//! there, and the verdict is the first layer exceeding `factor` times it.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::metrics::hidden_error::SiteError;
+use crate::metrics::topk_overlap::LayerOverlap;
+
+/// Default p95 relative L2 error that marks hidden-state divergence. FP8
+/// block-scaled GEMMs leave a few percent in healthy layers; ten percent is
+/// beyond that. Calibrate with baseline runs for a tighter, per-layer bar.
+pub const DEFAULT_HIDDEN_REL_ERR: f64 = 0.1;
+/// Default mean churn-free top-k Jaccard below which selection has diverged.
+pub const DEFAULT_TOPK_JACCARD: f64 = 0.8;
+/// Default multiple of the baseline noise floor that marks divergence.
+pub const DEFAULT_BASELINE_FACTOR: f64 = 3.0;
+/// Smallest noise floor used, so a baseline with no error at a layer does
+/// not turn any rounding into a verdict: hidden (relative L2) and top-k
+/// (1 − Jaccard).
+pub const MIN_FLOOR: (f64, f64) = (1e-6, 1e-3);
+
+/// What the verdicts compare against.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Thresholds {
+    /// p95 relative L2 error over tokens above which a layer has diverged.
+    pub hidden_rel_err: f64,
+    /// The site whose error decides (default `layer_out`: the residual stream).
+    pub hidden_site: String,
+    /// Shadow mode whose error decides; `None`: local where recorded, else free.
+    pub hidden_mode: Option<String>,
+    /// Mean churn-free Jaccard below which a layer's selection has diverged.
+    pub topk_jaccard: f64,
+    /// Largest score distance from the k-th score still counted as churn;
+    /// `None`: each run's recorded band.
+    pub churn_margin: Option<f32>,
+    /// Multiple of the baseline noise floor that marks divergence.
+    pub baseline_factor: f64,
+}
+
+impl Default for Thresholds {
+    fn default() -> Thresholds {
+        Thresholds {
+            hidden_rel_err: DEFAULT_HIDDEN_REL_ERR,
+            hidden_site: "layer_out".to_owned(),
+            hidden_mode: None,
+            topk_jaccard: DEFAULT_TOPK_JACCARD,
+            churn_margin: None,
+            baseline_factor: DEFAULT_BASELINE_FACTOR,
+        }
+    }
+}
+
+/// Per-layer noise floors of one model, from its baseline runs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct NoiseFloor {
+    /// Baseline runs it came from.
+    pub runs: Vec<String>,
+    /// Worst p95 relative L2 error per layer at the deciding site.
+    pub hidden: BTreeMap<i32, f64>,
+    /// Worst 1 − mean churn-free Jaccard per layer.
+    pub topk: BTreeMap<i32, f64>,
+}
+
+impl NoiseFloor {
+    /// Folds one healthy run into the floor.
+    pub fn add(
+        &mut self,
+        run_id: &str,
+        hidden: &[SiteError],
+        topk: &[LayerOverlap],
+        t: &Thresholds,
+    ) {
+        self.runs.push(run_id.to_owned());
+        for (layer, value) in hidden_series(hidden, t) {
+            let floor = self.hidden.entry(layer).or_insert(0.0);
+            *floor = floor.max(value);
+        }
+        for (layer, jaccard) in topk_series(topk) {
+            let floor = self.topk.entry(layer).or_insert(0.0);
+            *floor = floor.max(1.0 - jaccard);
+        }
+    }
+}
+
+/// A layer verdict: where, the value there, and the rule it broke.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerVerdict {
+    /// The first layer that broke the rule.
+    pub layer: i32,
+    /// Its value (p95 relative L2 error, or mean churn-free Jaccard).
+    pub value: f64,
+    /// The limit at that layer.
+    pub limit: f64,
+}
+
+/// The rule a verdict applies, printed with every verdict.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rule {
+    /// One line a person reads, thresholds included.
+    pub text: String,
+}
+
+/// The p95 relative L2 error per layer at the deciding site and mode.
+#[must_use]
+pub fn hidden_series(sites: &[SiteError], t: &Thresholds) -> Vec<(i32, f64)> {
+    let mode = t.hidden_mode.clone().unwrap_or_else(|| {
+        if sites.iter().any(|s| s.shadow_mode == "local") {
+            "local".to_owned()
+        } else {
+            "free".to_owned()
+        }
+    });
+    sites
+        .iter()
+        .filter(|s| s.site == t.hidden_site && s.shadow_mode == mode)
+        .filter_map(|s| s.rel_l2_err.map(|e| (s.layer, e.p95)))
+        .collect()
+}
+
+/// Mean churn-free Jaccard per layer with informative rows.
+#[must_use]
+pub fn topk_series(layers: &[LayerOverlap]) -> Vec<(i32, f64)> {
+    layers
+        .iter()
+        .filter_map(|l| l.jaccard_no_churn.map(|j| (l.layer, j.mean)))
+        .collect()
+}
+
+/// The first-divergence layer in hidden states, and the rule applied.
+#[must_use]
+pub fn hidden_verdict(
+    sites: &[SiteError],
+    t: &Thresholds,
+    floor: Option<&NoiseFloor>,
+) -> (Option<LayerVerdict>, Rule) {
+    let series = hidden_series(sites, t);
+    let site = &t.hidden_site;
+    match floor {
+        Some(f) => {
+            let limit = |layer: i32| {
+                t.baseline_factor
+                    * f.hidden
+                        .get(&layer)
+                        .copied()
+                        .unwrap_or(0.0)
+                        .max(MIN_FLOOR.0)
+            };
+            let text = format!(
+                "hidden: first layer whose p95 relative L2 error at {site} exceeds {} x its baseline floor (from {} baseline run{})",
+                t.baseline_factor,
+                f.runs.len(),
+                if f.runs.len() == 1 { "" } else { "s" }
+            );
+            let verdict = series
+                .iter()
+                .find(|(l, v)| *v > limit(*l))
+                .map(|&(layer, value)| LayerVerdict {
+                    layer,
+                    value,
+                    limit: limit(layer),
+                });
+            (verdict, Rule { text })
+        }
+        None => {
+            let text = format!(
+                "hidden: first layer whose p95 relative L2 error at {site} exceeds {}",
+                t.hidden_rel_err
+            );
+            let verdict =
+                series
+                    .iter()
+                    .find(|(_, v)| *v > t.hidden_rel_err)
+                    .map(|&(layer, value)| LayerVerdict {
+                        layer,
+                        value,
+                        limit: t.hidden_rel_err,
+                    });
+            (verdict, Rule { text })
+        }
+    }
+}
+
+/// The first-divergence layer in top-k selection, and the rule applied.
+#[must_use]
+pub fn topk_verdict(
+    layers: &[LayerOverlap],
+    t: &Thresholds,
+    floor: Option<&NoiseFloor>,
+) -> (Option<LayerVerdict>, Rule) {
+    let series = topk_series(layers);
+    let churn = match t.churn_margin {
+        Some(m) => format!("churn within {m:e} of the k-th score excluded"),
+        None => "churn within the recorded band excluded".to_owned(),
+    };
+    match floor {
+        Some(f) => {
+            let limit = |layer: i32| {
+                1.0 - t.baseline_factor
+                    * f.topk.get(&layer).copied().unwrap_or(0.0).max(MIN_FLOOR.1)
+            };
+            let text = format!(
+                "top-k: first layer whose mean Jaccard ({churn}) falls below 1 - {} x its baseline floor of 1 - Jaccard",
+                t.baseline_factor
+            );
+            let verdict = series
+                .iter()
+                .find(|(l, v)| *v < limit(*l))
+                .map(|&(layer, value)| LayerVerdict {
+                    layer,
+                    value,
+                    limit: limit(layer),
+                });
+            (verdict, Rule { text })
+        }
+        None => {
+            let text = format!(
+                "top-k: first layer whose mean Jaccard ({churn}) falls below {}",
+                t.topk_jaccard
+            );
+            let verdict =
+                series
+                    .iter()
+                    .find(|(_, v)| *v < t.topk_jaccard)
+                    .map(|&(layer, value)| LayerVerdict {
+                        layer,
+                        value,
+                        limit: t.topk_jaccard,
+                    });
+            (verdict, Rule { text })
+        }
+    }
+}
