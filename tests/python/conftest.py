@@ -23,7 +23,7 @@ def binary(name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory holding the run that `shadowtrace demo` writes."""
+    """What `shadowtrace demo` writes: runs/ (a grid of runs) and report/."""
     root = tmp_path_factory.mktemp("demo")
     subprocess.run(
         [binary("shadowtrace"), "demo", "--out", root],
@@ -35,6 +35,12 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_run(demo_root: Path) -> Path:
-    (run,) = [p.parent for p in demo_root.glob("*/manifest.json")]
-    return run
+def demo_runs(demo_root: Path) -> Path:
+    """The demo's directory of runs."""
+    return demo_root / "runs"
+
+
+@pytest.fixture(scope="session")
+def demo_run(demo_runs: Path) -> Path:
+    """The demo run with planted faults."""
+    return demo_runs / "glm-tool-3k"

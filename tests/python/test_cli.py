@@ -5,6 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import polars as pl
 from conftest import binary
 
 
@@ -26,6 +27,7 @@ def test_inspect_json_lists_every_part_file(demo_run: Path) -> None:
     assert out.returncode == 0, out.stderr
     (run,) = json.loads(out.stdout)["runs"]
     assert run["manifest"]["status"] == "complete"
+    assert run["manifest"]["run_id"] == "glm-tool-3k"
     assert [Path(p["path"]).name for p in run["files"]["topk"]] == ["part-00000.parquet"]
 
 
@@ -52,3 +54,58 @@ def test_an_unknown_command_names_the_program_it_looked_for() -> None:
     out = shadowtrace("frobnicate")
     assert out.returncode == 2
     assert "no program shadowtrace-frobnicate" in out.stderr
+
+
+def test_analyze_names_the_planted_faults_with_their_rules(demo_runs: Path) -> None:
+    out = shadowtrace("analyze", demo_runs)
+    assert out.returncode == 0, out.stderr
+    assert "top-k: first layer whose mean Jaccard" in out.stdout
+    assert "non-finite onset:  step 0, layer 3, mlp_out, token 2500: nan (shadow finite there)" in out.stdout
+    assert "top-k divergence:  layer 4: mean Jaccard" in out.stdout
+
+
+def test_analyze_fail_on_exits_1_only_for_the_named_verdict(demo_runs: Path) -> None:
+    assert shadowtrace("analyze", demo_runs, "--fail-on", "nonfinite").returncode == 1
+    assert shadowtrace("analyze", demo_runs, "--fail-on", "topk").returncode == 1
+    assert shadowtrace("analyze", demo_runs, "--fail-on", "hidden").returncode == 0
+    assert shadowtrace("analyze", demo_runs / "ds-tool-3k", "--fail-on", "any").returncode == 0
+
+
+def test_analyze_json_carries_every_verdict_and_threshold(demo_runs: Path) -> None:
+    out = shadowtrace("analyze", demo_runs, "--format", "json", "--topk-threshold", "0.5")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["thresholds"]["topk_jaccard"] == 0.5
+    runs = {r["run_id"]: r for r in doc["runs"]}
+    assert runs["glm-tool-3k"]["onset"]["layer"] == 3
+    assert runs["glm-tool-3k"]["topk_verdict"] is None, "0.60 is above a 0.5 threshold"
+    assert all(r["hidden_verdict"] is None for r in runs.values())
+
+
+def test_analyze_rejects_a_threshold_out_of_range(demo_runs: Path) -> None:
+    out = shadowtrace("analyze", demo_runs, "--topk-threshold", "1.5")
+    assert out.returncode == 2
+    assert "--topk-threshold: expected a value in [0, 1], got 1.5" in out.stderr
+
+
+def test_analyze_strict_fails_on_a_bad_run_that_lenient_mode_skips(demo_run: Path, tmp_path: Path) -> None:
+    shutil.copytree(demo_run, tmp_path / "good")
+    shutil.copytree(demo_run, tmp_path / "bad")
+    (tmp_path / "bad" / "manifest.json").write_text("{")
+    lenient = shadowtrace("analyze", tmp_path)
+    assert lenient.returncode == 0
+    assert "warning: skipped manifest" in lenient.stderr
+    assert "1 run, 1 skipped" in lenient.stdout
+    strict = shadowtrace("analyze", tmp_path, "--strict")
+    assert strict.returncode == 2
+    assert "corrupt" in strict.stderr
+
+
+def test_the_demo_report_holds_markdown_plots_and_metrics(demo_root: Path) -> None:
+    report = demo_root / "report"
+    text = (report / "report.md").read_text()
+    assert text.startswith("# shadowtrace report")
+    assert "![plots/topk_jaccard_vs_layer.svg](plots/topk_jaccard_vs_layer.svg)" in text
+    layers = pl.read_parquet(report / "metrics" / "topk_layers.parquet")
+    glm = layers.filter((pl.col("run_id") == "glm-tool-3k") & (pl.col("layer") == 4))
+    assert glm["jaccard_no_churn_mean"][0] < 0.8

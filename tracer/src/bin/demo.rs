@@ -1,7 +1,8 @@
-//! `shadowtrace demo`: the smallest end-to-end path that exists today. It
-//! writes a synthetic run through the run writer (the reference engine that
-//! will produce real traces is a later piece of work), then reads it back
-//! through the analyzer's loader and prints what `shadowtrace inspect` prints.
+//! `shadowtrace demo`: the main job, end to end, on synthetic runs until the
+//! reference engine exists. It writes a small grid of runs through the run
+//! writer (two model shapes x tool / no-tool prompts x two lengths around
+//! index_topk), with faults planted in one cell, then analyses the grid
+//! with the analyzer and writes the report.
 
 #![allow(
     clippy::print_stderr,
@@ -13,69 +14,138 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use shadowtrace_analyzer::{Run, inspect};
+use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, write_report};
+use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::WriterOptions;
 use shadowtrace_tracer::synth::SynthSpec;
 
-/// Write a synthetic shadowtrace run and inspect it.
+/// Write a synthetic grid of shadowtrace runs, analyse it and report.
 ///
-/// The run has the shape of a GLM-5 trace (index_topk 2048 over a 3072-token
-/// prompt, FP8 prod and FP32 shadow, a NaN planted at layer 3 mlp_out token
-/// 2500) but every number in it is synthetic: no model ran.
+/// Every number in these runs is synthetic: no model ran. The runs have the
+/// shape of GLM-5 and DeepSeek-V3.2 traces (index_topk 2048, FP8 prod, FP32
+/// shadow) and plant known faults in the GLM long tool-prompt cell — a NaN
+/// at layer 3 and a top-k selection collapse from layer 4 — so the analysis
+/// has something true to find.
 #[derive(Debug, Parser)]
 #[command(name = "shadowtrace demo", version)]
 struct Args {
-    /// Directory the run is written under; an earlier demo run there is replaced.
+    /// Directory the runs and the report are written under; an earlier demo
+    /// there is replaced.
     #[arg(long, default_value = "out/demo")]
     out: PathBuf,
 }
 
+fn grid() -> Vec<SynthSpec> {
+    let mut specs = Vec::new();
+    for (model, short) in [
+        ("synthetic/glm5-shaped", "glm"),
+        ("synthetic/deepseek-v32-shaped", "ds"),
+    ] {
+        for kind in ["tool", "no_tool"] {
+            for tokens in [1024, 3072] {
+                let faulty = short == "glm" && kind == "tool" && tokens == 3072;
+                specs.push(SynthSpec {
+                    run_id: format!("{short}-{kind}-{}k", tokens / 1024).replace('_', "-"),
+                    model: model.to_owned(),
+                    tokens,
+                    prompt_kind: kind.to_owned(),
+                    planted_nan: faulty.then_some((3, "mlp_out", 2500)),
+                    collapse_from_layer: faulty.then_some(4),
+                    seed: u64::from(tokens.unsigned_abs()) + kind.len() as u64 + short.len() as u64,
+                    ..SynthSpec::demo("demo")
+                });
+            }
+        }
+    }
+    specs
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let spec = SynthSpec::demo("demo-synthetic-tool-3k");
-    let dir = args.out.join(&spec.run_id);
-    clear_previous_run(&dir)?;
+    let runs_dir = args.out.join("runs");
+    let report_dir = args.out.join("report");
+    clear_previous_demo(&args.out)?;
 
+    let specs = grid();
     eprintln!(
-        "writing synthetic run {} ({} layers x {} tokens) to {}",
-        spec.run_id,
-        spec.layers,
-        spec.tokens,
-        dir.display()
+        "writing {} synthetic runs to {}",
+        specs.len(),
+        runs_dir.display()
     );
     let started = Instant::now();
-    let manifest = spec
-        .write(&dir, WriterOptions::default())
-        .with_context(|| format!("writing {}", dir.display()))?;
-    let total_rows: u64 = manifest.tables.values().map(|t| t.rows).sum();
+    for (i, spec) in specs.iter().enumerate() {
+        let dir = runs_dir.join(&spec.run_id);
+        spec.write(&dir, WriterOptions::default())
+            .with_context(|| format!("writing {}", dir.display()))?;
+        eprintln!(
+            "  [{}/{}] {} ({} tokens, {} layers)",
+            i + 1,
+            specs.len(),
+            spec.run_id,
+            spec.tokens,
+            spec.layers
+        );
+    }
     eprintln!(
-        "wrote {total_rows} rows in {:.2} s; reading it back",
+        "wrote the grid in {:.1} s; analysing",
         started.elapsed().as_secs_f64()
     );
 
-    let run = Run::open(&dir).with_context(|| format!("reading {}", dir.display()))?;
-    print!("{}", inspect::render_run(&run));
+    let analysis = analyze(
+        std::slice::from_ref(&runs_dir),
+        &[],
+        &Options::default(),
+        |_, _, _| {},
+    )?;
+    print!("{}", render_terminal(&analysis));
+    write_report(&report_dir, &analysis)?;
+    println!("report: {}", report_dir.join(REPORT_FILE).display());
     println!();
-    println!("The numbers in this run are synthetic: no model ran. It exercises the trace format,");
     println!(
-        "the writer and the reader end to end; inspect it again with `shadowtrace inspect {}`.",
-        dir.display()
+        "These runs are synthetic: no model ran, and the weights behind their numbers do not exist."
+    );
+    println!(
+        "They exercise the trace format, writer, reader and analyzer end to end; the faults planted"
+    );
+    println!(
+        "in glm-tool-3k (NaN at layer 3 mlp_out token 2500, top-k collapse from layer 4) are what the"
+    );
+    println!(
+        "analysis above should find. Re-run it with `shadowtrace analyze {}`.",
+        runs_dir.display()
     );
     Ok(())
 }
 
-/// Removes an earlier demo run at `dir`; refuses to touch anything else.
-fn clear_previous_run(dir: &Path) -> anyhow::Result<()> {
-    if !dir.exists() {
+/// Removes an earlier demo; refuses a directory that holds anything else.
+fn clear_previous_demo(out: &Path) -> anyhow::Result<()> {
+    if !out.exists() {
         return Ok(());
     }
-    if !dir.join(MANIFEST_FILE).is_file() {
-        bail!(
-            "{} exists and is not a shadowtrace run; choose another --out",
-            dir.display()
-        );
+    let ours = |name: &str| matches!(name, "runs" | "report");
+    for entry in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !ours(&name) {
+            bail!(
+                "{} holds {name}, which the demo did not write; choose another --out",
+                out.display()
+            );
+        }
     }
-    std::fs::remove_dir_all(dir)
-        .with_context(|| format!("removing the previous demo run {}", dir.display()))
+    let runs = out.join("runs");
+    if runs.exists() {
+        for entry in std::fs::read_dir(&runs)? {
+            let path = entry?.path();
+            if !path.join(MANIFEST_FILE).is_file() {
+                bail!(
+                    "{} is not a shadowtrace run; choose another --out",
+                    path.display()
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(out)
+        .with_context(|| format!("removing the previous demo in {}", out.display()))
 }
