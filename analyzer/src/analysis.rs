@@ -66,6 +66,9 @@ pub struct RunAnalysis {
     /// Per-row overlaps, for heatmaps and the metrics Parquet.
     #[serde(skip)]
     pub topk_rows: Vec<RowOverlap>,
+    /// Per-token error at the hidden verdict's site, for heatmaps.
+    #[serde(skip)]
+    pub hidden_tokens: Vec<hidden_error::TokenError>,
     /// Prod top-N logits, for determinism pairs.
     #[serde(skip)]
     pub prod_top_n: TopN,
@@ -179,13 +182,15 @@ pub fn analyze_run(
     let mut skipped_rows = topk_overlap::Uninformative::new();
     for part in run.files.get(&Table::Topk).into_iter().flatten() {
         let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
-        frame.rechunk_mut();
-        let (rows, skipped) = topk_overlap::row_overlaps(&frame, t.churn_margin)?;
-        topk_rows.extend(rows);
-        for (layer, (dense, no_shadow)) in skipped {
-            let entry = skipped_rows.entry(layer).or_default();
-            entry.0 += dense;
-            entry.1 += no_shadow;
+        // Row group by row group, as decoded: no copy into one chunk.
+        for chunk in frame.split_chunks() {
+            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
+            topk_rows.extend(rows);
+            for (layer, (dense, no_shadow)) in skipped {
+                let entry = skipped_rows.entry(layer).or_default();
+                entry.0 += dense;
+                entry.1 += no_shadow;
+            }
         }
     }
     let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows, t.topk_jaccard);
@@ -198,6 +203,7 @@ pub fn analyze_run(
     );
     let hidden_frame = run.read_table(Table::Hidden, Some(&hidden_columns))?;
     let hidden = hidden_error::by_site(&hidden_frame)?;
+    let hidden_tokens = hidden_error::tokens_at_verdict_site(&hidden_frame, &hidden, t)?;
     let events_frame = run.read_table(Table::Events, Some(&nonfinite::EVENT_COLUMNS))?;
     let (onset, failed_sentinels) = nonfinite::onset(&hidden_frame, &events_frame)?;
     drop(hidden_frame);
@@ -231,6 +237,7 @@ pub fn analyze_run(
         topk_verdict,
         rules: vec![hidden_rule.text, topk_rule.text],
         topk_rows,
+        hidden_tokens,
         prod_top_n,
     })
 }

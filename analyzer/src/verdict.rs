@@ -107,16 +107,23 @@ pub struct Rule {
     pub text: String,
 }
 
-/// The p95 relative L2 error per layer at the deciding site and mode.
+/// The shadow mode whose error decides: the one asked for, else `local`
+/// where the run recorded it, else `free`.
 #[must_use]
-pub fn hidden_series(sites: &[SiteError], t: &Thresholds) -> Vec<(i32, f64)> {
-    let mode = t.hidden_mode.clone().unwrap_or_else(|| {
+pub fn deciding_mode(sites: &[SiteError], t: &Thresholds) -> String {
+    t.hidden_mode.clone().unwrap_or_else(|| {
         if sites.iter().any(|s| s.shadow_mode == "local") {
             "local".to_owned()
         } else {
             "free".to_owned()
         }
-    });
+    })
+}
+
+/// The p95 relative L2 error per layer at the deciding site and mode.
+#[must_use]
+pub fn hidden_series(sites: &[SiteError], t: &Thresholds) -> Vec<(i32, f64)> {
+    let mode = deciding_mode(sites, t);
     sites
         .iter()
         .filter(|s| s.site == t.hidden_site && s.shadow_mode == mode)
@@ -133,6 +140,37 @@ pub fn topk_series(layers: &[LayerOverlap]) -> Vec<(i32, f64)> {
         .collect()
 }
 
+/// The first layer of `series` (ascending layers) whose value breaks its
+/// limit: `above` means exceeds it, otherwise falls below it.
+fn first_breaking(
+    series: &[(i32, f64)],
+    limit: impl Fn(i32) -> f64,
+    above: bool,
+) -> Option<LayerVerdict> {
+    series
+        .iter()
+        .find(|&&(layer, value)| {
+            if above {
+                value > limit(layer)
+            } else {
+                value < limit(layer)
+            }
+        })
+        .map(|&(layer, value)| LayerVerdict {
+            layer,
+            value,
+            limit: limit(layer),
+        })
+}
+
+fn baseline_runs(f: &NoiseFloor) -> String {
+    format!(
+        "{} baseline run{}",
+        f.runs.len(),
+        if f.runs.len() == 1 { "" } else { "s" }
+    )
+}
+
 /// The first-divergence layer in hidden states, and the rule applied.
 #[must_use]
 pub fn hidden_verdict(
@@ -142,49 +180,28 @@ pub fn hidden_verdict(
 ) -> (Option<LayerVerdict>, Rule) {
     let series = hidden_series(sites, t);
     let site = &t.hidden_site;
-    match floor {
-        Some(f) => {
-            let limit = |layer: i32| {
-                t.baseline_factor
-                    * f.hidden
-                        .get(&layer)
-                        .copied()
-                        .unwrap_or(0.0)
-                        .max(MIN_FLOOR.0)
-            };
-            let text = format!(
-                "hidden: first layer whose p95 relative L2 error at {site} exceeds {} x its baseline floor (from {} baseline run{})",
+    let (verdict, text) = match floor {
+        Some(f) => (
+            first_breaking(
+                &series,
+                |l| t.baseline_factor * f.hidden.get(&l).copied().unwrap_or(0.0).max(MIN_FLOOR.0),
+                true,
+            ),
+            format!(
+                "hidden: first layer whose p95 relative L2 error at {site} exceeds {} x its baseline floor (from {})",
                 t.baseline_factor,
-                f.runs.len(),
-                if f.runs.len() == 1 { "" } else { "s" }
-            );
-            let verdict = series
-                .iter()
-                .find(|(l, v)| *v > limit(*l))
-                .map(|&(layer, value)| LayerVerdict {
-                    layer,
-                    value,
-                    limit: limit(layer),
-                });
-            (verdict, Rule { text })
-        }
-        None => {
-            let text = format!(
+                baseline_runs(f)
+            ),
+        ),
+        None => (
+            first_breaking(&series, |_| t.hidden_rel_err, true),
+            format!(
                 "hidden: first layer whose p95 relative L2 error at {site} exceeds {}",
                 t.hidden_rel_err
-            );
-            let verdict =
-                series
-                    .iter()
-                    .find(|(_, v)| *v > t.hidden_rel_err)
-                    .map(|&(layer, value)| LayerVerdict {
-                        layer,
-                        value,
-                        limit: t.hidden_rel_err,
-                    });
-            (verdict, Rule { text })
-        }
-    }
+            ),
+        ),
+    };
+    (verdict, Rule { text })
 }
 
 /// The first-divergence layer in top-k selection, and the rule applied.
@@ -199,41 +216,29 @@ pub fn topk_verdict(
         Some(m) => format!("churn within {m:e} of the k-th score excluded"),
         None => "churn within the recorded band excluded".to_owned(),
     };
-    match floor {
-        Some(f) => {
-            let limit = |layer: i32| {
-                1.0 - t.baseline_factor
-                    * f.topk.get(&layer).copied().unwrap_or(0.0).max(MIN_FLOOR.1)
-            };
-            let text = format!(
-                "top-k: first layer whose mean Jaccard ({churn}) falls below 1 - {} x its baseline floor of 1 - Jaccard",
-                t.baseline_factor
-            );
-            let verdict = series
-                .iter()
-                .find(|(l, v)| *v < limit(*l))
-                .map(|&(layer, value)| LayerVerdict {
-                    layer,
-                    value,
-                    limit: limit(layer),
-                });
-            (verdict, Rule { text })
-        }
-        None => {
-            let text = format!(
+    let (verdict, text) = match floor {
+        Some(f) => (
+            first_breaking(
+                &series,
+                |l| {
+                    1.0 - t.baseline_factor
+                        * f.topk.get(&l).copied().unwrap_or(0.0).max(MIN_FLOOR.1)
+                },
+                false,
+            ),
+            format!(
+                "top-k: first layer whose mean Jaccard ({churn}) falls below 1 - {} x its baseline floor of 1 - Jaccard (from {})",
+                t.baseline_factor,
+                baseline_runs(f)
+            ),
+        ),
+        None => (
+            first_breaking(&series, |_| t.topk_jaccard, false),
+            format!(
                 "top-k: first layer whose mean Jaccard ({churn}) falls below {}",
                 t.topk_jaccard
-            );
-            let verdict =
-                series
-                    .iter()
-                    .find(|(_, v)| *v < t.topk_jaccard)
-                    .map(|&(layer, value)| LayerVerdict {
-                        layer,
-                        value,
-                        limit: t.topk_jaccard,
-                    });
-            (verdict, Rule { text })
-        }
-    }
+            ),
+        ),
+    };
+    (verdict, Rule { text })
 }

@@ -8,7 +8,7 @@
 //! needs no allocation and no hashing.
 
 /// How two selections overlap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Overlap {
     /// Members of both.
     pub intersection: usize,
@@ -45,68 +45,67 @@ impl Overlap {
 /// negative entries (padding) are ignored.
 #[must_use]
 pub fn overlap(prod: &[i32], shadow: &[i32]) -> Overlap {
-    overlap_excluding(prod, shadow, std::iter::empty())
+    overlap_with_and_without(prod, shadow, &[]).0
 }
 
-/// As [`overlap`], with the keys `excluded` yields (ascending) removed from
-/// both selections first: the overlap without boundary churn.
+/// As [`overlap`], with the keys in `excluded` (sorted ascending) removed
+/// from both selections first: the overlap without boundary churn.
 #[must_use]
-pub fn overlap_excluding<I>(prod: &[i32], shadow: &[i32], excluded: I) -> Overlap
-where
-    I: IntoIterator<Item = i32>,
-    I::IntoIter: Clone,
-{
-    let excluded = excluded.into_iter();
-    let mut a = Members::new(prod, excluded.clone());
-    let mut b = Members::new(shadow, excluded);
-    let (mut intersection, mut union, mut reference_len) = (0, 0, 0);
-    let (mut x, mut y) = (a.next(), b.next());
+pub fn overlap_excluding(prod: &[i32], shadow: &[i32], excluded: &[i32]) -> Overlap {
+    overlap_with_and_without(prod, shadow, excluded).1
+}
+
+/// [`overlap`] and [`overlap_excluding`] in one merge of the two selections:
+/// the analyzer's hot loop, one pass per row and no allocation.
+#[must_use]
+pub fn overlap_with_and_without(
+    prod: &[i32],
+    shadow: &[i32],
+    excluded: &[i32],
+) -> (Overlap, Overlap) {
+    let (mut all, mut clean) = (Overlap::default(), Overlap::default());
+    let (mut i, mut j, mut e) = (0, 0, 0);
     loop {
-        match (x, y) {
+        // Skip padding on either side.
+        while i < prod.len() && prod[i] < 0 {
+            i += 1;
+        }
+        while j < shadow.len() && shadow[j] < 0 {
+            j += 1;
+        }
+        let (p, s) = (prod.get(i).copied(), shadow.get(j).copied());
+        let (key, in_prod, in_shadow) = match (p, s) {
             (None, None) => break,
-            (Some(_), None) => {
-                union += 1;
-                x = a.next();
-            }
-            (None, Some(_)) => {
-                union += 1;
-                reference_len += 1;
-                y = b.next();
-            }
-            (Some(p), Some(s)) if p == s => {
-                intersection += 1;
-                union += 1;
-                reference_len += 1;
-                x = a.next();
-                y = b.next();
-            }
-            (Some(p), Some(s)) if p < s => {
-                union += 1;
-                x = a.next();
-            }
-            (Some(_), Some(_)) => {
-                union += 1;
-                reference_len += 1;
-                y = b.next();
+            (Some(p), None) => (p, true, false),
+            (None, Some(s)) => (s, false, true),
+            (Some(p), Some(s)) => (p.min(s), p <= s, s <= p),
+        };
+        i += usize::from(in_prod);
+        j += usize::from(in_shadow);
+        // Both ascend, so the excluded cursor only moves forward.
+        while e < excluded.len() && excluded[e] < key {
+            e += 1;
+        }
+        let churn = excluded.get(e) == Some(&key);
+        for (counts, counted) in [(&mut all, true), (&mut clean, !churn)] {
+            if counted {
+                counts.union += 1;
+                counts.intersection += usize::from(in_prod && in_shadow);
+                counts.reference_len += usize::from(in_shadow);
             }
         }
     }
-    Overlap {
-        intersection,
-        union,
-        reference_len,
-    }
+    (all, clean)
 }
 
-/// Keys of a boundary list (ascending) whose score lies within `margin` of
-/// the k-th score: the members whose selection is a coin toss at this
-/// precision. Lazy and allocation-free.
+/// Keys of a boundary list whose score lies within `margin` of the k-th
+/// score: the members whose selection is a coin toss at this precision.
 pub fn churn<'a>(
     boundary_indices: &'a [i32],
     boundary_scores: &'a [f32],
     kth_score: f32,
     margin: f32,
-) -> impl Iterator<Item = i32> + Clone + 'a {
+) -> impl Iterator<Item = i32> + 'a {
     boundary_indices
         .iter()
         .zip(boundary_scores)
@@ -126,79 +125,6 @@ pub fn churn_keys(
     keys.sort_unstable();
     keys.dedup();
     keys
-}
-
-/// The ascending union of two ascending key sequences, each key once: the
-/// churn seen from prod's scores merged with the churn seen from the shadow's.
-pub fn union_sorted<A, B>(a: A, b: B) -> impl Iterator<Item = i32> + Clone
-where
-    A: Iterator<Item = i32> + Clone,
-    B: Iterator<Item = i32> + Clone,
-{
-    UnionSorted {
-        a: a.peekable(),
-        b: b.peekable(),
-        last: None,
-    }
-}
-
-#[derive(Clone)]
-struct UnionSorted<A: Iterator<Item = i32>, B: Iterator<Item = i32>> {
-    a: std::iter::Peekable<A>,
-    b: std::iter::Peekable<B>,
-    last: Option<i32>,
-}
-
-impl<A: Iterator<Item = i32>, B: Iterator<Item = i32>> Iterator for UnionSorted<A, B> {
-    type Item = i32;
-
-    fn next(&mut self) -> Option<i32> {
-        loop {
-            let next = match (self.a.peek(), self.b.peek()) {
-                (None, None) => return None,
-                (Some(&x), Some(&y)) if x <= y => self.a.next(),
-                (Some(_), None) => self.a.next(),
-                _ => self.b.next(),
-            };
-            if next != self.last {
-                self.last = next;
-                return next;
-            }
-        }
-    }
-}
-
-/// Valid members of a sorted selection, skipping padding and excluded keys.
-struct Members<'a, E: Iterator<Item = i32>> {
-    keys: std::slice::Iter<'a, i32>,
-    excluded: std::iter::Peekable<E>,
-}
-
-impl<'a, E: Iterator<Item = i32>> Members<'a, E> {
-    fn new(keys: &'a [i32], excluded: E) -> Members<'a, E> {
-        Members {
-            keys: keys.iter(),
-            excluded: excluded.peekable(),
-        }
-    }
-}
-
-impl<E: Iterator<Item = i32>> Iterator for Members<'_, E> {
-    type Item = i32;
-
-    fn next(&mut self) -> Option<i32> {
-        for &key in self.keys.by_ref() {
-            if key < 0 {
-                continue;
-            }
-            // Both sequences ascend, so the excluded cursor only moves forward.
-            while self.excluded.next_if(|&e| e < key).is_some() {}
-            if self.excluded.peek() != Some(&key) {
-                return Some(key);
-            }
-        }
-        None
-    }
 }
 
 #[cfg(test)]
@@ -275,25 +201,38 @@ mod tests {
         assert_eq!(overlap(&prod, &shadow).jaccard(), 6.0 / 8.0);
         let churn = churn_keys(&[9, 8, 3], &[0.7, 0.7000001, 0.9], 0.7, 1e-6);
         assert_eq!(churn, [8, 9], "key 3 is far from the k-th score");
-        let o = overlap_excluding(&prod, &shadow, churn.iter().copied());
+        let o = overlap_excluding(&prod, &shadow, &churn);
         assert_eq!((o.jaccard(), o.recall()), (1.0, 1.0));
     }
 
     #[test]
-    fn churn_seen_from_either_path_is_merged_once_and_in_order() {
-        let from_prod = churn(&[2, 5, 9], &[1.0, 1.0005, 3.0], 1.0, 1e-3);
-        let from_shadow = churn(&[1, 5, 7], &[0.9995, 1.0, 1.0], 1.0, 1e-3);
+    fn one_pass_gives_both_overlaps_of_the_separate_definitions() {
+        // prod {1, 2, 3, 9}, shadow {2, 3, 4, 9}, churn {1, 4, 7}.
+        let (all, clean) = overlap_with_and_without(&[-1, 1, 2, 3, 9], &[2, 3, 4, 9], &[1, 4, 7]);
         assert_eq!(
-            union_sorted(from_prod, from_shadow).collect::<Vec<_>>(),
-            [1, 2, 5, 7]
+            all,
+            Overlap {
+                intersection: 3,
+                union: 5,
+                reference_len: 4
+            }
         );
+        assert_eq!(
+            clean,
+            Overlap {
+                intersection: 3,
+                union: 3,
+                reference_len: 3
+            }
+        );
+        assert_eq!(all, overlap(&[1, 2, 3, 9], &[2, 3, 4, 9]));
     }
 
     #[test]
     fn excluding_churn_keeps_a_real_divergence() {
         let prod = [0, 1, 2, 50];
         let shadow = [0, 1, 2, 60];
-        let o = overlap_excluding(&prod, &shadow, [60]);
+        let o = overlap_excluding(&prod, &shadow, &[60]);
         assert_eq!(
             o,
             Overlap {

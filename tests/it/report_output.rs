@@ -67,6 +67,7 @@ fn the_report_directory_holds_the_report_plots_and_metrics() {
         .collect();
     for expected in [
         "report.md",
+        "analysis.json",
         "plots/topk_jaccard_vs_layer.svg",
         "plots/hidden_error_vs_layer.svg",
         "plots/overlap_heatmap_glm-plain.svg",
@@ -74,6 +75,7 @@ fn the_report_directory_holds_the_report_plots_and_metrics() {
         "metrics/topk_layers.parquet",
         "metrics/topk_rows.parquet",
         "metrics/hidden_layers.parquet",
+        "metrics/hidden_tokens.parquet",
     ] {
         assert!(
             names.iter().any(|n| n == expected),

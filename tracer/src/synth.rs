@@ -380,8 +380,10 @@ impl SynthSpec {
     }
 }
 
-/// Keys in exactly one of two sorted selections, ascending.
-fn symmetric_difference(a: &[i32], b: &[i32]) -> Vec<i32> {
+/// Keys in exactly one of two sorted selections, ascending: the keys two
+/// paths disagree on.
+#[must_use]
+pub fn symmetric_difference(a: &[i32], b: &[i32]) -> Vec<i32> {
     let mut out: Vec<i32> = a
         .iter()
         .filter(|x| b.binary_search(x).is_err())

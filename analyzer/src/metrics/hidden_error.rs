@@ -28,9 +28,12 @@ use shadowtrace_schemas::columns::hidden as c;
 use super::summary::Summary;
 use crate::AnalyzeError;
 use crate::frame::{i32s, i64s, opt_f32s, opt_strs};
+use crate::verdict::Thresholds;
 
 /// Columns this metric reads.
-pub const COLUMNS: [&str; 9] = [
+pub const COLUMNS: [&str; 11] = [
+    c::STEP,
+    c::TOKEN,
     c::LAYER,
     c::SITE,
     c::SHADOW_MODE,
@@ -126,6 +129,54 @@ pub fn by_site(frame: &DataFrame) -> Result<Vec<SiteError>, AnalyzeError> {
             rel_l2_err: Summary::of(acc.rel),
             cosine: Summary::of(acc.cos),
             max_abs_diff: acc.diff,
+        })
+        .collect())
+}
+
+/// One capture's error at the verdict's site: the heatmap's cells.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TokenError {
+    /// Forward step.
+    pub step: i32,
+    /// Layer.
+    pub layer: i32,
+    /// Token.
+    pub token: i32,
+    /// Relative L2 error (NaN where a vector was non-finite).
+    pub rel_l2_err: Option<f32>,
+    /// Cosine similarity.
+    pub cosine: Option<f32>,
+}
+
+/// Per-token error at the site and shadow mode the hidden verdict reads
+/// (see [`crate::verdict::hidden_series`]), from a `hidden` frame ([`COLUMNS`]).
+///
+/// # Errors
+/// When a column is missing or of another type.
+pub fn tokens_at_verdict_site(
+    frame: &DataFrame,
+    sites: &[SiteError],
+    t: &Thresholds,
+) -> Result<Vec<TokenError>, AnalyzeError> {
+    let mode = crate::verdict::deciding_mode(sites, t);
+    let step = i32s(frame, c::STEP)?;
+    let layer = i32s(frame, c::LAYER)?;
+    let token = i32s(frame, c::TOKEN)?;
+    let site = opt_strs(frame, c::SITE)?;
+    let shadow_mode = opt_strs(frame, c::SHADOW_MODE)?;
+    let rel = opt_f32s(frame, c::REL_L2_ERR)?;
+    let cos = opt_f32s(frame, c::COSINE)?;
+    Ok((0..frame.height())
+        .filter(|&i| {
+            site[i].as_deref() == Some(t.hidden_site.as_str())
+                && shadow_mode[i].as_deref() == Some(mode.as_str())
+        })
+        .map(|i| TokenError {
+            step: step[i],
+            layer: layer[i],
+            token: token[i],
+            rel_l2_err: rel[i],
+            cosine: cos[i],
         })
         .collect())
 }

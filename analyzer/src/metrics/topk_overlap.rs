@@ -34,7 +34,7 @@ use polars::prelude::DataFrame;
 use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::columns::topk as c;
-use shadowtrace_schemas::selection::{churn, overlap, overlap_excluding, union_sorted};
+use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
 
 use super::summary::Summary;
 use crate::AnalyzeError;
@@ -80,6 +80,10 @@ pub struct RowOverlap {
     pub recall_no_churn: f64,
     /// Keys removed as churn.
     pub churn_keys: usize,
+    /// Keys one path selected and the other did not.
+    pub differing_keys: usize,
+    /// Of those, the keys that were churn.
+    pub differing_churn: usize,
 }
 
 /// What a layer's rows amount to.
@@ -107,8 +111,9 @@ pub struct LayerOverlap {
     pub churn_keys_mean: f64,
 }
 
-/// Per-row overlap of one run's `topk` frame ([`COLUMNS`]), in parallel over
-/// rows, with no allocation per row. `churn_margin` caps the recorded band.
+/// Per-row overlap of a `topk` frame ([`COLUMNS`]; one chunk per column,
+/// see [`crate::frame::list`]), in parallel over rows, with no allocation
+/// per row. `churn_margin` caps the recorded band.
 /// Also returns the dense and shadow-less row counts per layer.
 ///
 /// # Errors
@@ -141,33 +146,35 @@ pub fn row_overlaps(
             entry.1 += 1;
         }
     }
+    // One scratch buffer per worker thread for the row's churn keys: no
+    // allocation per row.
     let rows: Vec<RowOverlap> = (0..frame.height())
         .into_par_iter()
         .filter(|&i| visible[i] > k[i])
-        .filter_map(|i| {
+        .map_init(Vec::new, |excluded: &mut Vec<i32>, i| {
             let (p, s) = (prod.get(i)?, shadow.get(i)?);
-            let all = overlap(p, s);
             let margin = match (band[i], churn_margin) {
                 (Some(b), Some(m)) => b.min(m),
                 (Some(b), None) => b,
                 (None, _) => -1.0, // no boundary lists recorded: nothing is churn
             };
             let kth_or_nan = |kth: Option<f32>| kth.unwrap_or(f32::NAN);
-            let from_prod = churn(
+            excluded.clear();
+            excluded.extend(churn(
                 prod_bi.get(i).unwrap_or(&[]),
                 prod_bs.get(i).unwrap_or(&[]),
                 kth_or_nan(prod_kth[i]),
                 margin,
-            );
-            let from_shadow = churn(
+            ));
+            excluded.extend(churn(
                 shadow_bi.get(i).unwrap_or(&[]),
                 shadow_bs.get(i).unwrap_or(&[]),
                 kth_or_nan(shadow_kth[i]),
                 margin,
-            );
-            let excluded = union_sorted(from_prod, from_shadow);
-            let churn_keys = excluded.clone().count();
-            let clean = overlap_excluding(p, s, excluded);
+            ));
+            excluded.sort_unstable();
+            excluded.dedup();
+            let (all, clean) = overlap_with_and_without(p, s, excluded);
             Some(RowOverlap {
                 step: step[i],
                 layer: layer[i],
@@ -176,9 +183,13 @@ pub fn row_overlaps(
                 recall: all.recall(),
                 jaccard_no_churn: clean.jaccard(),
                 recall_no_churn: clean.recall(),
-                churn_keys,
+                churn_keys: excluded.len(),
+                differing_keys: all.union - all.intersection,
+                differing_churn: (all.union - all.intersection)
+                    - (clean.union - clean.intersection),
             })
         })
+        .flatten()
         .collect();
     Ok((rows, skipped))
 }

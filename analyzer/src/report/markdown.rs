@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use super::terminal::layer_rows;
-use super::{marks, num, sci};
+use super::{LAYER_COLUMNS, comparison_table, grid_table, sci};
 use crate::Analysis;
 
 /// Renders the report; `plots` are paths relative to the report, embedded
@@ -37,64 +37,10 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
     );
 
     let _ = writeln!(out, "## Grid by {}\n", a.grid.group_by.join(", "));
-    let mut header: Vec<String> = a.grid.group_by.clone();
-    header.extend(
-        [
-            "runs",
-            "J no churn",
-            "worst top-k layer",
-            "worst hidden p95",
-            "NaN runs",
-            "verdicts",
-        ]
-        .map(str::to_owned),
-    );
-    let rows: Vec<Vec<String>> = a
-        .grid
-        .groups
-        .iter()
-        .map(|g| {
-            let mut row = g.key.clone();
-            row.extend([
-                g.runs.to_string(),
-                num(g.jaccard_no_churn, 4),
-                g.worst_topk_layer
-                    .map_or_else(|| "-".to_owned(), |(l, j)| format!("L{l} {j:.4}")),
-                g.worst_hidden_layer
-                    .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
-                g.nonfinite_runs.to_string(),
-                marks(None, &g.hidden_verdicts, &g.topk_verdicts),
-            ]);
-            row
-        })
-        .collect();
+    let (header, rows) = grid_table(&a.grid);
     table(&mut out, &header, &rows);
-
-    let c = a.grid.comparison();
-    if c.columns.len() >= 2 {
-        let _ = writeln!(out, "## Side by side by {}\n", c.by);
-        let mut header = c.rest.clone();
-        header.extend(c.columns.iter().cloned());
-        let rows: Vec<Vec<String>> = c
-            .rows
-            .iter()
-            .map(|(label, cells)| {
-                let mut row = label.clone();
-                row.extend(cells.iter().map(|g| {
-                    g.as_ref().map_or_else(
-                        || "-".to_owned(),
-                        |g| {
-                            format!(
-                                "{} {}",
-                                num(g.jaccard_no_churn, 4),
-                                marks(None, &g.hidden_verdicts, &g.topk_verdicts)
-                            )
-                        },
-                    )
-                }));
-                row
-            })
-            .collect();
+    if let Some((by, header, rows)) = comparison_table(&a.grid) {
+        let _ = writeln!(out, "## Side by side by {by}\n");
         table(&mut out, &header, &rows);
     }
     if !a.determinism.is_empty() {
@@ -186,19 +132,7 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             let _ = writeln!(out, "- note: {note}");
         }
         let _ = writeln!(out);
-        let header = [
-            "layer",
-            "J",
-            "J no churn",
-            "J p5",
-            "rows",
-            "dense",
-            "hidden p95",
-            "cos min",
-            "NaN tok",
-            "marks",
-        ]
-        .map(str::to_owned);
+        let header = LAYER_COLUMNS.map(str::to_owned);
         table(&mut out, &header, &layer_rows(run));
     }
     out

@@ -12,17 +12,20 @@ use std::path::{Path, PathBuf};
 pub use markdown::render_markdown;
 pub use terminal::render_terminal;
 
+use crate::grid::{Grid, GroupRow};
 use crate::{Analysis, AnalyzeError};
 
 /// Files a report directory holds, relative to it.
 pub const REPORT_FILE: &str = "report.md";
+/// The whole analysis as JSON (what `--format json` prints).
+pub const ANALYSIS_FILE: &str = "analysis.json";
 /// Folder of the metrics Parquet files.
 pub const METRICS_DIR: &str = "metrics";
 /// Folder of the plots.
 pub const PLOTS_DIR: &str = "plots";
 
-/// Writes the report directory: `report.md`, `plots/*.svg` and
-/// `metrics/*.parquet`. Returns the files written.
+/// Writes the report directory: `report.md`, `analysis.json`,
+/// `plots/*.svg` and `metrics/*.parquet`. Returns the files written.
 ///
 /// # Errors
 /// When a file cannot be written.
@@ -46,6 +49,16 @@ pub fn write_report(dir: &Path, analysis: &Analysis) -> Result<Vec<PathBuf>, Ana
         .collect();
     written.extend(plots);
     written.extend(parquet::write_metrics(&dir.join(METRICS_DIR), analysis)?);
+    let json = dir.join(ANALYSIS_FILE);
+    let text = serde_json::to_string_pretty(analysis).map_err(|e| AnalyzeError::Write {
+        path: json.clone(),
+        detail: e.to_string(),
+    })?;
+    std::fs::write(&json, text + "\n").map_err(|e| AnalyzeError::Write {
+        path: json.clone(),
+        detail: e.to_string(),
+    })?;
+    written.push(json);
     let report = dir.join(REPORT_FILE);
     std::fs::write(&report, render_markdown(analysis, &relative)).map_err(|e| {
         AnalyzeError::Write {
@@ -80,4 +93,90 @@ pub(crate) fn marks(nonfinite: Option<i32>, hidden: &[i32], topk: &[i32]) -> Str
     } else {
         out.join(" ")
     }
+}
+
+/// Header of the per-run layer table.
+pub(crate) const LAYER_COLUMNS: [&str; 10] = [
+    "layer",
+    "J",
+    "J no churn",
+    "J p5",
+    "rows",
+    "dense",
+    "hidden p95",
+    "cos min",
+    "NaN tok",
+    "marks",
+];
+
+/// The grid table: header, then one row per group.
+pub(crate) fn grid_table(grid: &Grid) -> (Vec<String>, Vec<Vec<String>>) {
+    let mut header = grid.group_by.clone();
+    header.extend(
+        [
+            "runs",
+            "J no churn",
+            "worst top-k layer",
+            "worst hidden p95",
+            "NaN runs",
+            "verdicts",
+        ]
+        .map(str::to_owned),
+    );
+    let rows = grid
+        .groups
+        .iter()
+        .map(|g| {
+            let mut row = g.key.clone();
+            row.extend([
+                g.runs.to_string(),
+                num(g.jaccard_no_churn, 4),
+                g.worst_topk_layer
+                    .map_or_else(|| "-".to_owned(), |(l, j)| format!("L{l} {j:.4}")),
+                g.worst_hidden_layer
+                    .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
+                g.nonfinite_runs.to_string(),
+                marks(None, &g.hidden_verdicts, &g.topk_verdicts),
+            ]);
+            row
+        })
+        .collect();
+    (header, rows)
+}
+
+/// The side-by-side table along the grid's first tag, if it has two or
+/// more values: title, header, rows.
+pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<Vec<String>>)> {
+    let c = grid.comparison();
+    if c.columns.len() < 2 {
+        return None;
+    }
+    let mut header = c.rest.clone();
+    header.extend(c.columns.iter().cloned());
+    let cell = |g: &GroupRow| {
+        let nan = if g.nonfinite_runs > 0 {
+            format!(" NaN x{}", g.nonfinite_runs)
+        } else {
+            String::new()
+        };
+        format!(
+            "{} {}{nan}",
+            num(g.jaccard_no_churn, 4),
+            marks(None, &g.hidden_verdicts, &g.topk_verdicts)
+        )
+    };
+    let rows = c
+        .rows
+        .iter()
+        .map(|(label, cells)| {
+            let mut row = label.clone();
+            row.extend(
+                cells
+                    .iter()
+                    .map(|g| g.as_ref().map_or_else(|| "-".to_owned(), cell)),
+            );
+            row
+        })
+        .collect();
+    Some((c.by, header, rows))
 }

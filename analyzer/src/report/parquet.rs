@@ -1,6 +1,7 @@
 //! The metrics as Parquet: what notebooks and other tools read instead of
 //! recomputing anything. One file per level: runs, top-k layers and rows,
-//! hidden-state layers.
+//! hidden-state layers, and per-token hidden-state error at the site the
+//! verdict reads.
 
 use std::path::{Path, PathBuf};
 
@@ -16,6 +17,7 @@ pub(super) fn write_metrics(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, An
         ("topk_layers", topk_layers(a)),
         ("topk_rows", topk_rows(a)),
         ("hidden_layers", hidden_layers(a)),
+        ("hidden_tokens", hidden_tokens(a)),
     ] {
         let path = dir.join(format!("{name}.parquet"));
         let fail = |detail: String| AnalyzeError::Write {
@@ -257,6 +259,18 @@ fn topk_rows(a: &Analysis) -> Frame {
                 .map(|(_, x)| x.churn_keys as u64)
                 .collect::<Vec<_>>(),
         ),
+        col(
+            "differing_keys",
+            rows.iter()
+                .map(|(_, x)| x.differing_keys as u64)
+                .collect::<Vec<_>>(),
+        ),
+        col(
+            "differing_churn",
+            rows.iter()
+                .map(|(_, x)| x.differing_churn as u64)
+                .collect::<Vec<_>>(),
+        ),
     ])
 }
 
@@ -338,6 +352,39 @@ fn hidden_layers(a: &Analysis) -> Frame {
         col(
             "max_abs_diff",
             rows.iter().map(|(_, x)| x.max_abs_diff).collect::<Vec<_>>(),
+        ),
+    ])
+}
+
+fn hidden_tokens(a: &Analysis) -> Frame {
+    let rows: Vec<(&str, &crate::metrics::hidden_error::TokenError)> = a
+        .runs
+        .iter()
+        .flat_map(|r| r.hidden_tokens.iter().map(move |x| (r.run_id.as_str(), x)))
+        .collect();
+    frame(vec![
+        col(
+            "run_id",
+            rows.iter()
+                .map(|(r, _)| (*r).to_owned())
+                .collect::<Vec<_>>(),
+        ),
+        col("step", rows.iter().map(|(_, x)| x.step).collect::<Vec<_>>()),
+        col(
+            "layer",
+            rows.iter().map(|(_, x)| x.layer).collect::<Vec<_>>(),
+        ),
+        col(
+            "token",
+            rows.iter().map(|(_, x)| x.token).collect::<Vec<_>>(),
+        ),
+        col(
+            "rel_l2_err",
+            rows.iter().map(|(_, x)| x.rel_l2_err).collect::<Vec<_>>(),
+        ),
+        col(
+            "cosine",
+            rows.iter().map(|(_, x)| x.cosine).collect::<Vec<_>>(),
         ),
     ])
 }

@@ -2,10 +2,9 @@
 
 use std::fmt::Write;
 
-use super::{marks, num, sci};
+use super::{LAYER_COLUMNS, comparison_table, grid_table, marks, num, sci};
 use crate::Analysis;
 use crate::analysis::RunAnalysis;
-use crate::grid::GroupRow;
 
 /// Renders an analysis for a terminal: thresholds, grid, comparison,
 /// determinism, then each run with its verdicts and layer table.
@@ -33,8 +32,7 @@ pub fn render_terminal(a: &Analysis) -> String {
         let _ = writeln!(out, "  baseline for {model}: {}", floor.runs.join(", "));
     }
     let _ = writeln!(out);
-    grid_table(&mut out, a);
-    comparison_table(&mut out, a);
+    grid_section(&mut out, a);
     if !a.determinism.is_empty() {
         let _ = writeln!(
             out,
@@ -64,81 +62,19 @@ fn plural(n: usize) -> &'static str {
     if n == 1 { "" } else { "s" }
 }
 
-fn group_cells(g: &GroupRow) -> Vec<String> {
-    vec![
-        g.runs.to_string(),
-        num(g.jaccard_no_churn, 4),
-        g.worst_topk_layer
-            .map_or_else(|| "-".to_owned(), |(l, j)| format!("L{l} {j:.4}")),
-        g.worst_hidden_layer
-            .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
-        g.nonfinite_runs.to_string(),
-        marks(None, &g.hidden_verdicts, &g.topk_verdicts),
-    ]
-}
-
-fn grid_table(out: &mut String, a: &Analysis) {
+fn grid_section(out: &mut String, a: &Analysis) {
     let _ = writeln!(out, "grid by {}", a.grid.group_by.join(", "));
-    let mut header: Vec<String> = a.grid.group_by.clone();
-    header.extend(
-        [
-            "runs",
-            "J no churn",
-            "worst top-k layer",
-            "worst hidden p95",
-            "NaN runs",
-            "verdicts",
-        ]
-        .map(str::to_owned),
-    );
-    let rows: Vec<Vec<String>> = a
-        .grid
-        .groups
-        .iter()
-        .map(|g| {
-            let mut row = g.key.clone();
-            row.extend(group_cells(g));
-            row
-        })
-        .collect();
+    let (header, rows) = grid_table(&a.grid);
     table(out, &header, &rows);
     let _ = writeln!(out);
-}
-
-fn comparison_table(out: &mut String, a: &Analysis) {
-    let c = a.grid.comparison();
-    if c.columns.len() < 2 {
-        return;
+    if let Some((by, header, rows)) = comparison_table(&a.grid) {
+        let _ = writeln!(
+            out,
+            "side by side by {by} (mean churn-free Jaccard; verdicts)"
+        );
+        table(out, &header, &rows);
+        let _ = writeln!(out);
     }
-    let _ = writeln!(
-        out,
-        "side by side by {} (mean churn-free Jaccard; verdicts)",
-        c.by
-    );
-    let mut header = c.rest.clone();
-    header.extend(c.columns.iter().cloned());
-    let rows: Vec<Vec<String>> = c
-        .rows
-        .iter()
-        .map(|(label, cells)| {
-            let mut row = label.clone();
-            row.extend(cells.iter().map(|g| match g {
-                Some(g) => {
-                    let m = marks(None, &g.hidden_verdicts, &g.topk_verdicts);
-                    let nan = if g.nonfinite_runs > 0 {
-                        format!(" NaN x{}", g.nonfinite_runs)
-                    } else {
-                        String::new()
-                    };
-                    format!("{} {m}{nan}", num(g.jaccard_no_churn, 4))
-                }
-                None => "-".to_owned(),
-            }));
-            row
-        })
-        .collect();
-    table(out, &header, &rows);
-    let _ = writeln!(out);
 }
 
 fn run_section(out: &mut String, run: &RunAnalysis) {
@@ -225,20 +161,7 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             sci(l.js_divergence.map(|s| s.max))
         );
     }
-    let header: Vec<String> = [
-        "layer",
-        "J",
-        "J no churn",
-        "J p5",
-        "rows",
-        "dense",
-        "hidden p95",
-        "cos min",
-        "NaN tok",
-        "marks",
-    ]
-    .map(str::to_owned)
-    .to_vec();
+    let header = LAYER_COLUMNS.map(str::to_owned);
     table(out, &header, &layer_rows(run));
     let _ = writeln!(out);
 }
