@@ -16,8 +16,9 @@
 //! Rows with at most k visible keys (`visible <= k`) select every key and
 //! carry no information: they are counted as dense and kept out of every
 //! average. Per (run, layer) over the informative rows: mean, 5th
-//! percentile and minimum of each, and the share of rows below the
-//! verdict's Jaccard threshold.
+//! percentile and minimum of each, the share of rows below the verdict's
+//! Jaccard threshold, and the churn share: of all keys the two paths
+//! disagree on, the fraction that was churn.
 //!
 //! ## Why it matters
 //! A selection that loses keys the reference needs changes attention
@@ -109,6 +110,9 @@ pub struct LayerOverlap {
     pub share_below: f64,
     /// Mean keys removed as churn per informative row.
     pub churn_keys_mean: f64,
+    /// Of all keys the two paths disagree on in this layer, the share that
+    /// was churn; `None` when they agree everywhere.
+    pub churn_share: Option<f64>,
 }
 
 /// Per-row overlap of a `topk` frame ([`COLUMNS`]; one chunk per column,
@@ -231,6 +235,11 @@ pub fn by_layer(rows: &[RowOverlap], skipped: &Uninformative, threshold: f64) ->
                     0.0
                 } else {
                     rows.iter().map(|r| r.churn_keys as f64).sum::<f64>() / n as f64
+                },
+                churn_share: {
+                    let differing: usize = rows.iter().map(|r| r.differing_keys).sum();
+                    let churn: usize = rows.iter().map(|r| r.differing_churn).sum();
+                    (differing > 0).then(|| churn as f64 / differing as f64)
                 },
             }
         })

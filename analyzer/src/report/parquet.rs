@@ -208,6 +208,10 @@ fn topk_layers(a: &Analysis) -> Frame {
                 .map(|(_, l)| l.churn_keys_mean)
                 .collect::<Vec<_>>(),
         ),
+        col(
+            "churn_share",
+            rows.iter().map(|(_, l)| l.churn_share).collect::<Vec<_>>(),
+        ),
     ])
 }
 
