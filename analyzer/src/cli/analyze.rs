@@ -51,7 +51,8 @@ pub(crate) struct AnalyzeArgs {
         value_name = "TAGS"
     )]
     group_by: Vec<String>,
-    /// Write report.md, plots/*.svg and metrics/*.parquet into this directory.
+    /// Write report.md, analysis.json, plots/*.svg and metrics/*.parquet
+    /// into this directory.
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
     /// text for people, json for scripts.

@@ -17,12 +17,17 @@ pub(crate) fn exit_error() -> ExitCode {
 
 /// Layer-wise shadow-precision tracing for LLM inference numerics.
 ///
-/// Runs are written by the tracer (`shadowtrace demo`, `shadowtrace run`) or
-/// by the Python hooks (`SHADOWTRACE=1`); this command reads them. Exit
-/// codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input or
-/// error.
+/// Runs are written by shadowtrace's producers (today `shadowtrace demo`,
+/// which writes synthetic ones); this command reads them without libtorch.
+/// Exit codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input
+/// or error.
 #[derive(Debug, Parser)]
-#[command(name = "shadowtrace", version, propagate_version = true)]
+#[command(
+    name = "shadowtrace",
+    version,
+    propagate_version = true,
+    after_help = "More commands come from programs named shadowtrace-NAME beside this one or on PATH:\n  demo     Write a synthetic grid of runs, analyse it and report (shadowtrace-demo)"
+)]
 pub(crate) struct Args {
     #[command(subcommand)]
     command: Command,
