@@ -113,6 +113,27 @@ pub struct Analysis {
     pub determinism: Vec<DeterminismPair>,
 }
 
+impl Analysis {
+    /// The distinct rules the verdicts applied (runs calibrated against a
+    /// baseline and runs without one apply different ones), then the
+    /// baseline runs behind each model's floor.
+    #[must_use]
+    pub fn rule_lines(&self) -> Vec<String> {
+        let mut lines: Vec<String> = Vec::new();
+        for rule in self.runs.iter().flat_map(|r| &r.rules) {
+            if !lines.contains(rule) {
+                lines.push(rule.clone());
+            }
+        }
+        lines.extend(
+            self.floors
+                .iter()
+                .map(|(model, f)| format!("baseline for {model}: {}", f.runs.join(", "))),
+        );
+        lines
+    }
+}
+
 /// Analyses the runs under `paths`, calibrating against the runs under
 /// `baselines` when given. `progress(done, total)` is called per run.
 ///

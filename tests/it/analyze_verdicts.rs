@@ -295,3 +295,32 @@ fn runs_group_by_tags_and_compare_side_by_side() {
         "both models ran a long tool prompt"
     );
 }
+
+#[test]
+fn runs_with_and_without_a_baseline_each_print_the_rule_they_were_judged_by() {
+    let tmp = tempfile::tempdir().unwrap();
+    let baseline = write(&tmp.path().join("baseline"), &[clean("healthy-glm")]);
+    let deepseek = SynthSpec {
+        model: "synthetic/deepseek-v32-shaped".to_owned(),
+        ..clean("ds")
+    };
+    let runs = write(&tmp.path().join("runs"), &[clean("glm"), deepseek]);
+    let a = analyze(&runs, &baseline, &Options::default(), |_, _, _| {}).unwrap();
+    let lines = a.rule_lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("exceeds 3 x its baseline floor (from 1 baseline run)")),
+        "{lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.ends_with("at layer_out exceeds 0.1")),
+        "the DeepSeek run has no baseline: {lines:#?}"
+    );
+    assert!(
+        lines.contains(&"baseline for synthetic/glm5-shaped: healthy-glm".to_owned()),
+        "{lines:#?}"
+    );
+}

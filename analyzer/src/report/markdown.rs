@@ -23,13 +23,8 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
         let _ = writeln!(out, "- skipped: `{s}`");
     }
     let _ = writeln!(out, "## Rules\n");
-    if let Some(run) = a.runs.first() {
-        for rule in &run.rules {
-            let _ = writeln!(out, "- {rule}");
-        }
-    }
-    for (model, floor) in &a.floors {
-        let _ = writeln!(out, "- baseline for `{model}`: {}", floor.runs.join(", "));
+    for line in a.rule_lines() {
+        let _ = writeln!(out, "- {line}");
     }
     let _ = writeln!(
         out,

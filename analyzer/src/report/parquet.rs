@@ -49,71 +49,45 @@ where
     polars::prelude::Series::new(name.into(), values).into()
 }
 
+/// A column of `f` applied to each row.
+fn col_map<R, T>(name: &str, rows: &[R], f: impl Fn(&R) -> T) -> Column
+where
+    polars::prelude::Series: polars::prelude::NamedFrom<Vec<T>, [T]>,
+{
+    col(name, rows.iter().map(f).collect())
+}
+
 fn runs(a: &Analysis) -> Frame {
     let r = &a.runs;
-    let tag = |k: &'static str| {
-        r.iter()
-            .map(|x| x.tags.get(k).cloned().unwrap_or_default())
-            .collect::<Vec<String>>()
-    };
+    let tag =
+        |k: &'static str| move |x: &crate::RunAnalysis| x.tags.get(k).cloned().unwrap_or_default();
     frame(vec![
-        col(
-            "run_id",
-            r.iter().map(|x| x.run_id.clone()).collect::<Vec<_>>(),
-        ),
-        col("model", tag("model")),
-        col("engine", tag("engine")),
-        col("prompt_kind", tag("prompt_kind")),
-        col(
-            "prompt_len",
-            r.iter()
-                .map(|x| x.tags.get("prompt_len").and_then(|v| v.parse::<i64>().ok()))
-                .collect::<Vec<_>>(),
-        ),
-        col("length_bucket", tag("length_bucket")),
-        col("complete", r.iter().map(|x| x.complete).collect::<Vec<_>>()),
-        col(
-            "onset_layer",
-            r.iter()
-                .map(|x| x.onset.as_ref().map(|o| o.layer))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "onset_site",
-            r.iter()
-                .map(|x| x.onset.as_ref().map(|o| o.site.clone()))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "onset_token",
-            r.iter()
-                .map(|x| x.onset.as_ref().and_then(|o| o.token))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "onset_shadow_finite",
-            r.iter()
-                .map(|x| x.onset.as_ref().and_then(|o| o.shadow_finite))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "hidden_verdict_layer",
-            r.iter()
-                .map(|x| x.hidden_verdict.as_ref().map(|v| v.layer))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "topk_verdict_layer",
-            r.iter()
-                .map(|x| x.topk_verdict.as_ref().map(|v| v.layer))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "argmax_agreement",
-            r.iter()
-                .map(|x| x.logits.as_ref().map(|l| l.argmax_agreement))
-                .collect::<Vec<_>>(),
-        ),
+        col_map("run_id", r, |x| x.run_id.clone()),
+        col_map("model", r, tag("model")),
+        col_map("engine", r, tag("engine")),
+        col_map("prompt_kind", r, tag("prompt_kind")),
+        col_map("prompt_len", r, |x| {
+            x.tags.get("prompt_len").and_then(|v| v.parse::<i64>().ok())
+        }),
+        col_map("length_bucket", r, tag("length_bucket")),
+        col_map("complete", r, |x| x.complete),
+        col_map("onset_layer", r, |x| x.onset.as_ref().map(|o| o.layer)),
+        col_map("onset_site", r, |x| {
+            x.onset.as_ref().map(|o| o.site.clone())
+        }),
+        col_map("onset_token", r, |x| x.onset.as_ref().and_then(|o| o.token)),
+        col_map("onset_shadow_finite", r, |x| {
+            x.onset.as_ref().and_then(|o| o.shadow_finite)
+        }),
+        col_map("hidden_verdict_layer", r, |x| {
+            x.hidden_verdict.as_ref().map(|v| v.layer)
+        }),
+        col_map("topk_verdict_layer", r, |x| {
+            x.topk_verdict.as_ref().map(|v| v.layer)
+        }),
+        col_map("argmax_agreement", r, |x| {
+            x.logits.as_ref().map(|l| l.argmax_agreement)
+        }),
     ])
 }
 
@@ -121,274 +95,102 @@ fn stat(s: Option<Summary>, f: fn(&Summary) -> f64) -> Option<f64> {
     s.as_ref().map(f)
 }
 
-fn topk_layers(a: &Analysis) -> Frame {
-    let rows: Vec<(&str, &crate::metrics::topk_overlap::LayerOverlap)> = a
-        .runs
+/// Each run's items, tagged with the run id.
+fn per_run<'a, T>(
+    a: &'a Analysis,
+    items: impl Fn(&'a crate::RunAnalysis) -> &'a [T],
+) -> Vec<(&'a str, &'a T)> {
+    a.runs
         .iter()
-        .flat_map(|r| r.topk.iter().map(move |l| (r.run_id.as_str(), l)))
-        .collect();
+        .flat_map(|r| items(r).iter().map(move |x| (r.run_id.as_str(), x)))
+        .collect()
+}
+
+fn topk_layers(a: &Analysis) -> Frame {
+    let rows = per_run(a, |r| &r.topk);
     frame(vec![
-        col(
-            "run_id",
-            rows.iter()
-                .map(|(r, _)| (*r).to_owned())
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "layer",
-            rows.iter().map(|(_, l)| l.layer).collect::<Vec<_>>(),
-        ),
-        col(
-            "informative_rows",
-            rows.iter()
-                .map(|(_, l)| l.informative_rows as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "dense_rows",
-            rows.iter()
-                .map(|(_, l)| l.dense_rows as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_mean",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard, |s| s.mean))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_p5",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard, |s| s.p5))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_min",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard, |s| s.min))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "recall_mean",
-            rows.iter()
-                .map(|(_, l)| stat(l.recall, |s| s.mean))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_no_churn_mean",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard_no_churn, |s| s.mean))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_no_churn_p5",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard_no_churn, |s| s.p5))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_no_churn_min",
-            rows.iter()
-                .map(|(_, l)| stat(l.jaccard_no_churn, |s| s.min))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "recall_no_churn_mean",
-            rows.iter()
-                .map(|(_, l)| stat(l.recall_no_churn, |s| s.mean))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "share_below_threshold",
-            rows.iter().map(|(_, l)| l.share_below).collect::<Vec<_>>(),
-        ),
-        col(
-            "churn_keys_mean",
-            rows.iter()
-                .map(|(_, l)| l.churn_keys_mean)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "churn_share",
-            rows.iter().map(|(_, l)| l.churn_share).collect::<Vec<_>>(),
-        ),
+        col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
+        col_map("layer", &rows, |(_, l)| l.layer),
+        col_map("informative_rows", &rows, |(_, l)| {
+            l.informative_rows as u64
+        }),
+        col_map("dense_rows", &rows, |(_, l)| l.dense_rows as u64),
+        col_map("jaccard_mean", &rows, |(_, l)| stat(l.jaccard, |s| s.mean)),
+        col_map("jaccard_p5", &rows, |(_, l)| stat(l.jaccard, |s| s.p5)),
+        col_map("jaccard_min", &rows, |(_, l)| stat(l.jaccard, |s| s.min)),
+        col_map("recall_mean", &rows, |(_, l)| stat(l.recall, |s| s.mean)),
+        col_map("jaccard_no_churn_mean", &rows, |(_, l)| {
+            stat(l.jaccard_no_churn, |s| s.mean)
+        }),
+        col_map("jaccard_no_churn_p5", &rows, |(_, l)| {
+            stat(l.jaccard_no_churn, |s| s.p5)
+        }),
+        col_map("jaccard_no_churn_min", &rows, |(_, l)| {
+            stat(l.jaccard_no_churn, |s| s.min)
+        }),
+        col_map("recall_no_churn_mean", &rows, |(_, l)| {
+            stat(l.recall_no_churn, |s| s.mean)
+        }),
+        col_map("share_below_threshold", &rows, |(_, l)| l.share_below),
+        col_map("churn_keys_mean", &rows, |(_, l)| l.churn_keys_mean),
+        col_map("churn_share", &rows, |(_, l)| l.churn_share),
     ])
 }
 
 fn topk_rows(a: &Analysis) -> Frame {
-    let rows: Vec<(&str, &crate::metrics::topk_overlap::RowOverlap)> = a
-        .runs
-        .iter()
-        .flat_map(|r| r.topk_rows.iter().map(move |x| (r.run_id.as_str(), x)))
-        .collect();
+    let rows = per_run(a, |r| &r.topk_rows);
     frame(vec![
-        col(
-            "run_id",
-            rows.iter()
-                .map(|(r, _)| (*r).to_owned())
-                .collect::<Vec<_>>(),
-        ),
-        col("step", rows.iter().map(|(_, x)| x.step).collect::<Vec<_>>()),
-        col(
-            "layer",
-            rows.iter().map(|(_, x)| x.layer).collect::<Vec<_>>(),
-        ),
-        col(
-            "token",
-            rows.iter().map(|(_, x)| x.token).collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard",
-            rows.iter().map(|(_, x)| x.jaccard).collect::<Vec<_>>(),
-        ),
-        col(
-            "recall",
-            rows.iter().map(|(_, x)| x.recall).collect::<Vec<_>>(),
-        ),
-        col(
-            "jaccard_no_churn",
-            rows.iter()
-                .map(|(_, x)| x.jaccard_no_churn)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "recall_no_churn",
-            rows.iter()
-                .map(|(_, x)| x.recall_no_churn)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "churn_keys",
-            rows.iter()
-                .map(|(_, x)| x.churn_keys as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "differing_keys",
-            rows.iter()
-                .map(|(_, x)| x.differing_keys as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "differing_churn",
-            rows.iter()
-                .map(|(_, x)| x.differing_churn as u64)
-                .collect::<Vec<_>>(),
-        ),
+        col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
+        col_map("step", &rows, |(_, x)| x.step),
+        col_map("layer", &rows, |(_, x)| x.layer),
+        col_map("token", &rows, |(_, x)| x.token),
+        col_map("jaccard", &rows, |(_, x)| x.jaccard),
+        col_map("recall", &rows, |(_, x)| x.recall),
+        col_map("jaccard_no_churn", &rows, |(_, x)| x.jaccard_no_churn),
+        col_map("recall_no_churn", &rows, |(_, x)| x.recall_no_churn),
+        col_map("churn_keys", &rows, |(_, x)| x.churn_keys as u64),
+        col_map("differing_keys", &rows, |(_, x)| x.differing_keys as u64),
+        col_map("differing_churn", &rows, |(_, x)| x.differing_churn as u64),
     ])
 }
 
 fn hidden_layers(a: &Analysis) -> Frame {
-    let rows: Vec<(&str, &crate::metrics::hidden_error::SiteError)> = a
-        .runs
-        .iter()
-        .flat_map(|r| r.hidden.iter().map(move |x| (r.run_id.as_str(), x)))
-        .collect();
+    let rows = per_run(a, |r| &r.hidden);
     frame(vec![
-        col(
-            "run_id",
-            rows.iter()
-                .map(|(r, _)| (*r).to_owned())
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "layer",
-            rows.iter().map(|(_, x)| x.layer).collect::<Vec<_>>(),
-        ),
-        col(
-            "site",
-            rows.iter().map(|(_, x)| x.site.clone()).collect::<Vec<_>>(),
-        ),
-        col(
-            "shadow_mode",
-            rows.iter()
-                .map(|(_, x)| x.shadow_mode.clone())
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "tokens",
-            rows.iter()
-                .map(|(_, x)| x.tokens as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "nonfinite_tokens",
-            rows.iter()
-                .map(|(_, x)| x.nonfinite_tokens as u64)
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "rel_l2_err_mean",
-            rows.iter()
-                .map(|(_, x)| stat(x.rel_l2_err, |s| s.mean))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "rel_l2_err_p50",
-            rows.iter()
-                .map(|(_, x)| stat(x.rel_l2_err, |s| s.p50))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "rel_l2_err_p95",
-            rows.iter()
-                .map(|(_, x)| stat(x.rel_l2_err, |s| s.p95))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "rel_l2_err_max",
-            rows.iter()
-                .map(|(_, x)| stat(x.rel_l2_err, |s| s.max))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "cosine_min",
-            rows.iter()
-                .map(|(_, x)| stat(x.cosine, |s| s.min))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "cosine_p5",
-            rows.iter()
-                .map(|(_, x)| stat(x.cosine, |s| s.p5))
-                .collect::<Vec<_>>(),
-        ),
-        col(
-            "max_abs_diff",
-            rows.iter().map(|(_, x)| x.max_abs_diff).collect::<Vec<_>>(),
-        ),
+        col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
+        col_map("layer", &rows, |(_, x)| x.layer),
+        col_map("site", &rows, |(_, x)| x.site.clone()),
+        col_map("shadow_mode", &rows, |(_, x)| x.shadow_mode.clone()),
+        col_map("tokens", &rows, |(_, x)| x.tokens as u64),
+        col_map("nonfinite_tokens", &rows, |(_, x)| {
+            x.nonfinite_tokens as u64
+        }),
+        col_map("rel_l2_err_mean", &rows, |(_, x)| {
+            stat(x.rel_l2_err, |s| s.mean)
+        }),
+        col_map("rel_l2_err_p50", &rows, |(_, x)| {
+            stat(x.rel_l2_err, |s| s.p50)
+        }),
+        col_map("rel_l2_err_p95", &rows, |(_, x)| {
+            stat(x.rel_l2_err, |s| s.p95)
+        }),
+        col_map("rel_l2_err_max", &rows, |(_, x)| {
+            stat(x.rel_l2_err, |s| s.max)
+        }),
+        col_map("cosine_min", &rows, |(_, x)| stat(x.cosine, |s| s.min)),
+        col_map("cosine_p5", &rows, |(_, x)| stat(x.cosine, |s| s.p5)),
+        col_map("max_abs_diff", &rows, |(_, x)| x.max_abs_diff),
     ])
 }
 
 fn hidden_tokens(a: &Analysis) -> Frame {
-    let rows: Vec<(&str, &crate::metrics::hidden_error::TokenError)> = a
-        .runs
-        .iter()
-        .flat_map(|r| r.hidden_tokens.iter().map(move |x| (r.run_id.as_str(), x)))
-        .collect();
+    let rows = per_run(a, |r| &r.hidden_tokens);
     frame(vec![
-        col(
-            "run_id",
-            rows.iter()
-                .map(|(r, _)| (*r).to_owned())
-                .collect::<Vec<_>>(),
-        ),
-        col("step", rows.iter().map(|(_, x)| x.step).collect::<Vec<_>>()),
-        col(
-            "layer",
-            rows.iter().map(|(_, x)| x.layer).collect::<Vec<_>>(),
-        ),
-        col(
-            "token",
-            rows.iter().map(|(_, x)| x.token).collect::<Vec<_>>(),
-        ),
-        col(
-            "rel_l2_err",
-            rows.iter().map(|(_, x)| x.rel_l2_err).collect::<Vec<_>>(),
-        ),
-        col(
-            "cosine",
-            rows.iter().map(|(_, x)| x.cosine).collect::<Vec<_>>(),
-        ),
+        col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
+        col_map("step", &rows, |(_, x)| x.step),
+        col_map("layer", &rows, |(_, x)| x.layer),
+        col_map("token", &rows, |(_, x)| x.token),
+        col_map("rel_l2_err", &rows, |(_, x)| x.rel_l2_err),
+        col_map("cosine", &rows, |(_, x)| x.cosine),
     ])
 }

@@ -23,13 +23,8 @@ pub fn render_terminal(a: &Analysis) -> String {
     }
     let _ = writeln!(out);
     let _ = writeln!(out, "rules");
-    if let Some(run) = a.runs.first() {
-        for rule in &run.rules {
-            let _ = writeln!(out, "  {rule}");
-        }
-    }
-    for (model, floor) in &a.floors {
-        let _ = writeln!(out, "  baseline for {model}: {}", floor.runs.join(", "));
+    for line in a.rule_lines() {
+        let _ = writeln!(out, "  {line}");
     }
     let _ = writeln!(out);
     grid_section(&mut out, a);
