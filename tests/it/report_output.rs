@@ -92,8 +92,10 @@ fn the_report_directory_holds_the_report_plots_and_metrics() {
             .unwrap();
     assert_eq!(layers.height(), 4 * 5, "4 runs x 5 layers");
     let svg = std::fs::read_to_string(dir.join("plots/topk_jaccard_vs_layer.svg")).unwrap();
+    assert!(svg.starts_with("<svg"));
     assert!(
-        svg.starts_with("<svg") && svg.contains("glm-plain"),
-        "one line per run, labelled"
+        svg.contains("synthetic/glm5-shaped / no_tool / &gt;32"),
+        "one line per group, labelled by its key"
     );
+    assert_eq!(svg.matches("<polyline").count(), 4, "four groups");
 }

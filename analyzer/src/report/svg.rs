@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
 
-use crate::verdict::{hidden_series, topk_series};
+use crate::verdict::hidden_series;
 use crate::{Analysis, AnalyzeError};
 
 const W: f64 = 720.0;
@@ -14,8 +14,9 @@ const PALETTE: [&str; 8] = [
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
 ];
 
-/// Writes the plots: Jaccard vs layer and hidden error vs layer (one line
-/// per run), and a layer x token heatmap of churn-free overlap per run.
+/// Writes the plots: Jaccard vs layer (one line per grid group), hidden
+/// error vs layer (one line per run), and a layer x token heatmap of
+/// churn-free overlap per run.
 pub(super) fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, AnalyzeError> {
     let mut written = Vec::new();
     let mut save = |name: String, svg: String| -> Result<(), AnalyzeError> {
@@ -27,23 +28,11 @@ pub(super) fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, Anal
         written.push(path);
         Ok(())
     };
-    let topk: Vec<(String, Vec<(f64, f64)>)> = a
-        .runs
-        .iter()
-        .map(|r| {
-            (
-                r.run_id.clone(),
-                topk_series(&r.topk)
-                    .into_iter()
-                    .map(|(l, j)| (f64::from(l), j))
-                    .collect(),
-            )
-        })
-        .collect();
+    let topk = group_topk_series(a);
     save(
         "topk_jaccard_vs_layer.svg".to_owned(),
         line_chart(
-            "mean churn-free top-k Jaccard by layer",
+            "mean churn-free top-k Jaccard by layer, per group",
             "Jaccard",
             &topk,
             false,
@@ -77,6 +66,38 @@ pub(super) fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, Anal
         save(format!("overlap_heatmap_{}.svg", run.run_id), heatmap(run))?;
     }
     Ok(written)
+}
+
+/// Per grid group, the mean churn-free Jaccard per layer over the group's
+/// informative rows (each run's layer mean weighted by its row count).
+fn group_topk_series(a: &Analysis) -> Vec<(String, Vec<(f64, f64)>)> {
+    a.grid
+        .groups
+        .iter()
+        .map(|g| {
+            let members = a.runs.iter().filter(|r| {
+                a.grid
+                    .group_by
+                    .iter()
+                    .zip(&g.key)
+                    .all(|(tag, value)| r.tags.get(tag).map_or("-", String::as_str) == value)
+            });
+            let mut sums: std::collections::BTreeMap<i32, (f64, usize)> =
+                std::collections::BTreeMap::new();
+            for layer in members.flat_map(|r| &r.topk) {
+                if let Some(j) = layer.jaccard_no_churn {
+                    let entry = sums.entry(layer.layer).or_default();
+                    entry.0 += j.mean * layer.informative_rows as f64;
+                    entry.1 += layer.informative_rows;
+                }
+            }
+            let points = sums
+                .into_iter()
+                .map(|(l, (sum, n))| (f64::from(l), sum / n as f64))
+                .collect();
+            (g.key.join(" / "), points)
+        })
+        .collect()
 }
 
 fn line_chart(
