@@ -14,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod columns;
+pub mod env;
 mod error;
 pub mod manifest;
 pub mod selection;

@@ -109,3 +109,11 @@ def test_the_demo_report_holds_markdown_plots_and_metrics(demo_root: Path) -> No
     layers = pl.read_parquet(report / "metrics" / "topk_layers.parquet")
     glm = layers.filter((pl.col("run_id") == "glm-tool-3k") & (pl.col("layer") == 4))
     assert glm["jaccard_no_churn_mean"][0] < 0.8
+
+
+def test_env_prints_each_variable_with_its_value_or_default() -> None:
+    out = shadowtrace("env", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    values = json.loads(out.stdout)
+    assert values["SHADOWTRACE"] is False
+    assert values["SHADOWTRACE_TOKENS"] == {"kind": "all"}

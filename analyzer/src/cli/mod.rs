@@ -1,6 +1,7 @@
 //! Arguments and dispatch. One file per subcommand.
 
 mod analyze;
+mod env;
 mod external;
 mod inspect;
 mod schema;
@@ -50,6 +51,10 @@ enum Command {
     /// Every verdict is printed with the rule and threshold that produced
     /// it. Exit codes: 0 success, 1 a verdict named by --fail-on, 2 error.
     Analyze(Box<analyze::AnalyzeArgs>),
+    /// Print the SHADOWTRACE_* environment variables that switch and shape
+    /// tracing: each one's value in this environment (or its default) and
+    /// what it does. A value that does not read is an error naming it.
+    Env(env::EnvArgs),
     /// Any other command NAME runs the program `shadowtrace-NAME` from this
     /// program's directory or PATH (the tracer provides `shadowtrace-demo`).
     #[command(external_subcommand)]
@@ -70,6 +75,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Schema(a) => schema::run(&a),
         Command::Inspect(a) => inspect::run(&a),
         Command::Analyze(a) => analyze::run(&a),
+        Command::Env(a) => env::run(&a),
         Command::External(argv) => external::run(&argv),
     }
 }
