@@ -297,48 +297,44 @@ impl SynthSpec {
                 let visible = token + 1;
                 let recall = if collapsed { 0.4 } else { 1.0 - self.churn };
                 let (prod, shadow) = realistic_selection_pair(visible, self.k, recall, rng);
-                if visible <= self.k {
+                let (prod, shadow, boundary_band) = if visible <= self.k {
                     let dense = |indices| Selection {
                         indices,
                         kth_score: None,
                         kth_margin: None,
                         boundary: None,
                     };
-                    return TopkRow {
-                        step: 0,
-                        layer,
-                        token,
-                        indexer_layer: layer,
-                        k: self.k,
-                        visible,
-                        prod: dense(prod),
-                        shadow: Some(("raw".to_owned(), dense(shadow))),
-                        boundary_band: None,
+                    (dense(prod), dense(shadow), None)
+                } else {
+                    // Keys one path took and the other did not. Churn: all of
+                    // them scored within the band of the k-th score, in both
+                    // paths. Collapse: far from it, so the boundary lists hold
+                    // none of them.
+                    let swapped: Vec<i32> = symmetric_difference(&prod, &shadow);
+                    let kth = 1.0 + rng.next_f32();
+                    let boundary = |rng: &mut SplitMix64| {
+                        let indices = if collapsed {
+                            Vec::new()
+                        } else {
+                            swapped.clone()
+                        };
+                        let scores = indices
+                            .iter()
+                            .map(|_| kth + BOUNDARY_BAND * (rng.next_f32() - 0.5))
+                            .collect();
+                        Boundary { indices, scores }
                     };
-                }
-                // Keys one path took and the other did not. Churn: all of
-                // them scored within the band of the k-th score, in both
-                // paths. Collapse: far from it, so the boundary lists hold
-                // none of them.
-                let swapped: Vec<i32> = symmetric_difference(&prod, &shadow);
-                let kth = 1.0 + rng.next_f32();
-                let boundary = |rng: &mut SplitMix64| {
-                    let indices = if collapsed {
-                        Vec::new()
-                    } else {
-                        swapped.clone()
+                    let selection = |indices, rng: &mut SplitMix64| Selection {
+                        indices,
+                        kth_score: Some(kth),
+                        kth_margin: Some(BOUNDARY_BAND * 1e-2 * rng.next_f32()),
+                        boundary: Some(boundary(rng)),
                     };
-                    let scores = indices
-                        .iter()
-                        .map(|_| kth + BOUNDARY_BAND * (rng.next_f32() - 0.5))
-                        .collect();
-                    Boundary { indices, scores }
-                };
-                let selection = |indices, rng: &mut SplitMix64| Selection {
-                    indices,
-                    kth_score: Some(kth),
-                    kth_margin: Some(BOUNDARY_BAND * 1e-2 * rng.next_f32()),
-                    boundary: Some(boundary(rng)),
+                    (
+                        selection(prod, rng),
+                        selection(shadow, rng),
+                        Some(BOUNDARY_BAND),
+                    )
                 };
                 TopkRow {
                     step: 0,
@@ -347,9 +343,9 @@ impl SynthSpec {
                     indexer_layer: layer,
                     k: self.k,
                     visible,
-                    prod: selection(prod, rng),
-                    shadow: Some(("raw".to_owned(), selection(shadow, rng))),
-                    boundary_band: Some(BOUNDARY_BAND),
+                    prod,
+                    shadow: Some(("raw".to_owned(), shadow)),
+                    boundary_band,
                 }
             })
             .collect()
