@@ -15,12 +15,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shadowtrace_hooks import definitions, format
+from shadowtrace_hooks.numerics import Lists
 
 TMP_SUFFIX = ".tmp"
+
+
+class _Columns:
+    def __init__(self, columns: dict, rows: int) -> None:
+        self.columns, self.rows = columns, rows
+
+
 _CLOSE_RUN = object()
 _BATCH_ROWS = {"topk": 256, "hidden": 8192, "events": 8192, "logits": 8192}
 _ROW_GROUP_ROWS = {"topk": 4096, "hidden": 1 << 20, "events": 1 << 16, "logits": 1 << 16}
@@ -46,6 +55,8 @@ class _Table:
         self.schema = format.arrow_schema(name)
         self.names = [c["name"] for c in format.columns(name)]
         self.buffer: list[dict] = []
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
         self.part: pq.ParquetWriter | None = None
         self.part_path: Path | None = None
         self.part_rows = 0
@@ -61,12 +72,32 @@ class _Table:
             self.flush()
 
     def flush(self) -> None:
-        if not self.buffer:
-            return
-        columns = {n: [r.get(n) for r in self.buffer] for n in self.names if n != "run_id"}
-        columns = {"run_id": [self.run_id] * len(self.buffer), **columns}
-        batch = pa.table(columns, schema=self.schema)
-        self.buffer = []
+        if self.buffer:
+            columns = {n: [r.get(n) for r in self.buffer] for n in self.names if n != "run_id"}
+            columns = {"run_id": [self.run_id] * len(self.buffer), **columns}
+            self.buffer = []
+            self.pending.append(pa.table(columns, schema=self.schema))
+        if self.pending:
+            batch = pa.concat_tables(self.pending) if len(self.pending) > 1 else self.pending[0]
+            self.pending, self.pending_rows = [], 0
+            self.write(batch)
+
+    def push_columns(self, columns: dict, rows: int) -> None:
+        """Writes a batch given as columns: numpy arrays, `Lists`, one scalar for every row,
+        or absent for null."""
+        arrays = []
+        for field in self.schema:
+            value = self.run_id if field.name == "run_id" else columns.get(field.name)
+            arrays.append(_column(value, field.type, rows))
+        if self.buffer:
+            self.flush()
+        # Batches gather into row groups of the table's size, not one group per capture.
+        self.pending.append(pa.Table.from_arrays(arrays, schema=self.schema))
+        self.pending_rows += rows
+        if self.pending_rows >= _ROW_GROUP_ROWS[self.name]:
+            self.flush()
+
+    def write(self, batch: pa.Table) -> None:
         if self.part is None:
             relative = f"{self.name}/part-{self.next_part:05}.parquet"
             self.next_part += 1
@@ -102,6 +133,19 @@ class _Table:
             self.closed = True
 
 
+def _column(value: Any, kind: pa.DataType, rows: int) -> pa.Array:
+    if value is None:
+        return pa.nulls(rows, kind)
+    if isinstance(value, Lists):
+        offsets = pa.array(value.offsets, pa.int32())
+        return pa.ListArray.from_arrays(offsets, pa.array(value.values, kind.value_type), type=kind)
+    if isinstance(value, np.ndarray):
+        if len(value) != rows:
+            raise ValueError(f"column of {len(value)} rows in a batch of {rows}")
+        return pa.array(value, kind)
+    return pa.array([value] * rows, kind)
+
+
 class RunWriter:
     """Writes one run. Rows are dicts keyed by column name (missing nullable columns are
     null; `run_id` is filled in). `send` never raises: a row it cannot queue is counted."""
@@ -122,6 +166,8 @@ class RunWriter:
         self.mode = queue_mode
         self.dropped = dict.fromkeys(definitions.TABLES, 0)
         self.rejected = 0  # rows for a table the format does not have
+        # The producer's own counts (hook errors, skipped captures), merged into the manifest's.
+        self.counters: dict[str, int] = {}
         self.errors: list[str] = []
         self._count = threading.Lock()
         settings = {
@@ -166,9 +212,31 @@ class RunWriter:
             return False
         return True
 
-    def _drop(self, table: str) -> None:
+    def send_columns(self, table: str, columns: dict, rows: int) -> bool:
+        """Queues `rows` rows of `table` given as columns (see `_Table.push_columns`);
+        False (and all of them counted) when they were dropped."""
+        if rows == 0:
+            return True
+        if table not in self.tables:
+            with self._count:
+                self.rejected += rows
+            return False
+        try:
+            if self.errors:
+                raise queue.Full
+            item = (table, _Columns(columns, rows))
+            if self.mode == "lossy":
+                self._queue.put_nowait(item)
+            else:
+                self._queue.put(item)
+        except queue.Full:
+            self._drop(table, rows)
+            return False
+        return True
+
+    def _drop(self, table: str, rows: int = 1) -> None:
         with self._count:
-            self.dropped[table] += 1
+            self.dropped[table] += rows
 
     def close(self) -> dict:
         """Finishes every table, marks the run complete and returns the manifest."""
@@ -183,13 +251,18 @@ class RunWriter:
             item = self._queue.get()
             if item is _CLOSE_RUN:
                 break
+            table, payload = item
+            batch = isinstance(payload, _Columns)
             if self.errors:
-                self._drop(item[0])
+                self._drop(table, payload.rows if batch else 1)
                 continue
             try:
-                self.tables[item[0]].push(item[1])
+                if batch:
+                    self.tables[table].push_columns(payload.columns, payload.rows)
+                else:
+                    self.tables[table].push(payload)
             except Exception as e:
-                self.errors.append(f"{item[0]}: {e}")
+                self.errors.append(f"{table}: {e}")
         try:
             for table in self.tables.values():
                 table.close()
@@ -212,6 +285,7 @@ class RunWriter:
             "dropped_rows": sum(self.dropped.values()),
             "rejected_rows": self.rejected,
             "writer_errors": len(self.errors),
+            **self.counters,
         }
         if complete:
             m["status"] = "complete"

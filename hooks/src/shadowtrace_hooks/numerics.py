@@ -1,0 +1,203 @@
+"""Indexer numerics of the shadow: FP8 block quantization, index scores and top-k rows.
+
+The same definitions as the Rust tracer (tracer/src/fp8, tracer/src/indexer) and the golden
+vectors of tests/golden/numerics_v1.json, written on the engine's own torch so the shadow
+runs on the engine's device:
+
+- `quantize_rows`: 1x128 block quantization as production indexers do it (amax clamp,
+  fp32 or ue8m0 scale, saturating cast to e4m3fn);
+- `index_scores`: I[t,s] = sum_h w[t,h] * relu(q[t,h] . k[s]) * D^-0.5 in fp32, causal
+  (key s visible to query t iff s <= q_pos[t], the query's own key included);
+- `fp8_scores`: the same from FP8 codes and their scales, the product a kernel computes;
+- `select`: top-k rows in the stored form (valid indices ascending), the k-th score, its
+  margin to the (k+1)-th, and the keys within a band of the k-th score.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
+FP8_DTYPE = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# Query rows scored at once: bounds the [rows, heads, keys] fp32 intermediate.
+_ROW_CHUNK_ELEMENTS = 1 << 27
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0: the smallest power of two >= scale, exactly, from the fp32 bits."""
+    bits = scale.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    rounded = ((exponent + (mantissa != 0).to(torch.int32)) << 23).view(torch.float32)
+    return torch.where(torch.isfinite(scale), rounded, scale)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    *,
+    fmt: str = "e4m3fn",
+    scale_format: str = "ue8m0",
+    amax_clamp: float = 1e-4,
+    block: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes the last dimension in blocks of `block`: (fp8 codes, fp32 scales [..., n_blocks]).
+
+    Dequantized value = code * scale. The division is a true IEEE division by a tensor,
+    so CUDA and CPU give the same codes.
+    """
+    x = x.float()
+    *lead, cols = x.shape
+    if cols % block:
+        raise ValueError(f"quantize_rows: last dimension {cols} is not a multiple of the block {block}")
+    xb = x.reshape(*lead, cols // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=amax_clamp)
+    scale = amax / torch.tensor(FP8_MAX[fmt], device=x.device)
+    if scale_format == "ue8m0":
+        scale = round_up_pow2(scale)
+    elif scale_format != "fp32":
+        raise ValueError(f"quantize_rows: scale format {scale_format!r}: expected fp32 or ue8m0")
+    codes = (xb / scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPE[fmt])
+    return codes.reshape(*lead, cols), scale.squeeze(-1)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 values of `quantize_rows` output: exact, the scale being fp32."""
+    *lead, cols = codes.shape
+    values = codes.float().reshape(*lead, cols // block, block) * scale.float().unsqueeze(-1)
+    return values.reshape(*lead, cols)
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sylvester Hadamard matrix scaled to be orthonormal, fp32."""
+    if n & (n - 1):
+        raise ValueError(f"hadamard: size {n} is not a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).float().to(device)
+
+
+def causal_mask(q_pos: torch.Tensor, keys: int) -> torch.Tensor:
+    """[T, S] bool: key s is visible to query t iff s <= q_pos[t]."""
+    return torch.arange(keys, device=q_pos.device)[None, :] <= q_pos[:, None]
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """fp32 scores [T, S] with -inf where masked, from q [T,H,D], k [S,D], w [T,H].
+
+    Inputs are taken at their precision and upcast: the shadow's precision is whatever
+    produced q, k and w.
+    """
+    t, h, d = q.shape
+    keys = k.shape[0]
+    out = torch.empty(t, keys, dtype=torch.float32, device=q.device)
+    kt = k.float().t()
+    rows = max(1, _ROW_CHUNK_ELEMENTS // max(1, h * keys))
+    for start in range(0, t, rows):
+        qc = q[start : start + rows].float()
+        dots = torch.matmul(qc, kt).relu_()  # [rows, H, S]
+        wc = w[start : start + rows].float().unsqueeze(1)  # [rows, 1, H]
+        out[start : start + rows] = torch.bmm(wc, dots).squeeze(1) * d**-0.5
+    return out.masked_fill_(~causal_mask(q_pos, keys), -math.inf)
+
+
+def fp8_scores(
+    q_codes: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    w: torch.Tensor,
+    q_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Scores of FP8 q [T,H,D] / k [S,D] with one scale per row ([T,H], [S]), in fp32:
+    k_scale[s] * sum_h w[t,h] * q_scale[t,h] * D^-0.5 * relu(q8 . k8), as the kernels fold it."""
+    folded = w.float() * q_scale.float().reshape(w.shape)
+    scores = index_scores(q_codes.float(), k_codes.float(), folded, q_pos)
+    return scores * k_scale.float().reshape(1, -1)
+
+
+def fp8_variant_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    q_pos: torch.Tensor,
+    *,
+    rotate: bool,
+    scale_format: str,
+    amax_clamp: float,
+) -> torch.Tensor:
+    """An engine variant's FP8 indexer emulated from unquantized q, k, w: optional Hadamard
+    rotation, 1x128 quantization of every q head and k row, then `fp8_scores`."""
+    if rotate:
+        had = hadamard(q.shape[-1], q.device)
+        q, k = q.float() @ had, k.float() @ had
+    q8, qs = quantize_rows(q, scale_format=scale_format, amax_clamp=amax_clamp)
+    k8, ks = quantize_rows(k, scale_format=scale_format, amax_clamp=amax_clamp)
+    return fp8_scores(q8, qs.squeeze(-1), k8, ks.squeeze(-1), w, q_pos)
+
+
+@dataclass
+class Lists:
+    """A list column in flat form: row i is values[offsets[i]:offsets[i+1]]."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+
+
+@dataclass
+class Selection:
+    """Top-k rows of one path in the topk table's form; nan margins where a row is dense."""
+
+    indices: Lists
+    kth_score: np.ndarray
+    kth_margin: np.ndarray
+    boundary_indices: Lists | None
+    boundary_scores: Lists | None
+
+
+def _lists_from_mask(mask: torch.Tensor, values: torch.Tensor | None = None) -> tuple[Lists, Lists | None]:
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major: ascending column within a row
+    counts = torch.bincount(rows, minlength=mask.shape[0])
+    offsets = np.zeros(mask.shape[0] + 1, dtype=np.int32)
+    np.cumsum(counts.cpu().numpy(), out=offsets[1:])
+    indices = Lists(cols.to(torch.int32).cpu().numpy(), offsets)
+    if values is None:
+        return indices, None
+    return indices, Lists(values[rows, cols].float().cpu().numpy(), offsets.copy())
+
+
+def members(indices: torch.Tensor, visible: torch.Tensor) -> Lists:
+    """Selected keys as stored: per row the indices that are valid (>= 0 and below the row's
+    visible-key count), ascending. Engines pad with -1; HF's short rows also pick masked keys."""
+    keys = int(
+        max(int(visible.max()) if visible.numel() else 0, int(indices.max()) + 1 if indices.numel() else 0)
+    )
+    mask = torch.zeros(indices.shape[0], max(keys, 1), dtype=torch.bool, device=indices.device)
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < visible[:, None])
+    mask.scatter_(1, idx.clamp(min=0), valid)
+    return _lists_from_mask(mask)[0]
+
+
+def select(scores: torch.Tensor, k: int, q_pos: torch.Tensor, band: float | None) -> Selection:
+    """Top-k of each row of `scores` [T, S] (-inf where masked) with the k-th score, its
+    margin to the (k+1)-th (nan when the row is dense: at most k visible keys) and, with a
+    band, the keys whose score lies within it of the k-th score."""
+    keys = scores.shape[1]
+    visible = q_pos + 1
+    take = min(k + 1, keys)
+    values, idx = scores.topk(take, dim=-1)
+    dense = visible <= k
+    chosen = idx[:, :k] if take > k else idx
+    indices = members(chosen, visible)
+    kth = values[:, min(k, take) - 1]
+    margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
+    margin = torch.where(dense, torch.full_like(margin, math.nan), margin)
+    kth = torch.where(dense, torch.full_like(kth, math.nan), kth)
+    boundary = scores_b = None
+    if band is not None:
+        near = ((scores - kth[:, None]).abs() <= band) & ~dense[:, None] & torch.isfinite(scores)
+        boundary, scores_b = _lists_from_mask(near, scores)
+    return Selection(indices, kth.cpu().numpy(), margin.cpu().numpy(), boundary, scores_b)

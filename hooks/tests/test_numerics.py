@@ -1,0 +1,136 @@
+"""The hooks' shadow numerics reproduce the golden vectors (tests/golden/numerics_v1.json,
+made from PyTorch's own FP8 casts and float64 torch math) and the Rust tracer's rules."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from shadowtrace_hooks import numerics
+
+GOLDEN = json.loads(
+    (Path(__file__).resolve().parents[2] / "tests" / "golden" / "numerics_v1.json").read_text()
+)
+# Scores are fp32 sums of D=128 products: within this fraction of the row's largest score
+# of the float64 reference (the Rust tests' FP32_SCORE_REL_TOL).
+FP32_SCORE_REL_TOL = 1e-5
+
+
+def f32(bits: list[int], shape: list[int] | tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(np.array(bits, dtype=np.uint32).view(np.float32)).reshape(shape)
+
+
+def f64(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(np.array(bits, dtype=np.uint64).view(np.float64))
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in GOLDEN["block_quant"]["cases"] if c["input"] == "act"], ids=lambda c: c["name"]
+)
+def test_activation_quantization_is_bit_exact_against_pytorch(case: dict) -> None:
+    act = GOLDEN["block_quant"]["inputs"]["act"]
+    x = f32(act["bits"], act["shape"])
+    codes, scales = numerics.quantize_rows(
+        x, fmt=case["format"], scale_format=case["scale_format"], amax_clamp=case["amax_clamp"]
+    )
+    got = codes.view(torch.uint8).flatten().tolist()
+    assert got == case["values"]
+    assert (
+        scales.flatten().view(torch.int32).tolist()
+        == np.array(case["scales"], dtype=np.uint32).view(np.int32).tolist()
+    )
+
+
+def indexer_inputs() -> tuple[torch.Tensor, ...]:
+    g = GOLDEN["indexer"]
+    t, s, h, d = g["t"], g["s"], g["h"], g["d"]
+    return f32(g["q"], (t, h, d)), f32(g["k"], (s, d)), f32(g["w"], (t, h)), torch.tensor(g["q_pos"])
+
+
+def assert_scores_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    expected = expected.reshape(got.shape)
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(got)), "masked entries differ"
+    row_max = expected.masked_fill(~finite, 0).abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    err = ((got.double() - expected).abs() / row_max).masked_fill(~finite, 0)
+    assert float(err.max()) <= FP32_SCORE_REL_TOL, float(err.max())
+
+
+def test_fp32_scores_match_the_float64_reference() -> None:
+    q, k, w, q_pos = indexer_inputs()
+    assert_scores_close(numerics.index_scores(q, k, w, q_pos), f64(GOLDEN["indexer"]["scores_f64"]["fp32"]))
+
+
+def test_bf16_scores_match_the_float64_reference_of_bf16_inputs() -> None:
+    q, k, w, q_pos = indexer_inputs()
+    bf16 = lambda v: v.to(torch.bfloat16)  # noqa: E731
+    got = numerics.index_scores(bf16(q), bf16(k), bf16(w), q_pos)
+    assert_scores_close(got, f64(GOLDEN["indexer"]["scores_f64"]["bf16"]))
+
+
+@pytest.mark.parametrize("variant", list(GOLDEN["indexer"]["variants"]))
+def test_fp8_engine_variants_match_the_float64_reference(variant: str) -> None:
+    spec = GOLDEN["indexer"]["variants"][variant]
+    q, k, w, q_pos = indexer_inputs()
+    got = numerics.fp8_variant_scores(
+        q,
+        k,
+        w,
+        q_pos,
+        rotate=spec["hadamard"],
+        scale_format=spec["scale_format"],
+        amax_clamp=spec["amax_clamp"],
+    )
+    assert_scores_close(got, f64(GOLDEN["indexer"]["scores_f64"][f"fp8_{variant}"]))
+
+
+@pytest.mark.parametrize("case", GOLDEN["topk"], ids=lambda c: c["name"])
+def test_selection_matches_torch_topk_and_its_kth_score(case: dict) -> None:
+    k, visible = case["k"], case["visible"]
+    scores = f32(case["scores"], (1, -1))
+    q_pos = torch.tensor([visible - 1])
+    sel = numerics.select(scores, k, q_pos, band=0.0)
+    got = sel.indices.values[sel.indices.offsets[0] : sel.indices.offsets[1]].tolist()
+    expected = sorted(i for i in case["torch_topk_indices"] if i < visible)
+    if case["name"] in ("boundary_ties", "all_tied"):
+        # which tied key wins is unspecified; the tie's score and the count are not
+        kth = f32([case["kth_score"]], (1,)).item()
+        assert len(got) == k
+        assert all(scores[0, i] >= kth for i in got)
+    else:
+        assert got == expected
+    if visible <= k:
+        assert math.isnan(sel.kth_score[0])
+        assert math.isnan(sel.kth_margin[0])
+        assert sel.boundary_indices is not None
+        assert len(sel.boundary_indices.values) == 0
+    else:
+        kth, nxt = f32([case["kth_score"], case["next_score"]], (2,)).tolist()
+        assert sel.kth_score[0] == np.float32(kth)
+        assert sel.kth_margin[0] == np.float32(kth - nxt)
+
+
+def test_the_boundary_band_lists_the_keys_near_the_kth_score_ascending() -> None:
+    scores = torch.tensor([[5.0, 1.0, 3.0, 2.95, 3.02, 0.0, -math.inf]])
+    sel = numerics.select(scores, 2, torch.tensor([5]), band=0.1)
+    assert sel.indices.values.tolist() == [0, 4]
+    assert sel.kth_score[0] == np.float32(3.02)
+    assert sel.boundary_indices.values.tolist() == [2, 3, 4]
+    assert sel.boundary_scores.values.tolist() == pytest.approx([3.0, 2.95, 3.02])
+
+
+def test_members_drop_padding_and_keys_beyond_the_visible_range() -> None:
+    indices = torch.tensor([[3, -1, 0, 7], [2, 1, 0, 3]])
+    lists = numerics.members(indices, torch.tensor([4, 2]))
+    assert lists.offsets.tolist() == [0, 2, 4]
+    assert lists.values.tolist() == [0, 3, 0, 1]
+
+
+def test_dequantization_is_exact_for_power_of_two_scales() -> None:
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    codes, scales = numerics.quantize_rows(x, scale_format="ue8m0")
+    back = numerics.dequantize_rows(codes, scales)
+    assert torch.equal(back, codes.float().reshape(4, 2, 128).mul(scales[..., None]).reshape(4, 256))
+    assert float((back - x).abs().max() / x.abs().max()) < 2**-3

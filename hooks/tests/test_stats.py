@@ -1,0 +1,65 @@
+"""Hidden-state statistics and non-finite events on vectors whose answers are known."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from shadowtrace_hooks import stats
+
+
+def test_statistics_of_known_vectors() -> None:
+    prod = torch.tensor([[3.0, 4.0, 0.0], [1.0, 1.0, 1.0]])
+    shadow = torch.tensor([[3.0, 4.0, 0.0], [1.0, 1.0, 0.0]])
+    cols = stats.hidden_columns(prod, shadow, torch.tensor([0, 1]))
+    assert cols["prod_l2"].tolist() == pytest.approx([5.0, math.sqrt(3)])
+    assert cols["prod_max_abs"].tolist() == [4.0, 1.0]
+    assert cols["rel_l2_err"].tolist() == pytest.approx([0.0, 1 / math.sqrt(2)])
+    assert cols["cosine"].tolist() == pytest.approx([1.0, 2 / (math.sqrt(3) * math.sqrt(2))])
+    assert cols["max_abs_diff"].tolist() == [0.0, 1.0]
+    assert cols["numel"].tolist() == [3, 3]
+    assert cols["rel_l2_err"].dtype == np.float32
+    assert cols["prod_nan"].dtype == np.int64
+
+
+def test_non_finite_values_are_counted_and_make_the_comparison_nan() -> None:
+    prod = torch.tensor([[math.nan, 2.0, math.inf], [1.0, -math.inf, -math.inf]])
+    shadow = torch.ones(2, 3)
+    cols = stats.hidden_columns(prod, shadow, torch.tensor([0, 1]))
+    assert cols["prod_nan"].tolist() == [1, 0]
+    assert cols["prod_pos_inf"].tolist() == [1, 0]
+    assert cols["prod_neg_inf"].tolist() == [0, 2]
+    assert cols["prod_max_abs"].tolist() == [2.0, 1.0]  # over the finite elements
+    assert all(math.isnan(v) for v in cols["rel_l2_err"])
+    assert cols["shadow_nan"].tolist() == [0, 0]
+
+
+def test_events_give_the_first_token_and_channel_and_the_shadow_there() -> None:
+    prod = torch.zeros(5, 4)
+    prod[2, 3] = math.nan
+    prod[4, 0] = math.nan
+    prod[3, 1] = -math.inf
+    shadow = torch.zeros(5, 4)
+    shadow[3, 2] = math.inf
+    events = {e["kind"]: e for e in stats.nonfinite_events(prod, shadow)}
+    assert events["nan"] == {"kind": "nan", "token": 2, "channel": 3, "count": 2, "shadow_finite": True}
+    assert events["neg_inf"] == {
+        "kind": "neg_inf",
+        "token": 3,
+        "channel": 1,
+        "count": 1,
+        "shadow_finite": False,
+    }
+    assert "pos_inf" not in events
+    assert stats.nonfinite_events(torch.zeros(2, 2), None) == []
+
+
+def test_logits_rows_hold_the_top_ids_and_their_log_probabilities() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
+    cols = stats.logits_columns(logits, None, top_n=2)
+    ids, lp = cols["prod_top_ids"], cols["prod_top_logprobs"]
+    assert ids.values.tolist() == [1, 2, 0, 1] or ids.values.tolist() == [1, 2, 0, 2]
+    assert ids.offsets.tolist() == [0, 2, 4]
+    expected = torch.log_softmax(logits, -1)
+    assert lp.values[0] == pytest.approx(float(expected[0, 1]))
+    assert "shadow_top_ids" not in cols
