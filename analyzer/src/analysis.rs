@@ -47,8 +47,12 @@ pub struct RunAnalysis {
     pub counters: BTreeMap<String, u64>,
     /// What the loader noticed (files left half-written, ...).
     pub notes: Vec<String>,
-    /// Top-k overlap per layer.
+    /// Top-k overlap per layer, against the reference recompute.
     pub topk: Vec<LayerOverlap>,
+    /// Top-k overlap per layer against a recompute of production's own
+    /// dequantized FP8 operands: kernel and accumulation error alone.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub topk_dequant: Vec<LayerOverlap>,
     /// Hidden-state error per layer and site.
     pub hidden: Vec<SiteError>,
     /// Prod against shadow logits.
@@ -214,7 +218,14 @@ pub fn analyze_run(
             }
         }
     }
+    let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
+        topk_rows.into_iter().partition(|r| r.dequant);
     let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows, t.topk_jaccard);
+    let topk_dequant = topk_overlap::by_layer(
+        &dequant_rows,
+        &topk_overlap::Uninformative::new(),
+        t.topk_jaccard,
+    );
 
     let mut hidden_columns: Vec<&str> = hidden_error::COLUMNS.to_vec();
     hidden_columns.extend(
@@ -250,6 +261,7 @@ pub fn analyze_run(
         counters,
         notes: run.notes.clone(),
         topk,
+        topk_dequant,
         hidden,
         logits,
         onset,
@@ -315,9 +327,13 @@ pub fn length_bucket(length: u64, k: Option<u32>) -> String {
 
 /// Pairs runs that share model, engine, prod dtype and prompt (token hash):
 /// their prod logits should agree exactly if the engine is deterministic.
+/// A run whose producer saw no token ids (empty hash) pairs with nothing.
 fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
     let mut by_identity: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
     for run in runs {
+        if run.tags.get("token_hash").is_none_or(String::is_empty) {
+            continue;
+        }
         let key = ["model", "engine", "prod_dtype", "token_hash"]
             .iter()
             .map(|k| run.tags.get(*k).cloned().unwrap_or_default())

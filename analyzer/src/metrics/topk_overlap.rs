@@ -20,6 +20,11 @@
 //! Jaccard threshold, and the churn share: of all keys the two paths
 //! disagree on, the fraction that was churn.
 //!
+//! Rows whose shadow scored the dequantized FP8 operands (`shadow_input`
+//! `dequant`) measure the production kernel's own error, not the distance
+//! to the reference: they are kept apart ([`RowOverlap::dequant`]), carry no
+//! dense counts, and never drive a verdict.
+//!
 //! ## Why it matters
 //! A selection that loses keys the reference needs changes attention
 //! itself; churn among near-tied scores does not, which is why both are
@@ -39,10 +44,11 @@ use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
 
 use super::summary::Summary;
 use crate::AnalyzeError;
-use crate::frame::{i32s, list, opt_f32s};
+use crate::frame::{i32s, list, opt_f32s, opt_strs};
 
 /// Columns this metric reads.
-pub const COLUMNS: [&str; 14] = [
+pub const COLUMNS: [&str; 15] = [
+    c::SHADOW_INPUT,
     c::STEP,
     c::LAYER,
     c::TOKEN,
@@ -71,6 +77,8 @@ pub struct RowOverlap {
     pub layer: i32,
     /// Query token.
     pub token: i32,
+    /// The shadow scored the dequantized FP8 operands (`shadow_input` dequant).
+    pub dequant: bool,
     /// Jaccard, churn included.
     pub jaccard: f64,
     /// Recall of the shadow's keys, churn included.
@@ -140,9 +148,16 @@ pub fn row_overlaps(
     let shadow_bi = list::<i32>(frame, c::SHADOW_BOUNDARY_INDICES)?;
     let shadow_bs = list::<f32>(frame, c::SHADOW_BOUNDARY_SCORES)?;
     let band = opt_f32s(frame, c::BOUNDARY_BAND)?;
+    let dequant: Vec<bool> = opt_strs(frame, c::SHADOW_INPUT)?
+        .iter()
+        .map(|s| s.as_deref() == Some("dequant"))
+        .collect();
 
     let mut skipped = Uninformative::new();
     for i in 0..frame.height() {
+        if dequant[i] {
+            continue; // the same query rows again, against a second shadow
+        }
         let entry = skipped.entry(layer[i]).or_default();
         if visible[i] <= k[i] {
             entry.0 += 1;
@@ -183,6 +198,7 @@ pub fn row_overlaps(
                 step: step[i],
                 layer: layer[i],
                 token: token[i],
+                dequant: dequant[i],
                 jaccard: all.jaccard(),
                 recall: all.recall(),
                 jaccard_no_churn: clean.jaccard(),

@@ -111,6 +111,18 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         None => "none".to_owned(),
     };
     let _ = writeln!(out, "  non-finite onset:  {onset}");
+    if let Some(worst) = run
+        .topk_dequant
+        .iter()
+        .filter_map(|l| l.jaccard_no_churn.as_ref().map(|j| (l.layer, j.mean)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+    {
+        let _ = writeln!(
+            out,
+            "  top-k vs dequantized FP8 operands (kernel error alone): worst layer {} mean J no churn {:.4}",
+            worst.0, worst.1
+        );
+    }
     for s in &run.failed_sentinels {
         let _ = writeln!(
             out,
