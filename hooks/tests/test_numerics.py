@@ -122,10 +122,10 @@ def test_the_boundary_band_lists_the_keys_near_the_kth_score_ascending() -> None
 
 
 def test_members_drop_padding_and_keys_beyond_the_visible_range() -> None:
-    indices = torch.tensor([[3, -1, 0, 7], [2, 1, 0, 3]])
-    lists = numerics.members(indices, torch.tensor([4, 2]))
-    assert lists.offsets.tolist() == [0, 2, 4]
-    assert lists.values.tolist() == [0, 3, 0, 1]
+    indices = torch.tensor([[3, -1, 0, 7], [2, 1, 0, 3], [0, -1, -1, -1]])
+    lists = numerics.members(indices, torch.tensor([4, 2, 1]))
+    assert lists.offsets.tolist() == [0, 2, 4, 5]
+    assert lists.values.tolist() == [0, 3, 0, 1, 0]
 
 
 def test_dequantization_is_exact_for_power_of_two_scales() -> None:

@@ -84,13 +84,17 @@ def causal_mask(q_pos: torch.Tensor, keys: int) -> torch.Tensor:
     return torch.arange(keys, device=q_pos.device)[None, :] <= q_pos[:, None]
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """fp32 scores [T, S] with -inf where masked, from q [T,H,D], k [S,D], w [T,H].
+def index_scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor, softmax_scale: float | None = None
+) -> torch.Tensor:
+    """fp32 scores [T, S] with -inf where masked, from q [T,H,D], k [S,D], w [T,H], scaled
+    by D^-0.5 unless `softmax_scale` says otherwise (1.0 when w already holds it).
 
     Inputs are taken at their precision and upcast: the shadow's precision is whatever
     produced q, k and w.
     """
     t, h, d = q.shape
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     keys = k.shape[0]
     out = torch.empty(t, keys, dtype=torch.float32, device=q.device)
     kt = k.float().t()
@@ -99,7 +103,7 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch
         qc = q[start : start + rows].float()
         dots = torch.matmul(qc, kt).relu_()  # [rows, H, S]
         wc = w[start : start + rows].float().unsqueeze(1)  # [rows, 1, H]
-        out[start : start + rows] = torch.bmm(wc, dots).squeeze(1) * d**-0.5
+        out[start : start + rows] = torch.bmm(wc, dots).squeeze(1) * scale
     return out.masked_fill_(~causal_mask(q_pos, keys), -math.inf)
 
 
@@ -138,6 +142,45 @@ def fp8_variant_scores(
     return fp8_scores(q8, qs.squeeze(-1), k8, ks.squeeze(-1), w, q_pos)
 
 
+def folded_scores(
+    q_codes: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    q_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Scores from an engine's own FP8 operands, the product its logits kernel computes:
+    k_scale[s] * sum_h weights[t,h] * relu(q8[t,h] . k8[s]), where the engine has folded
+    q_scale, D^-0.5 and H^-0.5 into `weights` [T,H]. The fp32 recompute of production."""
+    scores = index_scores(q_codes.float(), k_codes.float(), weights.float(), q_pos, softmax_scale=1.0)
+    return scores * k_scale.float().reshape(1, -1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
+    """Rotary embedding of x [..., R] with cos/sin [..., R/2] broadcast against it: NeoX
+    pairs (i, i + R/2), interleaved (GPT-J) pairs (2i, 2i + 1)."""
+    if neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def dense_weight(linear: torch.nn.Module, block: int = 128) -> torch.Tensor:
+    """A linear layer's weight in fp32; FP8 block-quantized weights are multiplied by their
+    per-block scale (`weight_scale_inv` in DeepSeek checkpoints, vLLM and SGLang;
+    `weight_scale` in TensorRT-LLM)."""
+    weight = linear.weight
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return weight.float()
+    scale = getattr(linear, "weight_scale_inv", None)
+    if scale is None:
+        scale = linear.weight_scale
+    rows, cols = weight.shape
+    expanded = scale.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return weight.float() * expanded
+
+
 @dataclass
 class Lists:
     """A list column in flat form: row i is values[offsets[i]:offsets[i+1]]."""
@@ -174,11 +217,13 @@ def members(indices: torch.Tensor, visible: torch.Tensor) -> Lists:
     keys = int(
         max(int(visible.max()) if visible.numel() else 0, int(indices.max()) + 1 if indices.numel() else 0)
     )
-    mask = torch.zeros(indices.shape[0], max(keys, 1), dtype=torch.bool, device=indices.device)
+    # Invalid entries all land in one spare column, dropped after: a scatter of False
+    # could otherwise overwrite a valid key sharing their clamped position.
+    mask = torch.zeros(indices.shape[0], keys + 1, dtype=torch.bool, device=indices.device)
     idx = indices.long()
     valid = (idx >= 0) & (idx < visible[:, None])
-    mask.scatter_(1, idx.clamp(min=0), valid)
-    return _lists_from_mask(mask)[0]
+    mask.scatter_(1, torch.where(valid, idx, keys), True)
+    return _lists_from_mask(mask[:, :keys])[0]
 
 
 def select(scores: torch.Tensor, k: int, q_pos: torch.Tensor, band: float | None) -> Selection:

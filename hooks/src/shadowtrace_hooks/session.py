@@ -242,16 +242,21 @@ class Session:
         device: dict,
         dtypes: dict,
         parallel: dict | None = None,
+        request: str | None = None,
+        prompt_length: int | None = None,
     ) -> Run:
         """Opens the run of one request. Its id names the prompt's hash, the request's
         number in this process, the rank and the process, so ranks and processes never
-        collide; the `request` tag is the same on every rank of one request."""
+        collide; the `request` tag is the same on every rank of one request. Engines that
+        hold no token ids at the hook name the request themselves (`request`)."""
         s = self.settings
         parallel = parallel or parallelism()
         digest = token_hash(self.salt, token_ids)
         n = self.requests.get(digest, 0)
         self.requests[digest] = n + 1
-        request = f"{digest[:12]}-{n:03}"
+        if request is None:
+            request = f"{digest[:12]}-{n:03}"
+        request = "".join(c if c.isalnum() or c in "._-" else "_" for c in request)
         if launch := os.environ.get("TORCHELASTIC_RUN_ID"):
             request = f"{request}-{launch}"
         run_id = f"{request}-rank{parallel['rank']}-pid{os.getpid()}"
@@ -266,8 +271,8 @@ class Session:
             "shadow": {"precision": s.precision, "modes": s.modes},
             "prompt": {
                 "kind": s.tags.get("prompt_kind"),
-                "length": len(token_ids),
-                "token_hash": digest,
+                "length": len(token_ids) if prompt_length is None else prompt_length,
+                "token_hash": digest if token_ids else "",
                 "salt_id": hashlib.sha256(self.salt).hexdigest()[:12],
             },
             "settings": s.recorded(),
@@ -309,7 +314,8 @@ class Session:
         if key in self.disabled:
             return None
         try:
-            return fn(*args, **kwargs)
+            with torch.no_grad():
+                return fn(*args, **kwargs)
         except Exception as e:
             self.errors += 1
             self.disabled[key] = f"{type(e).__name__}: {e}"

@@ -12,6 +12,11 @@ from types import ModuleType
 TARGETS = {
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": "hf",
     "transformers.models.deepseek_v32.modeling_deepseek_v32": "hf",
+    "tensorrt_llm._torch.attention_backend.sparse.dsa.indexer": "trtllm",
+    "sglang.srt.layers.attention.dsa.dsa_indexer": "sglang",
+    "sglang.srt.layers.attention.nsa.nsa_indexer": "sglang",
+    "vllm.model_executor.models.deepseek_v2": "vllm",
+    "vllm.model_executor.layers.sparse_attn_indexer": "vllm",
 }
 
 
