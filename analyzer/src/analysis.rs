@@ -16,6 +16,7 @@ use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
+use crate::ranks::{self, RankAgreement};
 use crate::verdict::{LayerVerdict, NoiseFloor, Thresholds, hidden_verdict, topk_verdict};
 
 /// How to analyse.
@@ -67,6 +68,10 @@ pub struct RunAnalysis {
     pub topk_verdict: Option<LayerVerdict>,
     /// The rules the verdicts applied, thresholds included.
     pub rules: Vec<String>,
+    /// For a request traced on several ranks: the ranks read as this run
+    /// and how they agree (see [`crate::ranks`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<RankAgreement>,
     /// Per-row overlaps, for heatmaps and the metrics Parquet.
     #[serde(skip)]
     pub topk_rows: Vec<RowOverlap>,
@@ -175,6 +180,7 @@ pub fn analyze(
         runs.push(analyze_run(run, t, floors.get(&model))?);
         progress("analysing", i + 1, dataset.runs.len());
     }
+    let runs = ranks::merge(runs);
     let group_by: Vec<String> = if options.group_by.is_empty() {
         DEFAULT_GROUP_BY.iter().map(|s| (*s).to_owned()).collect()
     } else {
@@ -269,6 +275,7 @@ pub fn analyze_run(
         hidden_verdict,
         topk_verdict,
         rules: vec![hidden_rule.text, topk_rule.text],
+        ranks: None,
         topk_rows,
         hidden_tokens,
         prod_top_n,
@@ -307,6 +314,10 @@ pub fn run_tags(run: &Run) -> BTreeMap<String, String> {
         length_bucket(id.prompt.length, id.model.index_topk),
     );
     tags.insert("rank".to_owned(), id.parallelism.rank.to_string());
+    tags.insert(
+        "world_size".to_owned(),
+        id.parallelism.world_size.to_string(),
+    );
     for (k, v) in &id.tags {
         tags.entry(k.clone()).or_insert_with(|| v.clone());
     }

@@ -20,6 +20,7 @@ pub mod grid;
 pub mod inspect;
 pub mod load;
 pub mod metrics;
+pub mod ranks;
 pub mod report;
 pub mod schema_doc;
 pub mod verdict;

@@ -9,6 +9,7 @@ mod encodings;
 mod inspect_output;
 mod killed_writer;
 mod queue_modes;
+mod ranks;
 mod report_output;
 mod roundtrip;
 mod support;

@@ -88,6 +88,21 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         tag("prompt_kind"),
         tag("prompt_len")
     );
+    if let Some(r) = &run.ranks {
+        let ranks: Vec<String> = r.ranks.iter().map(ToString::to_string).collect();
+        let _ = writeln!(
+            out,
+            "  ranks {} read as one run: {} (max per-layer |dJ| {:.4}, max |d hidden p95| {:.2e})",
+            ranks.join(", "),
+            if r.same_verdicts {
+                "same verdicts on every rank"
+            } else {
+                "RANKS DISAGREE on verdicts or onset"
+            },
+            r.max_jaccard_diff,
+            r.max_hidden_p95_diff
+        );
+    }
     for (k, v) in run.counters.iter().filter(|(_, v)| **v > 0) {
         let _ = writeln!(out, "  counted: {k} = {v}");
     }
