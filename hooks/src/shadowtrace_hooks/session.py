@@ -257,7 +257,7 @@ class Session:
         if request is None:
             request = f"{digest[:12]}-{n:03}"
         request = "".join(c if c.isalnum() or c in "._-" else "_" for c in request)
-        if launch := os.environ.get("TORCHELASTIC_RUN_ID"):
+        if (launch := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
             request = f"{request}-{launch}"
         run_id = f"{request}-rank{parallel['rank']}-pid{os.getpid()}"
         tags = {**s.tags, "request": request}

@@ -21,10 +21,18 @@ def in_precision(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """Within the block, `module`'s bf16/fp16 parameters and buffers are `dtype` copies.
     Only upcasts: fp32 tensors (routing biases kept in fp32 on purpose) and FP8 weights
     (which need their scales) stay as they are."""
-    saved = []
+    saved, swapped = [], []
     if dtype == torch.float32:
         for tensor in itertools.chain(module.parameters(), module.buffers()):
-            if tensor.dtype in _UPCASTABLE:
+            if tensor.dtype not in _UPCASTABLE:
+                continue
+            if _is_dtensor(tensor):
+                # A tensor-parallel shard: `.data` assignment does not reach the local
+                # tensor, swapping the whole tensor does, and swapping back is exact.
+                upcast = torch.nn.Parameter(tensor.data.to(dtype), requires_grad=False)
+                torch.utils.swap_tensors(tensor, upcast)
+                swapped.append((tensor, upcast))
+            else:
                 saved.append((tensor, tensor.data))
                 tensor.data = tensor.data.to(dtype)
     try:
@@ -32,6 +40,16 @@ def in_precision(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
     finally:
         for tensor, data in saved:
             tensor.data = data
+        for tensor, upcast in swapped:
+            torch.utils.swap_tensors(tensor, upcast)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
