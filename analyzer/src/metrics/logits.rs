@@ -42,6 +42,9 @@ pub const COLUMNS: [&str; 6] = [
 pub struct Agreement {
     /// Positions compared.
     pub positions: usize,
+    /// Positions left out because a log-probability of either side was
+    /// NaN or infinite (a NaN run's logits agree with nothing).
+    pub nonfinite_positions: usize,
     /// Share of positions with the same best token.
     pub argmax_agreement: f64,
     /// Jensen–Shannon divergence in bits over the positions.
@@ -84,11 +87,16 @@ pub fn top_n(frame: &DataFrame) -> Result<(TopN, TopN), AnalyzeError> {
 #[must_use]
 pub fn agreement(a: &TopN, b: &TopN) -> Option<Agreement> {
     let mut same = 0;
+    let mut nonfinite_positions = 0;
     let mut js = Vec::new();
     for (key, (ids_a, lp_a)) in a {
         let Some((ids_b, lp_b)) = b.get(key) else {
             continue;
         };
+        if lp_a.iter().chain(lp_b).any(|l| !l.is_finite()) {
+            nonfinite_positions += 1;
+            continue;
+        }
         if !ids_a.is_empty() && ids_a.first() == ids_b.first() {
             same += 1;
         }
@@ -97,6 +105,7 @@ pub fn agreement(a: &TopN, b: &TopN) -> Option<Agreement> {
     let positions = js.len();
     (positions > 0).then(|| Agreement {
         positions,
+        nonfinite_positions,
         argmax_agreement: same as f64 / positions as f64,
         js_divergence: Summary::of(js),
     })
@@ -153,6 +162,20 @@ mod tests {
         let got = js_divergence(&[1, 2], &[half, half], &[1], &[0.0]);
         let want = 0.5 * (0.5 * (2.0_f64 / 3.0).log2() + 0.5) + 0.5 * (4.0_f64 / 3.0).log2();
         assert!((got - want).abs() < 1e-7, "{got} vs {want}");
+    }
+
+    #[test]
+    fn positions_with_non_finite_log_probabilities_are_left_out_and_counted() {
+        let mut a = TopN::new();
+        let mut b = TopN::new();
+        a.insert((0, 0), (vec![5, 6], vec![f32::NAN, f32::NAN]));
+        b.insert((0, 0), (vec![5, 6], vec![f32::NAN, f32::NAN]));
+        assert!(agreement(&a, &b).is_none(), "NaN logits agree with nothing");
+        a.insert((0, 1), (vec![5, 6], vec![-0.1, -3.0]));
+        b.insert((0, 1), (vec![6, 5], vec![-0.2, -2.0]));
+        let got = agreement(&a, &b).unwrap();
+        assert_eq!((got.positions, got.nonfinite_positions), (1, 1));
+        assert_eq!(got.argmax_agreement, 0.0);
     }
 
     #[test]

@@ -176,11 +176,16 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
     if let Some(l) = &run.logits {
         let _ = writeln!(
             out,
-            "  logits:            argmax agreement {:.4} over {} positions, JS mean {} max {} bits",
+            "  logits:            argmax agreement {:.4} over {} positions, JS mean {} max {} bits{}",
             l.argmax_agreement,
             l.positions,
             sci(l.js_divergence.map(|s| s.mean)),
-            sci(l.js_divergence.map(|s| s.max))
+            sci(l.js_divergence.map(|s| s.max)),
+            if l.nonfinite_positions > 0 {
+                format!(" ({} non-finite positions left out)", l.nonfinite_positions)
+            } else {
+                String::new()
+            }
         );
     }
     let header = LAYER_COLUMNS.map(str::to_owned);
