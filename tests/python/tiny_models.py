@@ -32,19 +32,19 @@ COMMON = dict(
 )
 
 
-def glm(layers: int = 3, **overrides) -> GlmMoeDsaForCausalLM:
+def glm(layers: int = 3, dtype: torch.dtype = torch.bfloat16, **overrides) -> GlmMoeDsaForCausalLM:
     config = GlmMoeDsaConfig(**{**COMMON, "num_hidden_layers": layers, **overrides})
-    return _build(GlmMoeDsaForCausalLM, config)
+    return _build(GlmMoeDsaForCausalLM, config, dtype)
 
 
-def deepseek(layers: int = 3, **overrides) -> DeepseekV32ForCausalLM:
+def deepseek(layers: int = 3, dtype: torch.dtype = torch.bfloat16, **overrides) -> DeepseekV32ForCausalLM:
     config = DeepseekV32Config(
         **{**COMMON, "num_hidden_layers": layers, "n_group": 2, "topk_group": 1, **overrides}
     )
-    return _build(DeepseekV32ForCausalLM, config)
+    return _build(DeepseekV32ForCausalLM, config, dtype)
 
 
-def _build(cls, config):
+def _build(cls, config, dtype):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -56,7 +56,11 @@ def _build(cls, config):
             if indexer is not None:
                 indexer.wk.weight.mul_(8.0)
                 indexer.wq_b.weight.mul_(8.0)
-    return model.to(torch.bfloat16)
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:  # a routing bias that matters, as trained models have
+                gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.05)
+    return model.to(dtype)
 
 
 def prompt(length: int, seed: int = 1) -> torch.Tensor:

@@ -18,6 +18,7 @@ mod error;
 pub mod fp8;
 pub mod identity;
 pub mod indexer;
+pub mod model;
 pub mod record;
 pub mod synth;
 pub mod writer;

@@ -1,0 +1,142 @@
+"""The Rust reference engine (`shadowtrace-run`) against HF transformers: tiny GLM-5 and
+DeepSeek-V3.2 configs with identical weights (written here as safetensors), fp32 on CPU,
+per-layer hidden states, logits and indexer top-k. The prompt is longer than index_topk,
+so the sparse regime is exercised; GLM has a shared (GLM-5.2) indexer layer and DeepSeek
+YaRN RoPE, so both RoPE pairings and both scalings are covered."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from conftest import binary
+from safetensors.torch import load_file
+
+LENGTH = 2100
+# fp32 against fp32 with different reduction orders (libtorch matmul blocking, the
+# layer-by-layer loop): relative to the largest magnitude of the tensor compared.
+HIDDEN_REL_TOL = 1e-4
+# Top-k keys may differ only where the k-th score is tied within this relative margin.
+TIE_REL_TOL = 1e-5
+
+CASES = {
+    "glm": lambda: tiny_models.glm(dtype=torch.float32, indexer_types=["full", "shared", "full"]),
+    "deepseek": lambda: tiny_models.deepseek(
+        dtype=torch.float32,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_rust_fp32_path_matches_transformers(tmp_path: Path, name: str) -> None:
+    model = CASES[name]()
+    model.save_pretrained(tmp_path / "model")
+    ids = tiny_models.prompt(LENGTH)
+    captured: dict[int, torch.Tensor] = {}
+    # transformers' hidden_states end with the final norm's output: the layers' own
+    # outputs are taken from the layers.
+    streams: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: streams.__setitem__(
+                i, (out[0] if isinstance(out, tuple) else out)[0].clone()
+            )
+        )
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is not None:
+            indexer.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0].clone()))
+    with torch.no_grad():
+        hf = model(ids)
+    (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp_path / "model", "--ids", tmp_path / "ids.json",
+         "--path", "fp32", "--dump", tmp_path / "rust.safetensors"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rust = load_file(tmp_path / "rust.safetensors")
+
+    for i, want in streams.items():
+        got = rust[f"layer_out.{i}"]
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= HIDDEN_REL_TOL, (i, err)
+    err = float((rust["logits"] - hf.logits[0]).abs().max() / hf.logits[0].abs().max())
+    assert err <= HIDDEN_REL_TOL, ("logits", err)
+
+    for i, want in captured.items():
+        scores = rust[f"index_scores.{i}"]
+        got = rust[f"topk.{i}"]
+        mismatched = 0
+        for t in range(2048, LENGTH):  # rows with more visible keys than k
+            a, b = set(got[t].tolist()), set(want[t].tolist())
+            if a == b:
+                continue
+            mismatched += 1
+            kth = scores[t, got[t]].min()
+            for key in a ^ b:
+                assert abs(float(scores[t, key] - kth)) <= TIE_REL_TOL * float(scores[t].abs().max()), (
+                    i,
+                    t,
+                    key,
+                )
+        assert mismatched <= (LENGTH - 2048) // 10, (i, mismatched)
+
+
+def quantize_128(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A checkpoint's FP8 weight: e4m3 codes by PyTorch's own cast, one fp32 scale per
+    128x128 block (weight_scale_inv), and the dequantized values they stand for."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // 128), -(-cols // 128)
+    padded = torch.zeros(br * 128, bc * 128)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(br, 128, bc, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    values = (codes.float() * scale[:, None, :, None]).view(br * 128, bc * 128)[:rows, :cols].contiguous()
+    return codes.view(br * 128, bc * 128)[:rows, :cols].contiguous(), scale, values
+
+
+def test_an_fp8_checkpoint_loads_to_exactly_its_dequantized_weights(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model = tiny_models.deepseek(layers=2, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ref")
+    state = load_file(tmp_path / "ref" / "model.safetensors")
+    fp8, dequantized = {}, {}
+    for name, tensor in state.items():
+        if name.endswith("proj.weight") and "indexer.weights_proj" not in name:
+            codes, scale, values = quantize_128(tensor)
+            fp8[name], fp8[name.replace(".weight", ".weight_scale_inv")] = codes, scale
+            dequantized[name] = values
+        else:
+            fp8[name] = dequantized[name] = tensor
+    for name, tensors in (("fp8", fp8), ("dequantized", dequantized)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((tmp_path / "ref" / "config.json").read_text())
+        save_file(tensors, tmp_path / name / "model.safetensors")
+    (tmp_path / "ids.json").write_text(json.dumps(tiny_models.prompt(200)[0].tolist()))
+    dumps = {}
+    for name in ("fp8", "dequantized"):
+        out = tmp_path / f"{name}.dump.safetensors"
+        run = subprocess.run(
+            [binary("shadowtrace-run"), "--model", tmp_path / name, "--ids", tmp_path / "ids.json",
+             "--dump", out],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        dumps[name] = load_file(out)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) > 10
+    for key, value in dumps["fp8"].items():
+        assert torch.equal(value, dumps["dequantized"][key]), key

@@ -1,0 +1,352 @@
+//! One decoder layer of `glm_moe_dsa` / `deepseek_v32`, as transformers 5.17
+//! computes it: RMSNorm, MLA attention restricted to the indexer's top-k,
+//! then a dense MLP or a MoE block (sigmoid router with correction bias,
+//! group-limited top-k, shared experts). Weights are fp32; `Numerics` says in
+//! which precision each matmul runs.
+
+use std::collections::BTreeMap;
+
+use tch::{Kind, Tensor};
+
+use super::config::{Architecture, ModelConfig};
+use super::rope::Rope;
+use crate::fp8::quant::{dequantize_blocks, quantize_blocks};
+use crate::fp8::{Fp8Format, QuantSpec, ScaleFormat};
+
+/// How a path computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Numerics {
+    /// Every tensor in this kind (fp32 or bf16), reductions as transformers does them.
+    Plain(Kind),
+    /// Production FP8: bf16 activations; every linear layer quantizes its
+    /// input per 1x128 block (dynamic, ue8m0 scales) and its weight per
+    /// 128x128 block, and multiplies the dequantized values in fp32: an exact
+    /// emulation of a block-scaled FP8 GEMM with fp32 accumulation.
+    Fp8,
+}
+
+impl Numerics {
+    /// The kind activations are held in.
+    #[must_use]
+    pub fn kind(self) -> Kind {
+        match self {
+            Numerics::Plain(kind) => kind,
+            Numerics::Fp8 => Kind::BFloat16,
+        }
+    }
+}
+
+/// A layer's weights by their name within the layer (`self_attn.q_a_proj.weight`, ...).
+pub type Weights = BTreeMap<String, Tensor>;
+
+/// What one layer hands to the tracer.
+#[derive(Debug)]
+pub struct LayerOutput {
+    /// Attention block output before the residual add `[S, hidden]`.
+    pub attn_out: Tensor,
+    /// MLP or MoE output before the residual add `[S, hidden]`.
+    pub mlp_out: Tensor,
+    /// The residual stream leaving the layer `[S, hidden]`.
+    pub layer_out: Tensor,
+    /// The indexer's top-k `[S, min(k, S)]` (int64), own or shared.
+    pub topk: Tensor,
+    /// The indexer's scores `[S, S]` (fp32, -inf where masked), when this
+    /// layer ran its own indexer.
+    pub index_scores: Option<Tensor>,
+}
+
+/// One decoder layer.
+#[derive(Debug)]
+pub struct Layer<'a> {
+    /// The model's configuration.
+    pub config: &'a ModelConfig,
+    /// Which model.
+    pub arch: Architecture,
+    /// Layer index.
+    pub index: i64,
+    /// Its weights, fp32.
+    pub weights: &'a Weights,
+    /// The path's numerics.
+    pub numerics: Numerics,
+}
+
+fn fp8_spec() -> QuantSpec {
+    QuantSpec {
+        format: Fp8Format::E4m3fn,
+        scale: ScaleFormat::Ue8m0,
+        amax_clamp: 1e-4,
+    }
+}
+
+/// `x` quantized per block and back: what an FP8 GEMM multiplies. Sides
+/// that do not divide by the block are zero-padded first and cut after.
+fn fp8_round(x: &Tensor, block: (i64, i64)) -> Tensor {
+    let (rows, cols) = (x.size()[0], x.size()[1]);
+    let (pr, pc) = (
+        (block.0 - rows % block.0) % block.0,
+        (block.1 - cols % block.1) % block.1,
+    );
+    let padded = x.to_kind(Kind::Float).constant_pad_nd([0, pc, 0, pr]);
+    let q = quantize_blocks(&padded, (block.0 as usize, block.1 as usize), fp8_spec())
+        .and_then(|q| dequantize_blocks(&q));
+    match q {
+        Ok(t) => t.narrow(0, 0, rows).narrow(1, 0, cols),
+        // Unreachable for the fp32 2-D input built here; fall back to no rounding.
+        Err(_) => x.to_kind(Kind::Float),
+    }
+}
+
+impl Layer<'_> {
+    fn w(&self, name: &str) -> &Tensor {
+        &self.weights[name]
+    }
+
+    /// `x @ W.T` in the path's numerics.
+    fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+        let weight = self.w(&format!("{name}.weight"));
+        match self.numerics {
+            Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
+            Numerics::Fp8 => {
+                let shape = x.size();
+                let x2 = x.reshape([-1, shape[shape.len() - 1]]);
+                let y = fp8_round(&x2, (1, 128)).matmul(&fp8_round(weight, (128, 128)).tr());
+                let mut out = shape.clone();
+                let last = out.len() - 1;
+                out[last] = weight.size()[0];
+                y.view(out.as_slice()).to_kind(Kind::BFloat16)
+            }
+        }
+    }
+
+    /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.
+    fn rms_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
+        let kind = x.kind();
+        let xf = x.to_kind(Kind::Float);
+        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = (xf * (var + eps).rsqrt()).to_kind(kind);
+        self.w(&format!("{name}.weight")).to_kind(kind) * normed
+    }
+
+    fn act_kind(&self) -> Kind {
+        self.numerics.kind()
+    }
+
+    /// The layer on the residual stream `x` `[S, hidden]` at `positions`.
+    /// `prev_topk` is the previous full layer's selection, for shared layers.
+    #[must_use]
+    pub fn forward(&self, x: &Tensor, rope: &Rope, prev_topk: Option<&Tensor>) -> LayerOutput {
+        let c = self.config;
+        let h = x.to_kind(self.act_kind());
+        let normed = self.rms_norm(&h, "input_layernorm", c.rms_norm_eps);
+        let (attn_out, topk, index_scores) = self.attention(&normed, rope, prev_topk);
+        let h = &h + &attn_out;
+        let normed = self.rms_norm(&h, "post_attention_layernorm", c.rms_norm_eps);
+        let mlp_out = if c.is_moe(self.index) {
+            self.moe(&normed)
+        } else {
+            self.mlp(&normed, "mlp")
+        };
+        let layer_out = &h + &mlp_out;
+        LayerOutput {
+            attn_out,
+            mlp_out,
+            layer_out,
+            topk,
+            index_scores,
+        }
+    }
+
+    fn attention(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        prev_topk: Option<&Tensor>,
+    ) -> (Tensor, Tensor, Option<Tensor>) {
+        let c = self.config;
+        let s = x.size()[0];
+        let heads = c.num_attention_heads;
+        let (nope, rot, v_dim, kv_rank) = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        );
+        let q_resid = self.rms_norm(
+            &self.linear(x, "self_attn.q_a_proj"),
+            "self_attn.q_a_layernorm",
+            1e-6,
+        );
+        let q = self
+            .linear(&q_resid, "self_attn.q_b_proj")
+            .view([s, heads, nope + rot]);
+        let (q_pass, q_rot) = (q.narrow(-1, 0, nope), q.narrow(-1, nope, rot));
+        let compressed = self.linear(x, "self_attn.kv_a_proj_with_mqa");
+        let kv_pass = compressed.narrow(-1, 0, kv_rank);
+        let k_rot = compressed.narrow(-1, kv_rank, rot);
+        let k_pass = self.rms_norm(&kv_pass, "self_attn.kv_a_layernorm", 1e-6);
+        let q_rot = rope.apply(&q_rot, 0, true);
+        let k_rot = rope.apply(&k_rot.unsqueeze(1), 0, true);
+        let query = Tensor::cat(&[q_pass, q_rot], -1).transpose(0, 1); // [H, S, qk]
+        let kv = self
+            .linear(&k_pass, "self_attn.kv_b_proj")
+            .view([s, heads, nope + v_dim]);
+        let k_nope = kv.narrow(-1, 0, nope);
+        let value = kv.narrow(-1, nope, v_dim).transpose(0, 1); // [H, S, v]
+        let key = Tensor::cat(&[k_nope, k_rot.expand([s, heads, rot], false)], -1).transpose(0, 1);
+
+        let (topk, index_scores) = if c.runs_indexer(self.index) {
+            let (topk, scores) = self.indexer(x, &q_resid, rope);
+            (topk, Some(scores))
+        } else {
+            let shared = prev_topk.map_or_else(
+                || {
+                    Tensor::arange(s, (Kind::Int64, x.device()))
+                        .unsqueeze(0)
+                        .expand([s, s], false)
+                },
+                Tensor::shallow_clone,
+            );
+            (shared, None)
+        };
+        let kind = query.kind();
+        let positions = Tensor::arange(s, (Kind::Int64, x.device()));
+        let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1)); // [S, T]
+        let selected = Tensor::zeros([s, s], (Kind::Bool, x.device())).scatter_value(1, &topk, 1);
+        let allowed = causal.logical_and(&selected);
+        let min = if kind == Kind::Float {
+            f64::from(f32::MIN)
+        } else {
+            -3.389_531_389_251_535_5e38
+        };
+        let mask =
+            Tensor::zeros([s, s], (kind, x.device())).masked_fill(&allowed.logical_not(), min);
+        let scaling = self.softmax_scale();
+        let scores = query.matmul(&key.transpose(1, 2)) * scaling + mask.unsqueeze(0);
+        let probs = scores.softmax(-1, Kind::Float).to_kind(kind);
+        let attn = probs
+            .matmul(&value)
+            .transpose(0, 1)
+            .reshape([s, heads * v_dim]);
+        (self.linear(&attn, "self_attn.o_proj"), topk, index_scores)
+    }
+
+    fn softmax_scale(&self) -> f64 {
+        let c = self.config;
+        let base = (c.qk_head_dim() as f64).powf(-0.5);
+        let rope = c.rope();
+        match (rope.rope_type.as_str(), rope.mscale_all_dim, rope.factor) {
+            ("yarn", Some(m), Some(f)) if m != 0.0 && f > 1.0 => {
+                let mscale = 0.1 * m * f.ln() + 1.0;
+                base * mscale * mscale
+            }
+            _ => base,
+        }
+    }
+
+    /// The DSA indexer: top-min(k, S) keys per query and the fp32 scores,
+    /// computed as transformers does (fp32 products after the projections).
+    fn indexer(&self, x: &Tensor, q_resid: &Tensor, rope: &Rope) -> (Tensor, Tensor) {
+        let c = self.config;
+        let s = x.size()[0];
+        let (heads, dim, rot) = (c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim);
+        let q = self
+            .linear(q_resid, "self_attn.indexer.wq_b")
+            .view([s, heads, dim]);
+        let k = self.linear(x, "self_attn.indexer.wk");
+        let k = k.layer_norm(
+            [dim],
+            Some(self.w("self_attn.indexer.k_norm.weight").to_kind(k.kind())),
+            Some(self.w("self_attn.indexer.k_norm.bias").to_kind(k.kind())),
+            1e-6,
+            false,
+        );
+        let interleaved = self.arch == Architecture::Glm;
+        let q = Tensor::cat(
+            &[
+                rope.apply(&q.narrow(-1, 0, rot), 0, interleaved),
+                q.narrow(-1, rot, dim - rot),
+            ],
+            -1,
+        );
+        let k = Tensor::cat(
+            &[
+                rope.apply(&k.narrow(-1, 0, rot), 0, interleaved),
+                k.narrow(-1, rot, dim - rot),
+            ],
+            -1,
+        );
+        // weights_proj is kept in fp32 by transformers (_keep_in_fp32_modules).
+        let w = x
+            .to_kind(Kind::Float)
+            .matmul(&self.w("self_attn.indexer.weights_proj.weight").tr())
+            * (heads as f64).powf(-0.5);
+        let dots = q
+            .to_kind(Kind::Float)
+            .transpose(0, 1)
+            .matmul(&k.to_kind(Kind::Float).tr().unsqueeze(0));
+        let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, S, T]
+        let scores = w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1); // [S, T]
+        let positions = Tensor::arange(s, (Kind::Int64, x.device()));
+        let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
+        let scores = scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY);
+        let take = c.index_topk.min(s);
+        let (_, topk) = scores.topk(take, -1, true, true);
+        (topk, scores)
+    }
+
+    fn mlp(&self, x: &Tensor, prefix: &str) -> Tensor {
+        let gate = self.linear(x, &format!("{prefix}.gate_proj"));
+        let up = self.linear(x, &format!("{prefix}.up_proj"));
+        self.linear(&(gate.silu() * up), &format!("{prefix}.down_proj"))
+    }
+
+    /// transformers' GlmMoeDsaMoE: routing in fp32, experts in the path's numerics.
+    fn moe(&self, x: &Tensor) -> Tensor {
+        let c = self.config;
+        let (s, e, groups) = (x.size()[0], c.n_routed_experts, c.n_group);
+        let logits = x
+            .to_kind(Kind::Float)
+            .matmul(&self.w("mlp.gate.weight").tr());
+        let scores = logits.sigmoid();
+        let choice = &scores
+            + self
+                .w("mlp.gate.e_score_correction_bias")
+                .to_kind(Kind::Float);
+        let group_scores = choice
+            .view([s, groups, e / groups])
+            .topk(2, -1, true, true)
+            .0
+            .sum_dim_intlist(-1, false, Kind::Float);
+        let (_, group_idx) = group_scores.topk(c.topk_group, -1, true, false);
+        let group_mask =
+            Tensor::zeros([s, groups], (Kind::Float, x.device())).scatter_value(1, &group_idx, 1.0);
+        let score_mask = group_mask
+            .unsqueeze(-1)
+            .expand([s, groups, e / groups], false)
+            .reshape([s, e]);
+        let choice = choice.masked_fill(&score_mask.logical_not(), f64::NEG_INFINITY);
+        let (_, top) = choice.topk(c.num_experts_per_tok, -1, true, false);
+        let mut weights = scores.gather(1, &top, false);
+        if c.norm_topk_prob {
+            weights = &weights / (weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-20);
+        }
+        let weights = weights * c.routed_scaling_factor;
+        let mut out = Tensor::zeros([s, c.hidden_size], (self.act_kind(), x.device()));
+        for expert in 0..e {
+            let hits = top.eq(expert).nonzero();
+            if hits.size()[0] == 0 {
+                continue;
+            }
+            let (tokens, slots) = (hits.select(1, 0), hits.select(1, 1));
+            let xe = x.index_select(0, &tokens);
+            let ye = self.mlp(&xe, &format!("mlp.experts.{expert}"));
+            let w = weights
+                .index(&[Some(tokens.shallow_clone()), Some(slots)])
+                .unsqueeze(1);
+            // bf16 output times fp32 routing weight promotes to fp32, as in transformers.
+            let ye = (ye.to_kind(Kind::Float) * w).to_kind(out.kind());
+            out = out.index_add(0, &tokens, &ye);
+        }
+        out + self.mlp(x, "mlp.shared_experts")
+    }
+}

@@ -1,0 +1,175 @@
+//! The reference DSA engine: GLM-5 (`glm_moe_dsa`) and DeepSeek-V3.2
+//! (`deepseek_v32`) forward passes on tch, configured from an HF
+//! `config.json` and loaded from safetensors (BF16, or FP8 e4m3 with
+//! 128x128 `weight_scale_inv` blocks), one layer's weights resident at a
+//! time so a checkpoint larger than memory still runs.
+//!
+//! Checked against transformers 5.17.0 (`tests/python/test_reference_engine.py`):
+//! per-layer hidden states, logits and indexer top-k of tiny configs of both
+//! architectures with identical weights.
+
+pub mod config;
+pub mod layer;
+pub mod rope;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Kind, Tensor};
+
+pub use config::{Architecture, ModelConfig};
+pub use layer::{Layer, LayerOutput, Numerics};
+use rope::Rope;
+use weights::Checkpoint;
+
+/// What went wrong loading or running a model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` is not valid or lacks a field.
+    #[error("{path}: {source}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What serde said.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A `model_type` this engine does not implement.
+    #[error("{path}: model_type {got:?}, expected glm_moe_dsa or deepseek_v32")]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// The model_type found.
+        got: String,
+    },
+    /// A weight file or tensor that cannot be used.
+    #[error("{path}: {what}")]
+    Weights {
+        /// The file, or the tensor name.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+}
+
+/// A model: its configuration and where its weights are.
+#[derive(Debug)]
+pub struct Model {
+    /// `config.json`.
+    pub config: ModelConfig,
+    /// `config.json`'s bytes (the manifest hashes them).
+    pub config_bytes: Vec<u8>,
+    /// Which architecture.
+    pub arch: Architecture,
+    checkpoint: Checkpoint,
+    /// The device everything runs on.
+    pub device: Device,
+}
+
+/// Every layer's output of one forward pass, and the logits.
+#[derive(Debug)]
+pub struct Forward {
+    /// Per layer.
+    pub layers: Vec<LayerOutput>,
+    /// `[S, vocab]` fp32.
+    pub logits: Tensor,
+}
+
+impl Model {
+    /// Opens `dir` (`config.json` and `*.safetensors`).
+    ///
+    /// # Errors
+    /// A missing or invalid config, an unsupported architecture, or no weights.
+    pub fn open(dir: &Path, device: Device) -> Result<Model, ModelError> {
+        let (config, config_bytes) = ModelConfig::read(&dir.join("config.json"))?;
+        let arch = config
+            .architecture()
+            .map_err(|got| ModelError::Unsupported {
+                path: dir.join("config.json"),
+                got,
+            })?;
+        let checkpoint = Checkpoint::open(dir)?;
+        Ok(Model {
+            config,
+            config_bytes,
+            arch,
+            checkpoint,
+            device,
+        })
+    }
+
+    /// Loads the named tensors (fp32, on the model's device) with `prefix`
+    /// stripped from their names.
+    ///
+    /// # Errors
+    /// A tensor missing from the checkpoint or unreadable.
+    pub fn load(&self, prefix: &str) -> Result<layer::Weights, ModelError> {
+        let names: Vec<String> = self.checkpoint.names_with_prefix(prefix);
+        let loaded = self.checkpoint.load(&names)?;
+        Ok(loaded
+            .into_iter()
+            .filter(|(name, _)| !name.ends_with("_scale_inv"))
+            .map(|(name, t)| (name[prefix.len()..].to_owned(), t.to_device(self.device)))
+            .collect())
+    }
+
+    /// One forward pass over `ids` in `numerics`, layer by layer.
+    ///
+    /// # Errors
+    /// A weight that cannot be loaded.
+    pub fn forward(&self, ids: &[i64], numerics: Numerics) -> Result<Forward, ModelError> {
+        let c = &self.config;
+        let s = ids.len() as i64;
+        let embed = self.load("model.embed_tokens.")?;
+        let ids_t = Tensor::from_slice(ids).to_device(self.device);
+        let mut h = embed["weight"]
+            .index_select(0, &ids_t)
+            .to_kind(numerics.kind());
+        drop(embed);
+        let positions = Tensor::arange(s, (Kind::Int64, self.device));
+        let max_pos = c.max_position_embeddings.unwrap_or(4096.0);
+        let rope = Rope::new(
+            &c.rope(),
+            c.qk_rope_head_dim,
+            max_pos,
+            &positions,
+            self.device,
+        );
+        let mut layers: Vec<LayerOutput> = Vec::new();
+        for i in 0..c.num_hidden_layers {
+            let weights = self.load(&format!("model.layers.{i}."))?;
+            let layer = Layer {
+                config: c,
+                arch: self.arch,
+                index: i,
+                weights: &weights,
+                numerics,
+            };
+            let prev = layers.last().map(|l| &l.topk);
+            let out = layer.forward(&h, &rope, prev);
+            h = out.layer_out.shallow_clone();
+            layers.push(out);
+        }
+        let norm = self.load("model.norm.")?;
+        let kind = h.kind();
+        let hf = h.to_kind(Kind::Float);
+        let var = hf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed =
+            norm["weight"].to_kind(kind) * (hf * (var + c.rms_norm_eps).rsqrt()).to_kind(kind);
+        let head = self.load("lm_head.")?;
+        let logits = normed
+            .matmul(&head["weight"].to_kind(kind).tr())
+            .to_kind(Kind::Float);
+        Ok(Forward { layers, logits })
+    }
+}

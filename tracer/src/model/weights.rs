@@ -1,0 +1,203 @@
+//! Checkpoint weights from safetensors files: BF16, F16 and F32 as they are,
+//! FP8 e4m3 with their 128x128 `weight_scale_inv` blocks as real checkpoints
+//! store them. Read here rather than through tch, which knows no FP8 dtype.
+//! A sharded checkpoint (`model.safetensors.index.json`) is read shard by
+//! shard, and only the tensors asked for are kept.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use tch::{Kind, Tensor};
+
+use super::ModelError;
+use crate::fp8::Fp8Format;
+
+#[derive(Deserialize)]
+struct Entry {
+    dtype: String,
+    shape: Vec<i64>,
+    data_offsets: [usize; 2],
+}
+
+/// Where each tensor of a checkpoint lives.
+#[derive(Debug)]
+pub struct Checkpoint {
+    files: BTreeMap<String, PathBuf>,
+}
+
+impl Checkpoint {
+    /// Indexes the safetensors files of `dir`.
+    ///
+    /// # Errors
+    /// No safetensors file, or an unreadable index.
+    pub fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
+        let mut files = BTreeMap::new();
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|source| ModelError::Io {
+                path: dir.to_owned(),
+                source,
+            })?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        shards.sort();
+        if shards.is_empty() {
+            return Err(ModelError::Weights {
+                path: dir.to_owned(),
+                what: "no *.safetensors file".to_owned(),
+            });
+        }
+        for shard in shards {
+            for name in header(&shard)?.0.keys() {
+                files.insert(name.clone(), shard.clone());
+            }
+        }
+        Ok(Checkpoint { files })
+    }
+
+    /// The names that start with `prefix`.
+    #[must_use]
+    pub fn names_with_prefix(&self, prefix: &str) -> Vec<String> {
+        self.files
+            .range(prefix.to_owned()..)
+            .take_while(|(name, _)| name.starts_with(prefix))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Whether the checkpoint holds `name`.
+    #[must_use]
+    pub fn has(&self, name: &str) -> bool {
+        self.files.contains_key(name)
+    }
+
+    /// The tensors named, as fp32 (FP8 weights multiplied out by their
+    /// `<name>_scale_inv` blocks).
+    ///
+    /// # Errors
+    /// A missing tensor, an unsupported dtype, or a truncated file.
+    pub fn load(&self, names: &[String]) -> Result<BTreeMap<String, Tensor>, ModelError> {
+        let mut by_file: BTreeMap<&PathBuf, Vec<&String>> = BTreeMap::new();
+        for name in names {
+            let file = self.files.get(name).ok_or_else(|| ModelError::Weights {
+                path: PathBuf::from(name),
+                what: "not in the checkpoint".to_owned(),
+            })?;
+            by_file.entry(file).or_default().push(name);
+        }
+        let mut out = BTreeMap::new();
+        for (file, wanted) in by_file {
+            let (entries, data_start) = header(file)?;
+            let io = |source| ModelError::Io {
+                path: file.clone(),
+                source,
+            };
+            let mut handle = File::open(file).map_err(io)?;
+            for name in wanted {
+                let entry = &entries[name.as_str()];
+                let [a, b] = entry.data_offsets;
+                // Only this tensor's bytes: a layer at a time from a shard of many.
+                let mut data = vec![0_u8; b.saturating_sub(a)];
+                handle
+                    .seek(SeekFrom::Start((data_start + a) as u64))
+                    .and_then(|_| handle.read_exact(&mut data))
+                    .map_err(io)?;
+                out.insert(name.clone(), decode(file, name, entry, &data)?);
+            }
+        }
+        let fp8: Vec<String> = out
+            .iter()
+            .filter(|(_, t)| t.kind() == Kind::Uint8)
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in fp8 {
+            let scale_name = format!("{name}_scale_inv");
+            let scale = self.load(std::slice::from_ref(&scale_name))?;
+            let codes = &out[&name];
+            let values = dequantize(codes, &scale[&scale_name]);
+            out.insert(name, values);
+        }
+        Ok(out)
+    }
+}
+
+fn header(path: &Path) -> Result<(BTreeMap<String, Entry>, usize), ModelError> {
+    let bad = |what: &str| ModelError::Weights {
+        path: path.to_owned(),
+        what: what.to_owned(),
+    };
+    let io = |source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = File::open(path).map_err(io)?;
+    let mut len_bytes = [0_u8; 8];
+    file.read_exact(&mut len_bytes)
+        .map_err(|_| bad("shorter than the 8-byte header length"))?;
+    let len = usize::try_from(u64::from_le_bytes(len_bytes))
+        .ok()
+        .filter(|&l| l < 1 << 30)
+        .ok_or_else(|| bad("header length past 1 GiB: not a safetensors file"))?;
+    let mut json = vec![0_u8; len];
+    file.read_exact(&mut json)
+        .map_err(|_| bad("header past the end of the file"))?;
+    let mut value: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&json).map_err(|e| bad(&format!("header: {e}")))?;
+    value.remove("__metadata__");
+    let entries = value
+        .into_iter()
+        .map(|(k, v)| {
+            serde_json::from_value(v)
+                .map(|e| (k.clone(), e))
+                .map_err(|e| bad(&format!("{k}: {e}")))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((entries, 8 + len))
+}
+
+fn decode(path: &Path, name: &str, entry: &Entry, data: &[u8]) -> Result<Tensor, ModelError> {
+    let kind = match entry.dtype.as_str() {
+        "BF16" => Kind::BFloat16,
+        "F16" => Kind::Half,
+        "F32" => Kind::Float,
+        // FP8 codes stay bytes until their scale is applied.
+        "F8_E4M3" => Kind::Uint8,
+        other => {
+            return Err(ModelError::Weights {
+                path: path.to_owned(),
+                what: format!("{name}: dtype {other}, expected BF16, F16, F32 or F8_E4M3"),
+            });
+        }
+    };
+    let tensor =
+        Tensor::f_from_data_size(data, &entry.shape, kind).map_err(|e| ModelError::Weights {
+            path: path.to_owned(),
+            what: format!("{name}: {e}"),
+        })?;
+    Ok(if kind == Kind::Uint8 {
+        tensor
+    } else {
+        tensor.to_kind(Kind::Float)
+    })
+}
+
+/// FP8 e4m3 codes `[R, C]` times their per-128x128-block scales, in fp32:
+/// exact, each product being an e4m3 value times an fp32 scale.
+fn dequantize(codes: &Tensor, scale_inv: &Tensor) -> Tensor {
+    let table: Vec<f32> = (0..=255_u8).map(|c| Fp8Format::E4m3fn.decode(c)).collect();
+    let values =
+        Tensor::from_slice(&table).index_select(0, &codes.to_kind(Kind::Int64).flatten(0, -1));
+    let size = codes.size();
+    let (rows, cols) = (size[0], size[1]);
+    let scale = scale_inv
+        .to_kind(Kind::Float)
+        .repeat_interleave_self_int(128, Some(0), None)
+        .narrow(0, 0, rows)
+        .repeat_interleave_self_int(128, Some(1), None)
+        .narrow(1, 0, cols);
+    values.view([rows, cols]) * scale
+}
