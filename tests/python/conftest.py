@@ -26,7 +26,8 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What `shadowtrace demo` writes: runs/ (a grid of runs) and report/."""
     root = tmp_path_factory.mktemp("demo")
     subprocess.run(
-        [binary("shadowtrace"), "demo", "--out", root],
+        # 1k and 3k tokens: below and above index_topk, the cells the tests read.
+        [binary("shadowtrace"), "demo", "--out", root, "--lengths", "1024,3072"],
         check=True,
         capture_output=True,
         env={**os.environ, "PATH": f"{binary('shadowtrace').parent}:{os.environ['PATH']}"},

@@ -61,7 +61,7 @@ def test_analyze_names_the_planted_faults_with_their_rules(demo_runs: Path) -> N
     assert out.returncode == 0, out.stderr
     assert "top-k: first layer whose mean Jaccard" in out.stdout
     assert "non-finite onset:  step 0, layer 3, mlp_out, token 2500: nan (shadow finite there)" in out.stdout
-    assert "top-k divergence:  layer 4: mean Jaccard" in out.stdout
+    assert "top-k divergence:  layer 1: mean Jaccard" in out.stdout
 
 
 def test_analyze_fail_on_exits_1_only_for_the_named_verdict(demo_runs: Path) -> None:
@@ -78,7 +78,7 @@ def test_analyze_json_carries_every_verdict_and_threshold(demo_runs: Path) -> No
     assert doc["thresholds"]["topk_jaccard"] == 0.5
     runs = {r["run_id"]: r for r in doc["runs"]}
     assert runs["glm-tool-3k"]["onset"]["layer"] == 3
-    assert runs["glm-tool-3k"]["topk_verdict"] is None, "0.60 is above a 0.5 threshold"
+    assert runs["glm-tool-3k"]["topk_verdict"] is None, "the perturbed layer keeps more than half its keys"
     assert all(r["hidden_verdict"] is None for r in runs.values())
 
 
@@ -107,7 +107,7 @@ def test_the_demo_report_holds_markdown_plots_and_metrics(demo_root: Path) -> No
     assert text.startswith("# shadowtrace report")
     assert "![plots/topk_jaccard_vs_layer.svg](plots/topk_jaccard_vs_layer.svg)" in text
     layers = pl.read_parquet(report / "metrics" / "topk_layers.parquet")
-    glm = layers.filter((pl.col("run_id") == "glm-tool-3k") & (pl.col("layer") == 4))
+    glm = layers.filter((pl.col("run_id") == "glm-tool-3k") & (pl.col("layer") == 1))
     assert glm["jaccard_no_churn_mean"][0] < 0.8
 
 

@@ -61,7 +61,7 @@ def test_the_rust_fp32_path_matches_transformers(tmp_path: Path, name: str) -> N
         hf = model(ids)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
     run = subprocess.run(
-        [binary("shadowtrace-run"), "--model", tmp_path / "model", "--ids", tmp_path / "ids.json",
+        [binary("shadowtrace-run"), "--model", tmp_path / "model", tmp_path / "ids.json",
          "--path", "fp32", "--dump", tmp_path / "rust.safetensors"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -131,8 +131,8 @@ def test_an_fp8_checkpoint_loads_to_exactly_its_dequantized_weights(tmp_path: Pa
     for name in ("fp8", "dequantized"):
         out = tmp_path / f"{name}.dump.safetensors"
         run = subprocess.run(
-            [binary("shadowtrace-run"), "--model", tmp_path / name, "--ids", tmp_path / "ids.json",
-             "--dump", out],
+            [binary("shadowtrace-run"), "--model", tmp_path / name, tmp_path / "ids.json",
+             "--path", "fp32", "--dump", out],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
@@ -140,3 +140,49 @@ def test_an_fp8_checkpoint_loads_to_exactly_its_dequantized_weights(tmp_path: Pa
     assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) > 10
     for key, value in dumps["fp8"].items():
         assert torch.equal(value, dumps["dequantized"][key]), key
+
+
+def trace_with_fault(tmp_path: Path, fault: dict, length: int = 300) -> dict:
+    model = tiny_models.glm(layers=3)
+    model.save_pretrained(tmp_path / "glm")
+    (tmp_path / "p.json").write_text(json.dumps(tiny_models.prompt(length)[0].tolist()))
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp_path / "glm", tmp_path / "p.json",
+         "--out", tmp_path / "runs", "--fault", json.dumps(fault)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["engine"]["name"] == "shadowtrace-reference"
+    assert manifest["injections"] == [fault]
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", tmp_path / "runs", "--format", "json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (analysis,) = json.loads(out.stdout)["runs"]
+    return analysis
+
+
+def test_a_traced_run_locates_a_nan_planted_in_production(tmp_path: Path) -> None:
+    fault = {"kind": "non_finite", "layer": 1, "site": "mlp_out", "token": 123, "channel": 5, "value": "nan"}
+    analysis = trace_with_fault(tmp_path, fault)
+    onset = analysis["onset"]
+    assert (onset["layer"], onset["site"], onset["token"], onset["shadow_finite"]) == (
+        1,
+        "mlp_out",
+        123,
+        True,
+    )
+
+
+def test_a_nan_in_a_padding_kv_slot_poisons_the_layer_with_the_shadow_finite(tmp_path: Path) -> None:
+    analysis = trace_with_fault(tmp_path, {"kind": "kv_slot", "layer": 2, "token": 0})
+    onset = analysis["onset"]
+    assert (onset["layer"], onset["site"], onset["shadow_finite"]) == (2, "attn_out", True)
+    assert (
+        next(h for h in analysis["hidden"] if h["layer"] == 2 and h["site"] == "attn_out")["nonfinite_tokens"]
+        == 300
+    )

@@ -21,6 +21,7 @@ pub mod indexer;
 pub mod model;
 pub mod record;
 pub mod synth;
+pub mod trace;
 pub mod writer;
 
 pub use error::TraceError;

@@ -143,3 +143,31 @@ fn a_row_in_stored_form_is_sorted_with_its_boundary_band() {
     );
     assert_eq!(boundary.scores, [0.5, 0.52, 0.49]);
 }
+
+#[test]
+fn all_rows_at_once_equal_each_row_taken_alone() {
+    tch::manual_seed(11);
+    let (t, s, k) = (40_i64, 64_i64, 8_i64);
+    // Coarse values give exact ties at the boundary; rows 0..8 are dense.
+    let mut scores = (Tensor::rand([t, s], (tch::Kind::Float, tch::Device::Cpu)) * 16.0).floor();
+    let positions = Tensor::arange(t, (tch::Kind::Int64, tch::Device::Cpu));
+    let visible = &positions + 24 - 16;
+    let visible = visible.clamp_min(1);
+    let keys = Tensor::arange(s, (tch::Kind::Int64, tch::Device::Cpu));
+    let masked = keys.unsqueeze(0).ge_tensor(&visible.unsqueeze(1));
+    scores = scores.masked_fill(&masked, f64::NEG_INFINITY);
+    let sel = topk_with_margin(&scores, k, &visible).unwrap();
+    let all = sel.rows(&scores, Some(1.0)).unwrap();
+    assert_eq!(all.len(), t as usize);
+    for (r, row) in all.iter().enumerate() {
+        assert_eq!(
+            row,
+            &sel.row(r as i64, &scores, Some(1.0)).unwrap(),
+            "row {r}"
+        );
+    }
+    assert!(
+        all.iter().any(|r| r.kth_score.is_none()),
+        "dense rows are covered"
+    );
+}

@@ -1,8 +1,8 @@
-//! `shadowtrace demo`: the main job, end to end, on synthetic runs until the
-//! reference engine exists. It writes a small grid of runs through the run
-//! writer (two model shapes x tool / no-tool prompts x two lengths around
-//! index_topk), with faults planted in one cell, then analyses the grid
-//! with the analyzer and writes the report.
+//! `shadowtrace demo`: the main job, end to end. It writes two synthetic
+//! checkpoints with the real structure of GLM-5.1 and DeepSeek-V3.2 at small
+//! width, traces a grid of prompts through the reference engine (production
+//! FP8 path against an fp32 shadow), plants faults in one cell, then
+//! analyses the grid and writes the report.
 
 #![allow(
     clippy::print_stderr,
@@ -17,78 +17,127 @@ use clap::Parser;
 use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, write_report};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
-use shadowtrace_tracer::WriterOptions;
-use shadowtrace_tracer::synth::SynthSpec;
+use shadowtrace_tracer::model::fault::{Fault, NonFiniteValue};
+use shadowtrace_tracer::model::{Model, synthetic};
+use shadowtrace_tracer::trace::{Mode, TraceOptions, trace};
+use tch::Device;
 
-/// Write a synthetic grid of shadowtrace runs, analyse it and report.
+const TOOLS: &str = include_str!("../../demo/corpus/tools.json");
+const FILLER: &str = include_str!("../../demo/corpus/filler.txt");
+
+/// Trace a grid of prompts through two synthetic DSA models, analyse, report.
 ///
-/// Every number in these runs is synthetic: no model ran. The runs have the
-/// shape of GLM-5 and DeepSeek-V3.2 traces (index_topk 2048, FP8 prod, FP32
-/// shadow) and plant known faults in the GLM long tool-prompt cell — a NaN
-/// at layer 3 and a top-k selection collapse from layer 4 — so the analysis
-/// has something true to find.
+/// The weights are synthetic (seeded random, with the indexer's projections
+/// scaled so its scores spread as a trained model's do): the runs show what
+/// shadowtrace finds, not how GLM-5.1 or DeepSeek-V3.2 behave. The cell
+/// glm-tool-3k carries planted faults: noise on the indexer's keys at layer
+/// 1 (a top-k selection collapse) and a NaN at layer 3 mlp_out, token 2500.
 #[derive(Debug, Parser)]
 #[command(name = "shadowtrace demo", version)]
 struct Args {
-    /// Directory the runs and the report are written under; an earlier demo
-    /// there is replaced.
+    /// Directory the models, runs and report are written under; an earlier
+    /// demo there is replaced.
     #[arg(long, default_value = "out/demo")]
     out: PathBuf,
+    /// Prompt lengths in tokens, below and above index_topk (2048).
+    #[arg(long, value_delimiter = ',', default_values_t = [1024, 3072, 6144])]
+    lengths: Vec<usize>,
+    /// Decoder layers of each synthetic model (the first is dense, the rest MoE).
+    #[arg(long, default_value_t = 4)]
+    layers: i64,
 }
 
-fn grid() -> Vec<SynthSpec> {
-    let mut specs = Vec::new();
-    for (model, short) in [
-        ("synthetic/glm5-shaped", "glm"),
-        ("synthetic/deepseek-v32-shaped", "ds"),
-    ] {
-        for kind in ["tool", "no_tool"] {
-            for tokens in [1024, 3072] {
-                let faulty = short == "glm" && kind == "tool" && tokens == 3072;
-                specs.push(SynthSpec {
-                    run_id: format!("{short}-{kind}-{}k", tokens / 1024).replace('_', "-"),
-                    model: model.to_owned(),
-                    tokens,
-                    prompt_kind: kind.to_owned(),
-                    planted_nan: faulty.then_some((3, "mlp_out", 2500)),
-                    collapse_from_layer: faulty.then_some(4),
-                    seed: u64::from(tokens.unsigned_abs()) + kind.len() as u64 + short.len() as u64,
-                    ..SynthSpec::demo("demo")
-                });
-            }
-        }
+/// A prompt of `length` byte-level token ids: the three tool schemas first
+/// for a tool prompt, then filler text, repeated as needed.
+fn prompt(tool: bool, length: usize) -> Vec<i64> {
+    let mut text = String::new();
+    if tool {
+        text.push_str("<tools>\n");
+        text.push_str(TOOLS);
+        text.push_str("</tools>\n");
     }
-    specs
+    while text.len() < length {
+        text.push_str(FILLER);
+    }
+    text.bytes().take(length).map(i64::from).collect()
+}
+
+fn faults() -> Vec<Fault> {
+    vec![
+        Fault::IndexerKey {
+            layer: 1,
+            scale: 3.0,
+        },
+        Fault::NonFinite {
+            layer: 3,
+            site: "mlp_out".to_owned(),
+            token: 2500,
+            channel: 7,
+            value: NonFiniteValue::Nan,
+        },
+    ]
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.layers < 4 {
+        bail!(
+            "--layers {}: the planted faults need at least 4 layers",
+            args.layers
+        );
+    }
     let runs_dir = args.out.join("runs");
     let report_dir = args.out.join("report");
     clear_previous_demo(&args.out)?;
-
-    let specs = grid();
-    eprintln!(
-        "writing {} synthetic runs to {}",
-        specs.len(),
-        runs_dir.display()
-    );
+    let device = Device::cuda_if_available();
+    let models = [
+        (
+            "synthetic/glm-5.1-shaped",
+            "glm",
+            synthetic::glm51_config(args.layers),
+            51,
+        ),
+        (
+            "synthetic/deepseek-v3.2-shaped",
+            "ds",
+            synthetic::deepseek_v32_config(args.layers),
+            32,
+        ),
+    ];
     let started = Instant::now();
-    for (i, spec) in specs.iter().enumerate() {
-        let dir = runs_dir.join(&spec.run_id);
-        spec.write(&dir, WriterOptions::default())
+    let cells = models.len() * 2 * args.lengths.len();
+    let mut done = 0;
+    for (name, short, config, seed) in &models {
+        let dir = args.out.join("models").join(short);
+        synthetic::write(&dir, config, *seed)
             .with_context(|| format!("writing {}", dir.display()))?;
-        eprintln!(
-            "  [{}/{}] {} ({} tokens, {} layers)",
-            i + 1,
-            specs.len(),
-            spec.run_id,
-            spec.tokens,
-            spec.layers
-        );
+        let model = Model::open(&dir, device)?;
+        for kind in ["tool", "no_tool"] {
+            for &length in &args.lengths {
+                let run_id = format!("{short}-{kind}-{}k", length / 1024).replace('_', "-");
+                let mut opts = TraceOptions::new(name);
+                opts.modes = vec![Mode::Local];
+                opts.prompt_kind = Some(kind.to_owned());
+                opts.tags
+                    .insert("weights".to_owned(), "synthetic".to_owned());
+                if run_id == "glm-tool-3k" {
+                    opts.faults = faults();
+                }
+                let cell = Instant::now();
+                let ids = prompt(kind == "tool", length);
+                tch::no_grad(|| trace(&model, &ids, &run_id, &runs_dir.join(&run_id), &opts))
+                    .with_context(|| format!("tracing {run_id}"))?;
+                done += 1;
+                eprintln!(
+                    "  [{done}/{cells}] {run_id}: {length} tokens, {} layers, {:.1} s",
+                    args.layers,
+                    cell.elapsed().as_secs_f64()
+                );
+            }
+        }
     }
     eprintln!(
-        "wrote the grid in {:.1} s; analysing",
+        "traced the grid in {:.1} s; analysing",
         started.elapsed().as_secs_f64()
     );
 
@@ -103,16 +152,21 @@ fn main() -> anyhow::Result<()> {
     println!("report: {}", report_dir.join(REPORT_FILE).display());
     println!();
     println!(
-        "These runs are synthetic: no model ran, and the weights behind their numbers do not exist."
+        "The weights are synthetic: seeded random checkpoints with the structure of GLM-5.1 and"
     );
     println!(
-        "They exercise the trace format, writer, reader and analyzer end to end; the faults planted"
+        "DeepSeek-V3.2 at small width ({}), run by the reference engine",
+        args.out.join("models").display()
     );
     println!(
-        "in glm-tool-3k (NaN at layer 3 mlp_out token 2500, top-k collapse from layer 4) are what the"
+        "with FP8 production linears and indexer against an fp32 shadow. The numbers show what"
     );
     println!(
-        "analysis above should find. Re-run it with `shadowtrace analyze {}`.",
+        "shadowtrace finds, not how the real models behave. glm-tool-3k carries planted faults:"
+    );
+    println!("noise on the indexer's keys at layer 1 and a NaN at layer 3 mlp_out, token 2500.");
+    println!(
+        "Re-run the analysis with `shadowtrace analyze {}`.",
         runs_dir.display()
     );
     Ok(())
@@ -123,7 +177,7 @@ fn clear_previous_demo(out: &Path) -> anyhow::Result<()> {
     if !out.exists() {
         return Ok(());
     }
-    let ours = |name: &str| matches!(name, "runs" | "report");
+    let ours = |name: &str| matches!(name, "runs" | "report" | "models");
     for entry in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().into_owned();

@@ -1,11 +1,20 @@
 //! `shadowtrace run`: the reference DSA engine on a model directory
-//! (`config.json` and safetensors) and a prompt of token ids.
+//! (`config.json` and safetensors) and prompt files; traced when
+//! `SHADOWTRACE=1` (or `--out`), as the `SHADOWTRACE_*` variables say.
+
+#![allow(
+    clippy::print_stderr,
+    reason = "a command line reports progress and errors on its terminal"
+)]
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use shadowtrace_tracer::indexer::Fp8Indexer;
+use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::{Model, Numerics};
+use shadowtrace_tracer::trace::{TraceOptions, trace};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -18,76 +27,164 @@ enum Path {
     Fp8,
 }
 
-/// Runs the reference GLM-5 / DeepSeek-V3.2 engine on one prompt.
+/// Run the reference GLM-5 / DeepSeek-V3.2 engine on prompts, traced or not.
+///
+/// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8
+/// path (FP8 linears, the --fp8-indexer variant, any --fault) against the
+/// shadow the SHADOWTRACE_* variables ask for, one run per prompt under
+/// SHADOWTRACE_DIR (or --out). Without, one untraced pass per prompt in
+/// --path numerics. See `shadowtrace env` for the variables.
 #[derive(Parser, Debug)]
 #[command(name = "shadowtrace run", version)]
 struct Args {
     /// Model directory: config.json and *.safetensors (BF16, or FP8 e4m3 with weight_scale_inv).
     #[arg(long)]
     model: PathBuf,
-    /// Prompt as a JSON list of token ids.
+    /// Prompt files: a JSON list of token ids, or text read as byte-level ids (vocabularies of 256 or more).
+    #[arg(required = true)]
+    prompts: Vec<PathBuf>,
+    /// Trace into this directory (implies tracing; overrides SHADOWTRACE_DIR).
     #[arg(long)]
-    ids: PathBuf,
-    /// Numerics of the pass.
-    #[arg(long, value_enum, default_value = "fp32")]
+    out: Option<PathBuf>,
+    /// The model's name in the manifests (default: the directory name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Production FP8 indexer: trtllm, sglang, vllm or deepseek_reference.
+    #[arg(long, default_value = "trtllm")]
+    fp8_indexer: String,
+    /// A fault planted in production, as JSON, for example
+    /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'
+    /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable.
+    #[arg(long)]
+    fault: Vec<String>,
+    /// Numerics of an untraced pass.
+    #[arg(long, value_enum, default_value = "fp8")]
     path: Path,
-    /// Write every layer's hidden states, indexer top-k and the logits to this safetensors file.
+    /// Write every layer's hidden states, indexer top-k and scores, and the logits of an
+    /// untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
     dump: Option<PathBuf>,
+}
+
+fn read_prompt(path: &std::path::Path, vocab: i64) -> Result<Vec<i64>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let ids: Vec<i64> = if path.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: expected a JSON list of token ids", path.display()))?
+    } else if vocab >= 256 {
+        text.bytes().map(i64::from).collect()
+    } else {
+        bail!(
+            "{}: text needs a vocabulary of at least 256 byte ids, the model has {vocab}",
+            path.display()
+        );
+    };
+    if ids.is_empty() {
+        bail!("{}: the prompt has no tokens", path.display());
+    }
+    if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= vocab) {
+        bail!(
+            "{}: token id {bad} is outside the vocabulary [0, {vocab})",
+            path.display()
+        );
+    }
+    Ok(ids)
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     let device = Device::cuda_if_available();
     let model = Model::open(&args.model, device)?;
-    let text = std::fs::read_to_string(&args.ids)
-        .with_context(|| format!("reading {}", args.ids.display()))?;
-    let ids: Vec<i64> = serde_json::from_str(&text)
-        .with_context(|| format!("{}: expected a JSON list of token ids", args.ids.display()))?;
-    if ids.is_empty() {
-        bail!("{}: the prompt has no tokens", args.ids.display());
-    }
-    if let Some(bad) = ids
-        .iter()
-        .find(|&&id| id < 0 || id >= model.config.vocab_size)
-    {
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
+    });
+    let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    let Some(indexer) = Fp8Indexer::named(&args.fp8_indexer) else {
         bail!(
-            "{}: token id {bad} is outside the vocabulary [0, {})",
-            args.ids.display(),
-            model.config.vocab_size
+            "--fp8-indexer {}: expected trtllm, sglang, vllm or deepseek_reference",
+            args.fp8_indexer
         );
-    }
-    let numerics = match args.path {
-        Path::Fp32 => Numerics::Plain(Kind::Float),
-        Path::Bf16 => Numerics::Plain(Kind::BFloat16),
-        Path::Fp8 => Numerics::Fp8,
     };
-    let started = std::time::Instant::now();
-    let out = tch::no_grad(|| model.forward(&ids, numerics))?;
-    println!(
-        "{} ({} layers) on {:?}, {} tokens, {:?}: {:.2} s",
-        model.config.model_type,
-        out.layers.len(),
-        device,
-        ids.len(),
-        args.path,
-        started.elapsed().as_secs_f64()
-    );
-    if let Some(dump) = args.dump {
-        let mut tensors: Vec<(String, Tensor)> = Vec::new();
-        for (i, layer) in out.layers.iter().enumerate() {
-            tensors.push((
-                format!("layer_out.{i}"),
-                layer.layer_out.to_kind(Kind::Float).to_device(Device::Cpu),
-            ));
-            tensors.push((format!("topk.{i}"), layer.topk.to_device(Device::Cpu)));
-            if let Some(scores) = &layer.index_scores {
-                tensors.push((format!("index_scores.{i}"), scores.to_device(Device::Cpu)));
-            }
+    opts.fp8_indexer = indexer;
+    opts.fp8_indexer_name.clone_from(&args.fp8_indexer);
+    for f in &args.fault {
+        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
+        if fault.layer() >= model.config.num_hidden_layers {
+            bail!(
+                "--fault {f}: layer {} past the model's {} layers",
+                fault.layer(),
+                model.config.num_hidden_layers
+            );
         }
-        tensors.push(("logits".to_owned(), out.logits.to_device(Device::Cpu)));
-        Tensor::write_safetensors(&tensors, &dump)
-            .with_context(|| format!("writing {}", dump.display()))?;
+        opts.faults.push(fault);
+    }
+    let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
+        bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");
+    }
+    for (i, path) in args.prompts.iter().enumerate() {
+        let ids = read_prompt(path, model.config.vocab_size)?;
+        let started = std::time::Instant::now();
+        let Some(out) = &out else {
+            let numerics = match args.path {
+                Path::Fp32 => Numerics::Plain(Kind::Float),
+                Path::Bf16 => Numerics::Plain(Kind::BFloat16),
+                Path::Fp8 => Numerics::Fp8,
+            };
+            let forward = tch::no_grad(|| model.forward(&ids, numerics))?;
+            println!(
+                "{}: {} ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
+                path.display(),
+                model.config.model_type,
+                forward.layers.len(),
+                ids.len(),
+                args.path,
+                started.elapsed().as_secs_f64()
+            );
+            if let Some(dump) = &args.dump {
+                let mut tensors: Vec<(String, Tensor)> = Vec::new();
+                for (l, layer) in forward.layers.iter().enumerate() {
+                    tensors.push((
+                        format!("layer_out.{l}"),
+                        layer.layer_out.to_kind(Kind::Float).to_device(Device::Cpu),
+                    ));
+                    tensors.push((format!("topk.{l}"), layer.topk.to_device(Device::Cpu)));
+                    if let Some(scores) = &layer.index_scores {
+                        tensors.push((format!("index_scores.{l}"), scores.to_device(Device::Cpu)));
+                    }
+                }
+                tensors.push(("logits".to_owned(), forward.logits.to_device(Device::Cpu)));
+                Tensor::write_safetensors(&tensors, dump)
+                    .with_context(|| format!("writing {}", dump.display()))?;
+            }
+            continue;
+        };
+        let stem = path.file_stem().map_or_else(
+            || format!("prompt{i}"),
+            |s| s.to_string_lossy().into_owned(),
+        );
+        let run_id: String = format!("{name}-{stem}")
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect();
+        let manifest = tch::no_grad(|| trace(&model, &ids, &run_id, &out.join(&run_id), &opts))
+            .with_context(|| format!("tracing {}", path.display()))?;
+        eprintln!(
+            "traced {} ({} tokens) into {} in {:.1} s",
+            path.display(),
+            ids.len(),
+            out.join(manifest.run_id()).display(),
+            started.elapsed().as_secs_f64()
+        );
     }
     Ok(())
 }

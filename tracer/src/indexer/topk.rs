@@ -125,6 +125,59 @@ impl TopkSelection {
     }
 }
 
+impl TopkSelection {
+    /// Every row in the stored form, as [`TopkSelection::row`] gives them,
+    /// with a handful of transfers instead of several per row.
+    ///
+    /// # Errors
+    /// When libtorch fails.
+    pub fn rows(&self, scores: &Tensor, band: Option<f32>) -> Result<Vec<Selection>, TraceError> {
+        let run = || -> Result<Vec<Selection>, tch::TchError> {
+            let cpu = tch::Device::Cpu;
+            let size = self.indices.size();
+            let (t, k) = (size[0] as usize, size[1] as usize);
+            let flat = |x: &Tensor| x.f_to_device(cpu)?.f_flatten(0, -1);
+            let indices = Vec::<i64>::try_from(flat(&self.indices)?)?;
+            let kth = Vec::<f32>::try_from(flat(&self.kth_score)?)?;
+            let margin = Vec::<f32>::try_from(flat(&self.kth_margin)?)?;
+            let mut boundary: Vec<Boundary> = vec![Boundary::default(); t];
+            if let Some(band) = band {
+                // NaN k-th scores (dense rows) compare false: no boundary there.
+                let near = scores
+                    .f_sub(&self.kth_score.f_unsqueeze(1)?)?
+                    .f_abs()?
+                    .f_le(f64::from(band))?;
+                let at = Vec::<i64>::try_from(flat(&near.f_nonzero()?)?)?;
+                let values = Vec::<f32>::try_from(flat(&scores.f_masked_select(&near)?)?)?;
+                for (pair, value) in at.chunks(2).zip(values) {
+                    let row = &mut boundary[pair[0] as usize];
+                    row.indices.push(i32::try_from(pair[1]).unwrap_or(i32::MAX));
+                    row.scores.push(value);
+                }
+            }
+            Ok((0..t)
+                .map(|r| {
+                    let mut keys: Vec<i32> = indices[r * k..(r + 1) * k]
+                        .iter()
+                        .filter(|&&i| i >= 0)
+                        .map(|&i| i32::try_from(i).unwrap_or(i32::MAX))
+                        .collect();
+                    keys.sort_unstable();
+                    let dense = kth[r].is_nan();
+                    Selection {
+                        indices: keys,
+                        kth_score: (!dense).then_some(kth[r]),
+                        kth_margin: (!dense).then_some(margin[r]),
+                        boundary: (band.is_some() && !dense)
+                            .then(|| std::mem::take(&mut boundary[r])),
+                    }
+                })
+                .collect())
+        };
+        run().map_err(torch)
+    }
+}
+
 /// Keys whose score lies within `band` of `kth` (inclusive), ascending.
 fn boundary_keys(row: &Tensor, kth: f32, band: f32) -> Result<Boundary, tch::TchError> {
     let near = row

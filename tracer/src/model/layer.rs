@@ -9,9 +9,11 @@ use std::collections::BTreeMap;
 use tch::{Kind, Tensor};
 
 use super::config::{Architecture, ModelConfig};
+use super::fault::Fault;
 use super::rope::Rope;
 use crate::fp8::quant::{dequantize_blocks, quantize_blocks};
 use crate::fp8::{Fp8Format, QuantSpec, ScaleFormat};
+use crate::indexer::{Fp8Indexer, Precision, index_scores};
 
 /// How a path computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +70,11 @@ pub struct Layer<'a> {
     pub weights: &'a Weights,
     /// The path's numerics.
     pub numerics: Numerics,
+    /// The FP8 indexer variant production runs (`None`: the indexer in the
+    /// path's own numerics, as transformers computes it).
+    pub fp8_indexer: Option<Fp8Indexer>,
+    /// Faults planted in this pass (production only).
+    pub faults: &'a [Fault],
 }
 
 fn fp8_spec() -> QuantSpec {
@@ -101,9 +108,44 @@ impl Layer<'_> {
         &self.weights[name]
     }
 
+    fn faults(&self) -> impl Iterator<Item = &Fault> {
+        self.faults.iter().filter(|f| f.layer() == self.index)
+    }
+
+    /// Writes planted non-finite values of `site` into `x` `[S, N]`.
+    fn plant(&self, site: &str, x: Tensor) -> Tensor {
+        let mut x = x;
+        for f in self.faults() {
+            if let Fault::NonFinite {
+                site: s,
+                token,
+                channel,
+                value,
+                ..
+            } = f
+                && s == site
+                && *token < x.size()[0]
+            {
+                x = x.copy();
+                let _ = x.get(*token).get(*channel).fill_(value.value());
+            }
+        }
+        x
+    }
+
     /// `x @ W.T` in the path's numerics.
     fn linear(&self, x: &Tensor, name: &str) -> Tensor {
-        let weight = self.w(&format!("{name}.weight"));
+        let scaled;
+        let mut weight = self.w(&format!("{name}.weight"));
+        for f in self.faults() {
+            if let Fault::Fp8Scale { linear, factor, .. } = f
+                && linear == name
+            {
+                scaled = weight * *factor;
+                weight = &scaled;
+                break;
+            }
+        }
         match self.numerics {
             Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
             Numerics::Fp8 => {
@@ -136,9 +178,20 @@ impl Layer<'_> {
     #[must_use]
     pub fn forward(&self, x: &Tensor, rope: &Rope, prev_topk: Option<&Tensor>) -> LayerOutput {
         let c = self.config;
-        let h = x.to_kind(self.act_kind());
+        let mut h = x.to_kind(self.act_kind());
+        for f in self.faults() {
+            if let Fault::Outlier {
+                channel, factor, ..
+            } = f
+            {
+                h = h.copy();
+                let mut column = h.narrow(1, *channel, 1);
+                let _ = column.g_mul_scalar_(*factor);
+            }
+        }
         let normed = self.rms_norm(&h, "input_layernorm", c.rms_norm_eps);
         let (attn_out, topk, index_scores) = self.attention(&normed, rope, prev_topk);
+        let attn_out = self.plant("attn_out", attn_out);
         let h = &h + &attn_out;
         let normed = self.rms_norm(&h, "post_attention_layernorm", c.rms_norm_eps);
         let mlp_out = if c.is_moe(self.index) {
@@ -146,7 +199,8 @@ impl Layer<'_> {
         } else {
             self.mlp(&normed, "mlp")
         };
-        let layer_out = &h + &mlp_out;
+        let mlp_out = self.plant("mlp_out", mlp_out);
+        let layer_out = self.plant("layer_out", &h + &mlp_out);
         LayerOutput {
             attn_out,
             mlp_out,
@@ -183,7 +237,15 @@ impl Layer<'_> {
         let compressed = self.linear(x, "self_attn.kv_a_proj_with_mqa");
         let kv_pass = compressed.narrow(-1, 0, kv_rank);
         let k_rot = compressed.narrow(-1, kv_rank, rot);
-        let k_pass = self.rms_norm(&kv_pass, "self_attn.kv_a_layernorm", 1e-6);
+        let mut k_pass = self.rms_norm(&kv_pass, "self_attn.kv_a_layernorm", 1e-6);
+        for f in self.faults() {
+            if let Fault::KvSlot { token, .. } = f
+                && *token < s
+            {
+                k_pass = k_pass.copy();
+                let _ = k_pass.get(*token).fill_(f64::NAN);
+            }
+        }
         let q_rot = rope.apply(&q_rot, 0, true);
         let k_rot = rope.apply(&k_rot.unsqueeze(1), 0, true);
         let query = Tensor::cat(&[q_pass, q_rot], -1).transpose(0, 1); // [H, S, qk]
@@ -260,6 +322,13 @@ impl Layer<'_> {
             1e-6,
             false,
         );
+        let mut k = k;
+        for f in self.faults() {
+            if let Fault::IndexerKey { scale, .. } = f {
+                let noise = Tensor::randn(k.size(), (Kind::Float, k.device()));
+                k = &k + (noise * (k.to_kind(Kind::Float).std(true) * *scale)).to_kind(k.kind());
+            }
+        }
         let interleaved = self.arch == Architecture::Glm;
         let q = Tensor::cat(
             &[
@@ -280,15 +349,25 @@ impl Layer<'_> {
             .to_kind(Kind::Float)
             .matmul(&self.w("self_attn.indexer.weights_proj.weight").tr())
             * (heads as f64).powf(-0.5);
-        let dots = q
-            .to_kind(Kind::Float)
-            .transpose(0, 1)
-            .matmul(&k.to_kind(Kind::Float).tr().unsqueeze(0));
-        let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, S, T]
-        let scores = w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1); // [S, T]
         let positions = Tensor::arange(s, (Kind::Int64, x.device()));
         let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
-        let scores = scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY);
+        // Production's FP8 indexer, as the chosen engine variant computes it.
+        let fp8 = self
+            .fp8_indexer
+            .filter(|_| self.numerics == Numerics::Fp8 && dim == 128)
+            .and_then(|variant| {
+                let (q, k) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
+                index_scores(&q, &k, &w, &positions, Precision::Fp8(variant)).ok()
+            });
+        let scores = fp8.unwrap_or_else(|| {
+            let dots = q
+                .to_kind(Kind::Float)
+                .transpose(0, 1)
+                .matmul(&k.to_kind(Kind::Float).tr().unsqueeze(0));
+            let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, S, T]
+            let scores = w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1); // [S, T]
+            scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY)
+        });
         let take = c.index_topk.min(s);
         let (_, topk) = scores.topk(take, -1, true, true);
         (topk, scores)

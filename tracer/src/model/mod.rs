@@ -9,8 +9,10 @@
 //! architectures with identical weights.
 
 pub mod config;
+pub mod fault;
 pub mod layer;
 pub mod rope;
+pub mod synthetic;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -154,6 +156,8 @@ impl Model {
                 index: i,
                 weights: &weights,
                 numerics,
+                fp8_indexer: None,
+                faults: &[],
             };
             let prev = layers.last().map(|l| &l.topk);
             let out = layer.forward(&h, &rope, prev);

@@ -1,0 +1,351 @@
+//! The reference engine traced: the production pass (FP8 linears, the FP8
+//! indexer of a chosen engine variant, planted faults) and its shadows run
+//! layer by layer on one layer's weights, and every hook site of DESIGN.md is
+//! recorded as trace format v1.
+//!
+//! Shadow modes: `local` re-runs each layer in the shadow precision on the
+//! production input of that layer; `free` runs the shadow's own chain from
+//! the embeddings. The indexer's shadow scores the pre-quantization q and k
+//! the local shadow computes from the production input (`shadow_input` raw).
+
+pub mod options;
+pub mod stats;
+
+use std::path::Path;
+
+use tch::{Kind, Tensor};
+
+pub use options::{Mode, TraceOptions};
+use shadowtrace_schemas::manifest::{
+    Dtypes, Engine, Manifest, Model as ModelId, Parallelism, Prompt, RunIdentity, Shadow,
+};
+
+use crate::identity::{config_hash, default_device, salt_id, token_hash};
+use crate::indexer::topk_with_margin;
+use crate::model::rope::Rope;
+use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
+use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
+use crate::{RunWriter, TraceError, WriterOptions};
+
+/// A trace that could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TraceRunError {
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The run could not be written.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+}
+
+const SALT: &[u8] = b"shadowtrace-reference";
+
+/// Traces one prompt into `run_dir`; returns the closed run's manifest.
+/// (Rows go through the writer's blocking queue; a row it ever drops is
+/// counted in the manifest, so `send`'s receipt is not needed here.)
+///
+/// # Errors
+/// A weight that cannot be loaded, or a run that cannot be written.
+pub fn trace(
+    model: &Model,
+    ids: &[i64],
+    run_id: &str,
+    run_dir: &Path,
+    opts: &TraceOptions,
+) -> Result<Manifest, TraceRunError> {
+    let writer = RunWriter::create(
+        run_dir,
+        identity(model, ids, run_id, opts),
+        WriterOptions::default(),
+    )?;
+    let c = &model.config;
+    let s = ids.len() as i64;
+    let kind = opts.shadow_kind();
+    let embed = model.load("model.embed_tokens.")?;
+    let ids_t = Tensor::from_slice(ids).to_device(model.device);
+    let emb = embed["weight"].index_select(0, &ids_t);
+    drop(embed);
+    let mut h_prod = emb.to_kind(Kind::BFloat16);
+    let mut h_free = emb.to_kind(kind);
+    let positions = Tensor::arange(s, (Kind::Int64, model.device));
+    let max_pos = c.max_position_embeddings.unwrap_or(4096.0);
+    let rope = Rope::new(
+        &c.rope(),
+        c.qk_rope_head_dim,
+        max_pos,
+        &positions,
+        model.device,
+    );
+    let tokens = opts.token_rows(s);
+    let tokens_t = Tensor::from_slice(&tokens).to_device(model.device);
+    let mut seq = 0_i64;
+    let (mut prev_prod, mut prev_free): (Option<Tensor>, Option<Tensor>) = (None, None);
+    for i in 0..c.num_hidden_layers {
+        let weights = model.load(&format!("model.layers.{i}."))?;
+        let layer = |numerics, faults| Layer {
+            config: c,
+            arch: model.arch,
+            index: i,
+            weights: &weights,
+            numerics,
+            fp8_indexer: Some(opts.fp8_indexer),
+            faults,
+        };
+        let prod = layer(Numerics::Fp8, &opts.faults).forward(&h_prod, &rope, prev_prod.as_ref());
+        let shadow = Numerics::Plain(kind);
+        let local = (opts.modes.contains(&Mode::Local))
+            .then(|| layer(shadow, &[]).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref()));
+        let free = (opts.modes.contains(&Mode::Free))
+            .then(|| layer(shadow, &[]).forward(&h_free, &rope, prev_free.as_ref()));
+        if opts.layer(i) {
+            // layer_in has no shadow: it is the local shadow's own input.
+            type Pick = Option<fn(&LayerOutput) -> &Tensor>;
+            let sites: [(&str, &Tensor, Pick); 4] = [
+                ("layer_in", &h_prod, None),
+                ("attn_out", &prod.attn_out, Some(|o| &o.attn_out)),
+                ("mlp_out", &prod.mlp_out, Some(|o| &o.mlp_out)),
+                ("layer_out", &prod.layer_out, Some(|o| &o.layer_out)),
+            ];
+            for (site, tensor, pick) in sites {
+                if !opts.site(site) {
+                    continue;
+                }
+                let mut shadows: Vec<(&str, &Tensor)> = Vec::new();
+                if let Some(pick) = pick {
+                    shadows.extend(local.as_ref().map(|o| ("local", pick(o))));
+                    shadows.extend(free.as_ref().map(|o| ("free", pick(o))));
+                }
+                record_site(&writer, seq, i, site, tensor, &shadows, &tokens_t, &tokens);
+                seq += 1;
+            }
+            if opts.site("indexer")
+                && let (Some(prod_scores), Some(shadow_scores)) = (
+                    prod.index_scores.as_ref(),
+                    local.as_ref().and_then(|o| o.index_scores.as_ref()),
+                )
+            {
+                record_topk(
+                    &writer,
+                    i,
+                    c.index_topk,
+                    prod_scores,
+                    Some(shadow_scores),
+                    opts.band,
+                )?;
+            } else if opts.site("indexer")
+                && let Some(prod_scores) = prod.index_scores.as_ref()
+            {
+                record_topk(&writer, i, c.index_topk, prod_scores, None, opts.band)?;
+            }
+        }
+        prev_prod = Some(prod.topk.shallow_clone());
+        h_prod = prod.layer_out;
+        if let Some(free) = free {
+            prev_free = Some(free.topk.shallow_clone());
+            h_free = free.layer_out;
+        }
+    }
+    if opts.site("logits") {
+        let norm = model.load("model.norm.")?;
+        let head = model.load("lm_head.")?;
+        let logits = |h: &Tensor, kind: Kind| {
+            let hf = h.to_kind(Kind::Float);
+            let var = hf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+            let normed =
+                norm["weight"].to_kind(kind) * (hf * (var + c.rms_norm_eps).rsqrt()).to_kind(kind);
+            normed
+                .matmul(&head["weight"].to_kind(kind).tr())
+                .to_kind(Kind::Float)
+        };
+        let rows = opts.logits_rows(s);
+        let rows_t = Tensor::from_slice(&rows).to_device(model.device);
+        let prod = stats::top_logits(
+            &logits(&h_prod.index_select(0, &rows_t), Kind::BFloat16),
+            opts.top_n,
+        );
+        let shadow_stream = if opts.modes.contains(&Mode::Free) {
+            &h_free
+        } else {
+            &h_prod
+        };
+        let shadow = (!opts.modes.is_empty()).then(|| {
+            stats::top_logits(
+                &logits(&shadow_stream.index_select(0, &rows_t), kind),
+                opts.top_n,
+            )
+        });
+        for (j, top) in prod.into_iter().enumerate() {
+            let _ = writer.send(LogitsRow {
+                step: 0,
+                token: rows[j] as i32,
+                prod: top,
+                shadow: shadow.as_ref().map(|s| s[j].clone()),
+            });
+        }
+    }
+    Ok(writer.close()?)
+}
+
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one site's capture: all of it is needed"
+)]
+fn record_site(
+    writer: &RunWriter,
+    seq: i64,
+    layer: i64,
+    site: &str,
+    prod: &Tensor,
+    shadows: &[(&str, &Tensor)],
+    tokens_t: &Tensor,
+    tokens: &[i64],
+) {
+    let first_shadow = shadows.first().map(|(_, t)| *t);
+    for (kind, token, channel, count) in stats::nonfinite(prod) {
+        let shadow_finite =
+            first_shadow.map(|s| s.get(token).isfinite().all().int64_value(&[]) == 1);
+        let _ = writer.send(EventRow {
+            seq,
+            step: 0,
+            layer: layer as i32,
+            site: site.to_owned(),
+            path: "prod".to_owned(),
+            kind: kind.to_owned(),
+            token: Some(token as i32),
+            channel: Some(channel as i32),
+            count,
+            shadow_finite,
+            check: None,
+            passed: None,
+            value: None,
+            detail: None,
+        });
+    }
+    let p = prod.index_select(0, tokens_t);
+    let prod_stats = stats::vector_stats(&p);
+    let numel = prod.size()[1];
+    let per_mode: Vec<(&str, Vec<_>, Vec<_>)> = shadows
+        .iter()
+        .map(|(mode, s)| {
+            let s = s.index_select(0, tokens_t);
+            (*mode, stats::vector_stats(&s), stats::comparisons(&p, &s))
+        })
+        .collect();
+    for (j, &token) in tokens.iter().enumerate() {
+        let row = |shadow: Option<HiddenShadow>| HiddenRow {
+            seq,
+            step: 0,
+            layer: layer as i32,
+            site: site.to_owned(),
+            token: token as i32,
+            numel,
+            prod: prod_stats[j],
+            shadow,
+        };
+        if per_mode.is_empty() {
+            let _ = writer.send(row(None));
+        }
+        for (mode, s_stats, cmp) in &per_mode {
+            let _ = writer.send(row(Some(HiddenShadow {
+                mode: (*mode).to_owned(),
+                stats: s_stats[j],
+                comparison: cmp[j],
+            })));
+        }
+    }
+}
+
+fn record_topk(
+    writer: &RunWriter,
+    layer: i64,
+    k: i64,
+    prod_scores: &Tensor,
+    shadow_scores: Option<&Tensor>,
+    band: f32,
+) -> Result<(), TraceError> {
+    let s = prod_scores.size()[0];
+    let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, prod_scores.device()));
+    let prod = topk_with_margin(prod_scores, k, &visible)?;
+    let shadow = shadow_scores
+        .map(|sc| topk_with_margin(sc, k, &visible))
+        .transpose()?;
+    let prod_rows = prod.rows(prod_scores, Some(band))?;
+    let mut shadow_rows = match (&shadow, shadow_scores) {
+        (Some(sel), Some(sc)) => sel.rows(sc, Some(band))?.into_iter().map(Some).collect(),
+        _ => vec![None; prod_rows.len()],
+    };
+    for (t, prod_row) in prod_rows.into_iter().enumerate() {
+        let shadow_row = shadow_rows[t].take().map(|sel| ("raw".to_owned(), sel));
+        let t = t as i64;
+        let _ = writer.send(TopkRow {
+            step: 0,
+            layer: layer as i32,
+            token: t as i32,
+            indexer_layer: layer as i32,
+            k: k as i32,
+            visible: (t + 1) as i32,
+            prod: prod_row,
+            shadow: shadow_row,
+            boundary_band: Some(band),
+        });
+    }
+    Ok(())
+}
+
+fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> RunIdentity {
+    let c = &model.config;
+    let ids_u32: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap_or(0)).collect();
+    let mut settings = serde_json::Map::new();
+    settings.insert(
+        "fp8_indexer".to_owned(),
+        opts.fp8_indexer_name.clone().into(),
+    );
+    settings.insert("boundary_band".to_owned(), f64::from(opts.band).into());
+    settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
+    settings.insert(
+        "prod_linears".to_owned(),
+        "fp8 e4m3, 1x128 activation and 128x128 weight blocks, ue8m0 scales, emulated".into(),
+    );
+    RunIdentity {
+        run_id: run_id.to_owned(),
+        model: ModelId {
+            name: opts.model_name.clone(),
+            architecture: c.model_type.clone(),
+            config_hash: config_hash(&model.config_bytes),
+            revision: None,
+            num_layers: u32::try_from(c.num_hidden_layers).unwrap_or(0),
+            index_topk: u32::try_from(c.index_topk).ok(),
+        },
+        engine: Engine {
+            name: "shadowtrace-reference".to_owned(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            commit: None,
+            variant: Some(opts.fp8_indexer_name.clone()),
+        },
+        device: default_device(),
+        dtypes: Dtypes {
+            prod: "fp8_e4m3".to_owned(),
+            shadow: (!opts.modes.is_empty()).then(|| opts.precision_name().to_owned()),
+            other: std::collections::BTreeMap::new(),
+        },
+        parallelism: Parallelism::SINGLE,
+        shadow: Shadow {
+            precision: (!opts.modes.is_empty()).then(|| opts.precision_name().to_owned()),
+            modes: opts.modes.iter().map(|m| m.name().to_owned()).collect(),
+        },
+        prompt: Prompt {
+            kind: opts.prompt_kind.clone(),
+            length: ids.len() as u64,
+            token_hash: token_hash(SALT, &ids_u32),
+            salt_id: Some(salt_id(SALT)),
+        },
+        settings,
+        tags: opts.tags.clone(),
+        injections: opts
+            .faults
+            .iter()
+            .filter_map(|f| serde_json::to_value(f).ok())
+            .collect(),
+    }
+}

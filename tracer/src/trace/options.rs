@@ -1,0 +1,213 @@
+//! What a trace records, from the `SHADOWTRACE_*` environment
+//! (`schemas/v1/env.json`, read once) or set by the demo.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+use shadowtrace_schemas::env::{EnvError, resolve};
+use tch::Kind;
+
+use crate::indexer::Fp8Indexer;
+use crate::model::fault::Fault;
+
+/// A shadow mode (DESIGN.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Each layer re-run in the shadow precision on production's input.
+    Local,
+    /// The shadow's own chain from the embeddings.
+    Free,
+}
+
+impl Mode {
+    /// Its vocabulary word.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Local => "local",
+            Mode::Free => "free",
+        }
+    }
+}
+
+/// The settings of one trace.
+#[derive(Debug, Clone)]
+pub struct TraceOptions {
+    /// Shadow modes; empty records production only.
+    pub modes: Vec<Mode>,
+    /// Shadow precision: fp32 or bf16.
+    pub precision: Kind,
+    /// Layers recorded: inclusive ranges; `None` for all.
+    pub layers: Option<Vec<(i64, i64)>>,
+    /// Sites recorded; `None` for all.
+    pub sites: Option<Vec<String>>,
+    /// Token sampling as the environment spells it (`{"kind": "all"}`, ...).
+    pub tokens_setting: Value,
+    /// Boundary band around the k-th indexer score.
+    pub band: f32,
+    /// Top-N of each logits row.
+    pub top_n: i64,
+    /// The production FP8 indexer.
+    pub fp8_indexer: Fp8Indexer,
+    /// Its name (trtllm, sglang, vllm, deepseek_reference).
+    pub fp8_indexer_name: String,
+    /// Faults planted in production.
+    pub faults: Vec<Fault>,
+    /// Run tags.
+    pub tags: BTreeMap<String, String>,
+    /// `tool`, `no_tool` or a user word.
+    pub prompt_kind: Option<String>,
+    /// The model's name in the manifest.
+    pub model_name: String,
+}
+
+impl TraceOptions {
+    /// Defaults: local fp32 shadow, everything recorded, TensorRT-LLM's FP8 indexer.
+    #[must_use]
+    pub fn new(model_name: &str) -> TraceOptions {
+        TraceOptions {
+            modes: vec![Mode::Local],
+            precision: Kind::Float,
+            layers: None,
+            sites: None,
+            tokens_setting: serde_json::json!({"kind": "all"}),
+            band: 1e-3,
+            top_n: 20,
+            fp8_indexer: Fp8Indexer::trtllm(),
+            fp8_indexer_name: "trtllm".to_owned(),
+            faults: Vec::new(),
+            tags: BTreeMap::new(),
+            prompt_kind: None,
+            model_name: model_name.to_owned(),
+        }
+    }
+
+    /// The options the `SHADOWTRACE_*` variables ask for, and whether
+    /// `SHADOWTRACE` is on, and the output directory.
+    ///
+    /// # Errors
+    /// A variable whose value does not read as its type.
+    pub fn from_env(
+        model_name: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<(TraceOptions, bool, String), EnvError> {
+        let v = resolve(lookup)?;
+        let mut o = TraceOptions::new(model_name);
+        let text = |name: &str| {
+            v.get(name)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        match text("SHADOWTRACE_SHADOW").as_str() {
+            "none" => o.modes.clear(),
+            "bf16" => o.precision = Kind::BFloat16,
+            _ => o.precision = Kind::Float,
+        }
+        if !o.modes.is_empty()
+            && let Some(modes) = v.get("SHADOWTRACE_MODE").and_then(Value::as_array)
+        {
+            o.modes = modes
+                .iter()
+                .filter_map(Value::as_str)
+                .map(|m| if m == "free" { Mode::Free } else { Mode::Local })
+                .collect();
+        }
+        o.layers = v
+            .get("SHADOWTRACE_LAYERS")
+            .and_then(Value::as_array)
+            .map(|ranges| {
+                ranges
+                    .iter()
+                    .filter_map(|r| Some((r.get(0)?.as_i64()?, r.get(1)?.as_i64()?)))
+                    .collect()
+            });
+        o.sites = v
+            .get("SHADOWTRACE_SITES")
+            .and_then(Value::as_array)
+            .map(|s| {
+                s.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            });
+        o.tokens_setting = v
+            .get("SHADOWTRACE_TOKENS")
+            .cloned()
+            .unwrap_or(o.tokens_setting);
+        o.band = v
+            .get("SHADOWTRACE_BOUNDARY_BAND")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-3) as f32;
+        o.top_n = v
+            .get("SHADOWTRACE_LOGITS_TOP_N")
+            .and_then(Value::as_i64)
+            .unwrap_or(20);
+        if let Some(tags) = v.get("SHADOWTRACE_TAGS").and_then(Value::as_object) {
+            for (k, val) in tags {
+                o.tags
+                    .insert(k.clone(), val.as_str().unwrap_or_default().to_owned());
+            }
+        }
+        o.prompt_kind = o.tags.get("prompt_kind").cloned();
+        let on = v
+            .get("SHADOWTRACE")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        Ok((o, on, text("SHADOWTRACE_DIR")))
+    }
+
+    /// The shadow's kind.
+    #[must_use]
+    pub fn shadow_kind(&self) -> Kind {
+        self.precision
+    }
+
+    /// `fp32` or `bf16`.
+    #[must_use]
+    pub fn precision_name(&self) -> &'static str {
+        if self.precision == Kind::BFloat16 {
+            "bf16"
+        } else {
+            "fp32"
+        }
+    }
+
+    /// Whether layer `i` is recorded.
+    #[must_use]
+    pub fn layer(&self, i: i64) -> bool {
+        self.layers
+            .as_ref()
+            .is_none_or(|r| r.iter().any(|(a, b)| (*a..=*b).contains(&i)))
+    }
+
+    /// Whether `site` is recorded.
+    #[must_use]
+    pub fn site(&self, site: &str) -> bool {
+        self.sites
+            .as_ref()
+            .is_none_or(|s| s.iter().any(|x| x == site))
+    }
+
+    /// The token positions of an `s`-token prompt whose statistics are recorded.
+    #[must_use]
+    pub fn token_rows(&self, s: i64) -> Vec<i64> {
+        let n = self
+            .tokens_setting
+            .get("n")
+            .and_then(Value::as_i64)
+            .unwrap_or(1)
+            .max(1);
+        match self.tokens_setting.get("kind").and_then(Value::as_str) {
+            Some("every") => (0..s).step_by(n as usize).collect(),
+            Some("last") => ((s - n).max(0)..s).collect(),
+            _ => (0..s).collect(),
+        }
+    }
+
+    /// Positions with a logits row: the recorded tokens.
+    #[must_use]
+    pub fn logits_rows(&self, s: i64) -> Vec<i64> {
+        self.token_rows(s)
+    }
+}
