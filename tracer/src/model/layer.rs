@@ -22,9 +22,14 @@ pub enum Numerics {
     Plain(Kind),
     /// Production FP8: bf16 activations; every linear layer quantizes its
     /// input per 1x128 block (dynamic, ue8m0 scales) and its weight per
-    /// 128x128 block, and multiplies the dequantized values in fp32: an exact
-    /// emulation of a block-scaled FP8 GEMM with fp32 accumulation.
+    /// 128x128 block. On CUDA the GEMM runs on the tensor cores
+    /// (`torch._scaled_mm`, block-wise scales, as production kernels do); on
+    /// the CPU as [`Numerics::Fp8Emulated`].
     Fp8,
+    /// The same quantization, the dequantized values multiplied in fp32
+    /// everywhere: an exact emulation of a block-scaled FP8 GEMM with plain
+    /// fp32 accumulation.
+    Fp8Emulated,
 }
 
 impl Numerics {
@@ -33,7 +38,7 @@ impl Numerics {
     pub fn kind(self) -> Kind {
         match self {
             Numerics::Plain(kind) => kind,
-            Numerics::Fp8 => Kind::BFloat16,
+            Numerics::Fp8 | Numerics::Fp8Emulated => Kind::BFloat16,
         }
     }
 }
@@ -83,6 +88,48 @@ fn fp8_spec() -> QuantSpec {
         scale: ScaleFormat::Ue8m0,
         amax_clamp: 1e-4,
     }
+}
+
+/// `x` `[M, K]` times `weight.T` (`[N, K]`) through `torch._scaled_mm` with
+/// 1x128 activation and 128x128 weight block scales (ue8m0); `None` when the
+/// device or shapes refuse, and the caller emulates. The weight's block
+/// scale is repeated over its 128 output rows: the 1x128-by-1x128 scaling
+/// `_scaled_mm` takes, with the same numbers.
+fn scaled_mm(x: &Tensor, weight: &Tensor) -> Option<Tensor> {
+    let (m, k, n) = (x.size()[0], x.size()[1], weight.size()[0]);
+    let up = |v: i64, to: i64| (v + to - 1) / to * to;
+    let (mp, kp, np) = (up(m, 16), up(k, 128), up(n, 128));
+    let xp = x
+        .to_kind(Kind::Float)
+        .constant_pad_nd([0, kp - k, 0, mp - m]);
+    let wp = weight
+        .to_kind(Kind::Float)
+        .constant_pad_nd([0, kp - k, 0, np - n]);
+    let a = quantize_blocks(&xp, (1, 128), fp8_spec()).ok()?;
+    let b = quantize_blocks(&wp, (128, 128), fp8_spec()).ok()?;
+    // scale_a (M, K/128) M-major; scale_b (K/128, N) row-major.
+    let scale_a = a.scales.f_tr().ok()?.f_contiguous().ok()?.f_tr().ok()?;
+    let scale_b = b
+        .scales
+        .f_repeat_interleave_self_int(128, Some(0), None)
+        .ok()?
+        .f_tr()
+        .ok()?
+        .f_contiguous()
+        .ok()?;
+    let out = a
+        .values
+        .f_internal_scaled_mm(
+            &b.values.f_tr().ok()?,
+            &scale_a,
+            &scale_b,
+            None::<Tensor>,
+            None::<Tensor>,
+            Kind::Float,
+            false,
+        )
+        .ok()?;
+    Some(out.narrow(0, 0, m).narrow(1, 0, n))
 }
 
 /// `x` quantized per block and back: what an FP8 GEMM multiplies. Sides
@@ -148,10 +195,16 @@ impl Layer<'_> {
         }
         match self.numerics {
             Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
-            Numerics::Fp8 => {
+            Numerics::Fp8 | Numerics::Fp8Emulated => {
                 let shape = x.size();
                 let x2 = x.reshape([-1, shape[shape.len() - 1]]);
-                let y = fp8_round(&x2, (1, 128)).matmul(&fp8_round(weight, (128, 128)).tr());
+                let on_cuda = self.numerics == Numerics::Fp8 && x2.device().is_cuda();
+                let y = on_cuda
+                    .then(|| scaled_mm(&x2, weight))
+                    .flatten()
+                    .unwrap_or_else(|| {
+                        fp8_round(&x2, (1, 128)).matmul(&fp8_round(weight, (128, 128)).tr())
+                    });
                 let mut out = shape.clone();
                 let last = out.len() - 1;
                 out[last] = weight.size()[0];
@@ -354,7 +407,9 @@ impl Layer<'_> {
         // Production's FP8 indexer, as the chosen engine variant computes it.
         let fp8 = self
             .fp8_indexer
-            .filter(|_| self.numerics == Numerics::Fp8 && dim == 128)
+            .filter(|_| {
+                matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated) && dim == 128
+            })
             .and_then(|variant| {
                 let (q, k) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
                 index_scores(&q, &k, &w, &positions, Precision::Fp8(variant)).ok()
