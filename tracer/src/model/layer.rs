@@ -150,6 +150,16 @@ fn fp8_round(x: &Tensor, block: (i64, i64)) -> Tensor {
     }
 }
 
+/// transformers' RMSNorm: fp32 statistics, the weight times the result in
+/// the input's kind.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let kind = x.kind();
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let normed = (xf * (var + eps).rsqrt()).to_kind(kind);
+    weight.to_kind(kind) * normed
+}
+
 impl Layer<'_> {
     fn w(&self, name: &str) -> &Tensor {
         &self.weights[name]
@@ -215,11 +225,7 @@ impl Layer<'_> {
 
     /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.
     fn rms_norm(&self, x: &Tensor, name: &str, eps: f64) -> Tensor {
-        let kind = x.kind();
-        let xf = x.to_kind(Kind::Float);
-        let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        let normed = (xf * (var + eps).rsqrt()).to_kind(kind);
-        self.w(&format!("{name}.weight")).to_kind(kind) * normed
+        rms_norm(x, self.w(&format!("{name}.weight")), eps)
     }
 
     fn act_kind(&self) -> Kind {

@@ -125,28 +125,59 @@ impl Model {
             .collect())
     }
 
+    /// The embeddings of `ids` `[S, hidden]`, fp32.
+    ///
+    /// # Errors
+    /// The embedding table cannot be loaded.
+    pub fn embed(&self, ids: &[i64]) -> Result<Tensor, ModelError> {
+        let embed = self.load("model.embed_tokens.")?;
+        let ids = Tensor::from_slice(ids).to_device(self.device);
+        Ok(embed["weight"].index_select(0, &ids))
+    }
+
+    /// The rotary tables for positions `0..s`.
+    #[must_use]
+    pub fn rope(&self, s: i64) -> Rope {
+        let c = &self.config;
+        let positions = Tensor::arange(s, (Kind::Int64, self.device));
+        let max_pos = c.max_position_embeddings.unwrap_or(4096.0);
+        Rope::new(
+            &c.rope(),
+            c.qk_rope_head_dim,
+            max_pos,
+            &positions,
+            self.device,
+        )
+    }
+
+    /// The final norm and the LM head.
+    ///
+    /// # Errors
+    /// Their weights cannot be loaded.
+    pub fn head(&self) -> Result<Head, ModelError> {
+        let weight = |prefix: &str| {
+            self.load(prefix)?
+                .remove("weight")
+                .ok_or_else(|| ModelError::Weights {
+                    path: PathBuf::from(format!("{prefix}weight")),
+                    what: "not in the checkpoint".to_owned(),
+                })
+        };
+        Ok(Head {
+            norm: weight("model.norm.")?,
+            lm_head: weight("lm_head.")?,
+            eps: self.config.rms_norm_eps,
+        })
+    }
+
     /// One forward pass over `ids` in `numerics`, layer by layer.
     ///
     /// # Errors
     /// A weight that cannot be loaded.
     pub fn forward(&self, ids: &[i64], numerics: Numerics) -> Result<Forward, ModelError> {
         let c = &self.config;
-        let s = ids.len() as i64;
-        let embed = self.load("model.embed_tokens.")?;
-        let ids_t = Tensor::from_slice(ids).to_device(self.device);
-        let mut h = embed["weight"]
-            .index_select(0, &ids_t)
-            .to_kind(numerics.kind());
-        drop(embed);
-        let positions = Tensor::arange(s, (Kind::Int64, self.device));
-        let max_pos = c.max_position_embeddings.unwrap_or(4096.0);
-        let rope = Rope::new(
-            &c.rope(),
-            c.qk_rope_head_dim,
-            max_pos,
-            &positions,
-            self.device,
-        );
+        let mut h = self.embed(ids)?.to_kind(numerics.kind());
+        let rope = self.rope(ids.len() as i64);
         let mut layers: Vec<LayerOutput> = Vec::new();
         for i in 0..c.num_hidden_layers {
             let weights = self.load(&format!("model.layers.{i}."))?;
@@ -164,16 +195,24 @@ impl Model {
             h = out.layer_out.shallow_clone();
             layers.push(out);
         }
-        let norm = self.load("model.norm.")?;
-        let kind = h.kind();
-        let hf = h.to_kind(Kind::Float);
-        let var = hf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        let normed =
-            norm["weight"].to_kind(kind) * (hf * (var + c.rms_norm_eps).rsqrt()).to_kind(kind);
-        let head = self.load("lm_head.")?;
-        let logits = normed
-            .matmul(&head["weight"].to_kind(kind).tr())
-            .to_kind(Kind::Float);
+        let logits = self.head()?.logits(&h, h.kind());
         Ok(Forward { layers, logits })
+    }
+}
+
+/// The final RMSNorm and the LM head.
+#[derive(Debug)]
+pub struct Head {
+    norm: Tensor,
+    lm_head: Tensor,
+    eps: f64,
+}
+
+impl Head {
+    /// Logits `[S, vocab]` (fp32) of the residual stream `h`, computed in `kind`.
+    pub fn logits(&self, h: &Tensor, kind: Kind) -> Tensor {
+        layer::rms_norm(&h.to_kind(kind), &self.norm, self.eps)
+            .matmul(&self.lm_head.to_kind(kind).tr())
+            .to_kind(Kind::Float)
     }
 }

@@ -22,7 +22,6 @@ use shadowtrace_schemas::manifest::{
 
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
-use crate::model::rope::Rope;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
 use crate::{RunWriter, TraceError, WriterOptions};
@@ -62,21 +61,10 @@ pub fn trace(
     let c = &model.config;
     let s = ids.len() as i64;
     let kind = opts.shadow_kind();
-    let embed = model.load("model.embed_tokens.")?;
-    let ids_t = Tensor::from_slice(ids).to_device(model.device);
-    let emb = embed["weight"].index_select(0, &ids_t);
-    drop(embed);
+    let emb = model.embed(ids)?;
     let mut h_prod = emb.to_kind(Kind::BFloat16);
     let mut h_free = emb.to_kind(kind);
-    let positions = Tensor::arange(s, (Kind::Int64, model.device));
-    let max_pos = c.max_position_embeddings.unwrap_or(4096.0);
-    let rope = Rope::new(
-        &c.rope(),
-        c.qk_rope_head_dim,
-        max_pos,
-        &positions,
-        model.device,
-    );
+    let rope = model.rope(s);
     let tokens = opts.token_rows(s);
     let tokens_t = Tensor::from_slice(&tokens).to_device(model.device);
     let mut seq = 0_i64;
@@ -147,17 +135,8 @@ pub fn trace(
         }
     }
     if opts.site("logits") {
-        let norm = model.load("model.norm.")?;
-        let head = model.load("lm_head.")?;
-        let logits = |h: &Tensor, kind: Kind| {
-            let hf = h.to_kind(Kind::Float);
-            let var = hf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-            let normed =
-                norm["weight"].to_kind(kind) * (hf * (var + c.rms_norm_eps).rsqrt()).to_kind(kind);
-            normed
-                .matmul(&head["weight"].to_kind(kind).tr())
-                .to_kind(Kind::Float)
-        };
+        let head = model.head()?;
+        let logits = |h: &Tensor, kind: Kind| head.logits(h, kind);
         let rows = opts.logits_rows(s);
         let rows_t = Tensor::from_slice(&rows).to_device(model.device);
         let prod = stats::top_logits(

@@ -11,6 +11,7 @@ production only and counted: their keys live in the engine's FP8 cache, which th
 not read.
 """
 
+import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,35 @@ class EngineTracer:
         for run in self.runs.values():
             self.sess.close_run(run)
         self.runs = {}
+
+
+def engine_model(sess: Session, index_topk: int) -> dict:
+    """What an engine hook knows of the model: the user's `model` tag names it."""
+    return {
+        "name": sess.settings.tags.get("model", "unnamed DSA model"),
+        "architecture": sess.settings.tags.get("architecture", "dsa"),
+        "config_hash": "",
+        "revision": None,
+        "num_layers": 0,
+        "index_topk": index_topk,
+    }
+
+
+def tracer_for(sess: Session, engine: str, variant: str, index_topk: int) -> EngineTracer:
+    """The session's tracer of `engine` (its package name, the engine's name in the
+    manifest; `variant` names its FP8 indexer), made on first use."""
+    key = f"_engine_{engine}"
+    tracer = sess.__dict__.get(key)
+    if tracer is None:
+        version = getattr(importlib.import_module(engine), "__version__", "unknown")
+        tracer = EngineTracer(
+            sess,
+            engine={"name": engine, "version": version, "commit": None, "variant": variant},
+            model=engine_model(sess, index_topk),
+            dtypes={"prod": "fp8_e4m3", "shadow": sess.settings.precision},
+        )
+        sess.__dict__[key] = tracer
+    return tracer
 
 
 def requests_from_lengths(keys: list[str], new: list[int], cached: list[int]) -> list[Request]:

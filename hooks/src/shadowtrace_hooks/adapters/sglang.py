@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from shadowtrace_hooks import numerics, session
-from shadowtrace_hooks.adapters.engine import EngineTracer, IndexerCall, Request, bind, check_signature
-from shadowtrace_hooks.adapters.trtllm import engine_model
+from shadowtrace_hooks.adapters.engine import IndexerCall, Request, bind, check_signature, tracer_for
 
 NAME = "sglang"
 SUPPORTED = "SGLang with dsa/dsa_indexer.py as at 00d38808 (0.5.x; the nsa/ path re-exports it)"
@@ -96,22 +95,6 @@ def install(module: Any) -> None:
     cls._shadowtrace_patched = True
 
 
-def _tracer(sess: session.Session, indexer: Any) -> EngineTracer:
-    tracer = sess.__dict__.get("_sglang")
-    if tracer is None:
-        import sglang
-
-        tracer = EngineTracer(
-            sess,
-            engine={"name": NAME, "version": getattr(sglang, "__version__", "unknown"), "commit": None,
-                    "variant": "sglang"},
-            model=engine_model(sess, indexer.index_topk),
-            dtypes={"prod": "fp8_e4m3", "shadow": sess.settings.precision},
-        )  # fmt: skip
-        sess.__dict__["_sglang"] = tracer
-    return tracer
-
-
 def _requests(batch: Any) -> list[Request]:
     keys = [f"sglang-{int(i)}" for i in batch.req_pool_indices.tolist()]
     if batch.forward_mode.is_decode():
@@ -143,7 +126,7 @@ def _record(sess: session.Session, indexer: Any, bound: dict, out: torch.Tensor)
         fp8=fp8,
         raw=functools.partial(_raw, indexer, x, q_lora, positions),
     )
-    _tracer(sess, indexer).record(call)
+    tracer_for(sess, NAME, "sglang", indexer.index_topk).record(call)
 
 
 def _project(indexer: Any, which: str, x: torch.Tensor) -> torch.Tensor:

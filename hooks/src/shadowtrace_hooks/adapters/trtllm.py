@@ -27,11 +27,11 @@ import torch
 
 from shadowtrace_hooks import numerics, session
 from shadowtrace_hooks.adapters.engine import (
-    EngineTracer,
     IndexerCall,
     bind,
     check_signature,
     requests_from_lengths,
+    tracer_for,
 )
 
 NAME = "tensorrt_llm"
@@ -81,34 +81,6 @@ def _stash(indexer: Any, qr: torch.Tensor, hidden: Any, position_ids: torch.Tens
     indexer.__dict__[_STASH] = (qr.detach(), hidden.detach(), position_ids.detach())
 
 
-def _tracer(sess: session.Session, indexer: Any) -> EngineTracer:
-    tracer = sess.__dict__.get("_trtllm")
-    if tracer is None:
-        import tensorrt_llm
-
-        tracer = EngineTracer(
-            sess,
-            engine={"name": NAME, "version": getattr(tensorrt_llm, "__version__", "unknown"), "commit": None,
-                    "variant": "trtllm"},
-            model=engine_model(sess, indexer.index_topk),
-            dtypes={"prod": "fp8_e4m3", "shadow": sess.settings.precision},
-        )  # fmt: skip
-        sess.__dict__["_trtllm"] = tracer
-    return tracer
-
-
-def engine_model(sess: session.Session, index_topk: int) -> dict:
-    """What an engine hook knows of the model: the user's `model` tag names it."""
-    return {
-        "name": sess.settings.tags.get("model", "unnamed DSA model"),
-        "architecture": sess.settings.tags.get("architecture", "dsa"),
-        "config_hash": "",
-        "revision": None,
-        "num_layers": 0,
-        "index_topk": index_topk,
-    }
-
-
 def _record(sess: session.Session, indexer: Any, bound: dict, out: torch.Tensor) -> None:
     metadata, phase = bound["metadata"], bound["is_generation"]
     q8, k8, k_scale, weights, _ = bound["indexer_intermediates"]
@@ -129,7 +101,7 @@ def _record(sess: session.Session, indexer: Any, bound: dict, out: torch.Tensor)
         fp8=(q8[:rows], k8[:rows], k_scale[:rows].reshape(-1), weights[:rows]),
         raw=None if stash is None else functools.partial(_raw, indexer, stash, row_offset, rows),
     )
-    _tracer(sess, indexer).record(call)
+    tracer_for(sess, NAME, "trtllm", indexer.index_topk).record(call)
 
 
 def _raw(

@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from shadowtrace_hooks import numerics, session
-from shadowtrace_hooks.adapters.engine import EngineTracer, IndexerCall, Request, check_signature
-from shadowtrace_hooks.adapters.trtllm import engine_model
+from shadowtrace_hooks.adapters.engine import IndexerCall, Request, check_signature, tracer_for
 
 NAME = "vllm"
 SUPPORTED = "vLLM with deepseek_v2.py as at 002d6073 and sparse_attn_indexer.py as at 006475fe"
@@ -93,22 +92,6 @@ def _wrap_indexer(forward: Any) -> Any:
     return traced
 
 
-def _tracer(sess: session.Session, indexer: Any) -> EngineTracer:
-    tracer = sess.__dict__.get("_vllm")
-    if tracer is None:
-        import vllm
-
-        tracer = EngineTracer(
-            sess,
-            engine={"name": NAME, "version": getattr(vllm, "__version__", "unknown"), "commit": None,
-                    "variant": "vllm"},
-            model=engine_model(sess, indexer.topk_tokens),
-            dtypes={"prod": "fp8_e4m3", "shadow": sess.settings.precision},
-        )  # fmt: skip
-        sess.__dict__["_vllm"] = tracer
-    return tracer
-
-
 def _metadata(indexer: Any) -> Any:
     from vllm.forward_context import get_forward_context
 
@@ -141,7 +124,7 @@ def _record(
     meta = _metadata(indexer)
     if meta is None:  # profiling and dummy runs
         return
-    tracer = _tracer(sess, indexer)
+    tracer = tracer_for(sess, NAME, "vllm", indexer.topk_tokens)
     step = indexer.__dict__.get("_shadowtrace_calls", 0)
     indexer.__dict__["_shadowtrace_calls"] = step + 1
     requests = _prefill_requests(meta, step) if meta.num_prefills else []
