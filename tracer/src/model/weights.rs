@@ -69,12 +69,6 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Whether the checkpoint holds `name`.
-    #[must_use]
-    pub fn has(&self, name: &str) -> bool {
-        self.files.contains_key(name)
-    }
-
     /// The tensors named, as fp32 (FP8 weights multiplied out by their
     /// `<name>_scale_inv` blocks).
     ///

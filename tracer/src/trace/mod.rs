@@ -60,7 +60,7 @@ pub fn trace(
     )?;
     let c = &model.config;
     let s = ids.len() as i64;
-    let kind = opts.shadow_kind();
+    let kind = opts.precision;
     let emb = model.embed(ids)?;
     let mut h_prod = emb.to_kind(Kind::BFloat16);
     let mut h_free = emb.to_kind(kind);
@@ -137,10 +137,10 @@ pub fn trace(
     if opts.site("logits") {
         let head = model.head()?;
         let logits = |h: &Tensor, kind: Kind| head.logits(h, kind);
-        let rows = opts.logits_rows(s);
-        let rows_t = Tensor::from_slice(&rows).to_device(model.device);
+        // Logits rows are the recorded tokens.
+        let (rows, rows_t) = (&tokens, &tokens_t);
         let prod = stats::top_logits(
-            &logits(&h_prod.index_select(0, &rows_t), Kind::BFloat16),
+            &logits(&h_prod.index_select(0, rows_t), Kind::BFloat16),
             opts.top_n,
         );
         let shadow_stream = if opts.modes.contains(&Mode::Free) {
@@ -150,7 +150,7 @@ pub fn trace(
         };
         let shadow = (!opts.modes.is_empty()).then(|| {
             stats::top_logits(
-                &logits(&shadow_stream.index_select(0, &rows_t), kind),
+                &logits(&shadow_stream.index_select(0, rows_t), kind),
                 opts.top_n,
             )
         });

@@ -157,12 +157,6 @@ impl TraceOptions {
         Ok((o, on, text("SHADOWTRACE_DIR")))
     }
 
-    /// The shadow's kind.
-    #[must_use]
-    pub fn shadow_kind(&self) -> Kind {
-        self.precision
-    }
-
     /// `fp32` or `bf16`.
     #[must_use]
     pub fn precision_name(&self) -> &'static str {
@@ -203,11 +197,5 @@ impl TraceOptions {
             Some("last") => ((s - n).max(0)..s).collect(),
             _ => (0..s).collect(),
         }
-    }
-
-    /// Positions with a logits row: the recorded tokens.
-    #[must_use]
-    pub fn logits_rows(&self, s: i64) -> Vec<i64> {
-        self.token_rows(s)
     }
 }

@@ -265,10 +265,8 @@ class _Tracer:
         assert step is not None
         assert step.layer_input is not None
         dtype = self.dtype
-        if step.shadow_pe is None:
-            step.shadow_pe = self.rotary(step.layer_input.to(dtype), step.positions)
         kwargs = dict(step.layer_kwargs)
-        kwargs.update(past_key_values=None, use_cache=False, position_embeddings=step.shadow_pe)
+        kwargs.update(past_key_values=None, use_cache=False, position_embeddings=self._shadow_pe(step))
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.is_floating_point():
             kwargs["attention_mask"] = mask.to(dtype)
@@ -291,6 +289,14 @@ class _Tracer:
         if "free" in outputs:
             step.free = outputs["free"]
         return outputs
+
+    def _shadow_pe(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this step's positions in the shadow precision, computed once per step
+        for every layer's shadow re-run and indexer recompute."""
+        if step.shadow_pe is None:
+            like = torch.empty(0, dtype=self.dtype, device=step.positions.device)
+            step.shadow_pe = self.rotary(like, step.positions)
+        return step.shadow_pe
 
     def _record_layer(self, layer: int, prod_out: torch.Tensor, shadows: dict[str, torch.Tensor]) -> None:
         step = self.step
@@ -336,7 +342,7 @@ class _Tracer:
         prod_q, prod_k, prod_w = _indexer_qkw(module, hidden, q_resid, cos, sin, self.rope, None)
         shadow_qkw = None
         if self.dtype is not None:
-            scos, ssin = self.rotary(hidden.to(self.dtype), step.positions)
+            scos, ssin = self._shadow_pe(step)
             shadow_qkw = _indexer_qkw(module, hidden, q_resid, scos, ssin, self.rope, self.dtype)
         band = self.settings.band
         for b, run in enumerate(self.runs):
