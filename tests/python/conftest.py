@@ -5,9 +5,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import transformers
+import upstream
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "schemas" / "v1"
+# The transformers releases the HF adapter is executed on: the virtualenv's and the newest.
+TRANSFORMERS = ["5.17.0", "5.24.0"]
+
+
+def transformers_path(version: str) -> dict[str, str]:
+    """PYTHONPATH for a subprocess running `version` of transformers: the virtualenv's own
+    release, or the release installed apart (tests/python/upstream.py)."""
+    if version == transformers.__version__:
+        return {}
+    return {"PYTHONPATH": str(upstream.site("transformers", version))}
 
 
 def binary(name: str) -> Path:
@@ -45,3 +57,40 @@ def demo_runs(demo_root: Path) -> Path:
 def demo_run(demo_runs: Path) -> Path:
     """The demo run with planted faults."""
     return demo_runs / "glm-tool-3k"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reliability suite's table (tests/python/test_reliability.py), when it ran."""
+    import sys
+
+    module = sys.modules.get("test_reliability")
+    results = getattr(module, "RESULTS", None)
+    if not results:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("reliability suite: rows per fault (counted: dropped, or unflushed in a run flagged incomplete)")
+    header = (
+        "fault",
+        "runs",
+        "engine survived",
+        "rows sent",
+        "rows written",
+        "rows counted",
+        "lost silently",
+    )
+    rows = [
+        (
+            r["fault"],
+            r["runs"],
+            "yes" if r["survived"] else "NO",
+            r["sent"],
+            r["written"],
+            r["counted"],
+            r["silent"],
+        )
+        for r in results
+    ]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        write("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))

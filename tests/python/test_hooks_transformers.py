@@ -1,7 +1,12 @@
 """HF transformers traced by environment alone: tiny random GLM-5 and DeepSeek-V3.2 models
 run in a subprocess with SHADOWTRACE=1 (the installed shadowtrace_hooks.pth activates the
-hooks; the traced script never imports shadowtrace), and the Rust analyzer reads the runs."""
+hooks; the traced script never imports shadowtrace), and the Rust analyzer reads the runs.
 
+Executed on two transformers releases: the virtualenv's 5.17.0 and 5.24.0 (which renamed
+the cache argument `past_key_values` to `cache` and caches compressed latents), the latter
+installed apart from the virtualenv (tests/python/upstream.py) and first on PYTHONPATH."""
+
+import ast
 import json
 import os
 import subprocess
@@ -10,23 +15,40 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, binary
+import transformers
+from conftest import REPO, TRANSFORMERS, binary, transformers_path
+from shadowtrace_hooks import config
 
 TRACE = REPO / "tests" / "python" / "trace_tiny.py"
 K = 2048  # index_topk of the tiny models, as in the real ones
 
 
-def run_model(tmp: Path, model: str, length: int, *extra: str, **env: str) -> tuple[torch.Tensor, Path]:
-    """Runs trace_tiny.py with the given SHADOWTRACE* environment; returns logits and run dir."""
+def run_model(
+    tmp: Path, model: str, length: int, *extra: str, version: str = transformers.__version__, **env: str
+) -> tuple[dict, Path]:
+    """Runs trace_tiny.py with the given SHADOWTRACE* environment; returns what it saved and
+    the runs directory."""
     runs = tmp / "runs"
-    logits = tmp / f"logits-{len(list(tmp.glob('logits-*')))}.pt"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
-    environ = {**clean, "SHADOWTRACE_DIR": str(runs), **env}
-    subprocess.run(
-        [sys.executable, TRACE, model, str(length), logits, *extra],
-        check=True, capture_output=True, env=environ,
-    )  # fmt: skip
-    return torch.load(logits), runs
+    out = tmp / f"out-{len(list(tmp.glob('out-*')))}.pt"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
+    environ = {**clean, "SHADOWTRACE_DIR": str(runs), **transformers_path(version), **env}
+    done = subprocess.run(
+        [sys.executable, TRACE, model, str(length), out, *extra], capture_output=True, text=True, env=environ
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = torch.load(out)
+    assert saved["version"] == version
+    return saved, runs
+
+
+def manifests(runs: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(runs.glob("*/manifest.json"))]
+
+
+def assert_nothing_disabled(manifest: dict) -> None:
+    assert manifest["settings"].get("disabled_sites") is None, manifest["settings"]["disabled_sites"]
+    assert manifest["counters"].get("hook_errors", 0) == 0
+    assert manifest["counters"]["dropped_rows"] == 0
 
 
 def analyze(runs: Path) -> dict:
@@ -40,23 +62,33 @@ def analyze(runs: Path) -> dict:
     return json.loads(out.stdout)
 
 
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("version", TRANSFORMERS)
 @pytest.mark.parametrize("model", ["glm", "deepseek"])
 @pytest.mark.parametrize("length", [300, K + 100])
 def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
-    tmp_path: Path, model: str, length: int
+    tmp_path: Path, model: str, length: int, version: str
 ) -> None:
-    untraced, runs = run_model(tmp_path, model, length)
+    untraced, runs = run_model(tmp_path, model, length, version=version)
     assert not runs.exists()
-    traced, runs = run_model(tmp_path, model, length, SHADOWTRACE="1", SHADOWTRACE_MODE="local,free")
-    assert torch.equal(traced.view(torch.int16), untraced.view(torch.int16))
+    traced, runs = run_model(
+        tmp_path, model, length, version=version, SHADOWTRACE="1", SHADOWTRACE_MODE="local,free"
+    )
+    assert bitwise(traced["logits"], untraced["logits"])
+    # the shadow re-runs neither read nor extend production's KV and indexer caches
+    assert len(traced["cache"]) == len(untraced["cache"]) > 0
+    assert all(bitwise(a, b) for a, b in zip(traced["cache"], untraced["cache"], strict=True))
 
-    (run_dir,) = runs.iterdir()
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    (manifest,) = manifests(runs)
     assert manifest["status"] == "complete"
+    assert_nothing_disabled(manifest)
     assert manifest["model"]["architecture"] == {"glm": "glm_moe_dsa", "deepseek": "deepseek_v32"}[model]
     assert manifest["engine"]["name"] == "transformers"
+    assert manifest["engine"]["version"] == version
     assert manifest["prompt"]["length"] == length
-    assert manifest["counters"]["dropped_rows"] == 0
     # 3 layers x (layer_in + attn_out, mlp_out, layer_out in both modes) x every token
     assert manifest["tables"]["hidden"]["rows"] == 3 * 7 * length
     assert manifest["tables"]["topk"]["rows"] == 3 * length
@@ -78,8 +110,16 @@ def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
     assert len(run["hidden"]) == 3 * 7
 
 
-def test_a_nan_planted_at_a_layer_is_located_there_with_the_shadow_finite(tmp_path: Path) -> None:
-    _, runs = run_model(tmp_path, "glm", 400, "--nan-layer", "1", "--nan-token", "123", SHADOWTRACE="1")
+@pytest.mark.parametrize("version", TRANSFORMERS)
+@pytest.mark.parametrize("model", ["glm", "deepseek"])
+def test_a_nan_planted_at_a_layer_is_located_there_with_the_shadow_finite(
+    tmp_path: Path, model: str, version: str
+) -> None:
+    _, runs = run_model(
+        tmp_path, model, 400, "--nan-layer", "1", "--nan-token", "123", version=version, SHADOWTRACE="1"
+    )
+    (manifest,) = manifests(runs)
+    assert_nothing_disabled(manifest)
     (run,) = analyze(runs)["runs"]
     onset = run["onset"]
     assert (onset["step"], onset["layer"], onset["site"], onset["token"], onset["kind"]) == (
@@ -92,14 +132,49 @@ def test_a_nan_planted_at_a_layer_is_located_there_with_the_shadow_finite(tmp_pa
     assert onset["shadow_finite"] is True
 
 
-def test_generate_is_one_run_with_a_step_per_decoded_token(tmp_path: Path) -> None:
-    _, runs = run_model(tmp_path, "deepseek", 100, "--generate", "4", SHADOWTRACE="1")
-    (run_dir,) = runs.iterdir()
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+@pytest.mark.parametrize("version", TRANSFORMERS)
+@pytest.mark.parametrize("model", ["glm", "deepseek"])
+def test_generate_is_one_run_with_a_step_per_decoded_token_and_the_untraced_tokens(
+    tmp_path: Path, model: str, version: str
+) -> None:
+    untraced, _ = run_model(tmp_path, model, 100, "--generate", "4", version=version)
+    traced, runs = run_model(tmp_path, model, 100, "--generate", "4", version=version, SHADOWTRACE="1")
+    assert torch.equal(traced["ids"], untraced["ids"])
+    assert bitwise(traced["logits"], untraced["logits"])
+    (manifest,) = manifests(runs)
     assert manifest["status"] == "complete"
+    assert_nothing_disabled(manifest)
     # the prefill's 100 query rows plus one per decode step, on each of 3 layers
     assert manifest["tables"]["topk"]["rows"] == 3 * (100 + 3)
     assert manifest["counters"]["shadow_skipped_decode_steps"] == 3
+
+
+@pytest.mark.parametrize("version", TRANSFORMERS)
+def test_a_nan_written_into_kv_slot_0_fails_the_sentinel_before_the_onset_it_explains(
+    tmp_path: Path, version: str
+) -> None:
+    _, runs = run_model(tmp_path, "glm", 64, "--generate", "3", "--poison-slot0", "1", version=version,
+                        SHADOWTRACE="1")  # fmt: skip
+    (manifest,) = manifests(runs)
+    assert_nothing_disabled(manifest)
+    (run,) = analyze(runs)["runs"]
+    failed = run["failed_sentinels"]
+    assert failed, "the poisoned slot was not reported"
+    first = failed[0]
+    assert (first["step"], first["layer"], first["check"]) == (1, 1, "kv_slot0_finite")
+    assert "slot 0" in first["detail"]
+    # Nothing was non-finite before the poisoned write: the onset comes after it.
+    onset = run["onset"]
+    assert onset is None or (onset["step"], onset["layer"]) >= (1, 1)
+
+
+@pytest.mark.parametrize("version", TRANSFORMERS)
+def test_the_shadow_re_run_fires_no_hook_of_the_users(tmp_path: Path, version: str) -> None:
+    untraced, _ = run_model(tmp_path, "glm", 64, "--count-hooks", version=version)
+    traced, _ = run_model(tmp_path, "glm", 64, "--count-hooks", version=version, SHADOWTRACE="1",
+                          SHADOWTRACE_MODE="local,free")  # fmt: skip
+    assert untraced["hook_calls"] == {"self_attn": 3, "mlp": 3}
+    assert traced["hook_calls"] == untraced["hook_calls"]
 
 
 def test_with_shadowtrace_unset_nothing_of_shadowtrace_is_imported() -> None:
@@ -108,12 +183,35 @@ def test_with_shadowtrace_unset_nothing_of_shadowtrace_is_imported() -> None:
         "print(any(m.startswith('shadowtrace') for m in sys.modules))"
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
-    for value, expected in [(None, "False"), ("0", "False"), ("1", "True")]:
+    for value, expected in [(None, "False"), ("1", "True")]:
         env = clean if value is None else {**clean, "SHADOWTRACE": value}
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
         )
         assert out.stdout.strip() == expected, value
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", " OFF ", "False"])
+def test_every_off_value_imports_nothing(value: str) -> None:
+    watched = "('shadowtrace_hooks', 'torch', 'pyarrow')"
+    code = f"import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in {watched}))"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**clean, "SHADOWTRACE": value},
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_startup_line_reads_off_as_the_environment_definition_does() -> None:
+    """The .pth decides before importing anything, so it repeats the false words: the same
+    words config.py (and schemas/v1/env.json's bool) reads as false."""
+    line = (REPO / "hooks" / "shadowtrace_hooks.pth").read_text()
+    words = ast.literal_eval(line.split(" not in ")[1].split(" and ")[0])
+    assert tuple(words) == config.FALSE_WORDS
 
 
 def test_an_exception_inside_a_hook_is_counted_disables_its_capture_and_leaves_outputs_alone(

@@ -1,8 +1,14 @@
-"""Engine adapters: each knows one engine's hook points, at the versions it states.
+"""Engine adapters: each knows one engine's hook points, at the layouts it declares.
 
-`TARGETS` maps the module an adapter patches to the adapter; `startup` installs an adapter
-when its module is imported (or at once when it already was), so engine code is never
-imported by shadowtrace itself.
+`TARGETS` maps every module an adapter patches to the adapter; `startup` installs an
+adapter when its module is imported (or at once when it already was), so engine code is
+never imported by shadowtrace itself. Each adapter module declares:
+
+- `NAME`: the engine's package name, as the manifest names the engine;
+- `LAYOUTS`: the upstream layouts it supports (`layout.Layout`: a release range or commit
+  and the symbols relied on), checked at install and against released code by the
+  conformance tests;
+- `install(module)`: patches one target module, or raises `layout.UnsupportedVersion`.
 """
 
 import importlib
@@ -13,11 +19,20 @@ TARGETS = {
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": "hf",
     "transformers.models.deepseek_v32.modeling_deepseek_v32": "hf",
     "tensorrt_llm._torch.attention_backend.sparse.dsa.indexer": "trtllm",
+    "tensorrt_llm._torch.attention.backends.sparse.dsa.indexer": "trtllm",
+    "tensorrt_llm._torch.models.modeling_deepseekv3": "trtllm",
     "sglang.srt.layers.attention.dsa.dsa_indexer": "sglang",
     "sglang.srt.layers.attention.nsa.nsa_indexer": "sglang",
+    "sglang.srt.model_executor.forward_batch_info": "sglang",
+    "sglang.srt.models.deepseek_v2": "sglang",
     "vllm.model_executor.models.deepseek_v2": "vllm",
     "vllm.model_executor.layers.sparse_attn_indexer": "vllm",
+    "vllm.models.deepseek_v32.attention": "vllm",
+    "vllm.models.deepseek_v32.nvidia.model": "vllm",
+    "vllm.v1.worker.gpu_model_runner": "vllm",
+    "vllm.v1.worker.gpu.model_runner": "vllm",
 }
+ADAPTERS = ("hf", "trtllm", "sglang", "vllm")
 
 
 def adapter(name: str) -> ModuleType:

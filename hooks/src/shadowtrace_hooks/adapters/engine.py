@@ -1,46 +1,52 @@
-"""What the serving-engine adapters (TensorRT-LLM, SGLang, vLLM) share: checking the hooked
-methods against the upstream signatures an adapter was written for, one run per engine
-request, and the indexer capture with its two shadows.
+"""What the serving-engine adapters (TensorRT-LLM, SGLang, vLLM) share: one run per engine
+request, steps from the engine's own batches, and the indexer capture with its two shadows.
 
-An adapter turns one indexer call into an `IndexerCall`: the production top-k rows, how they
-split into requests, the engine's own FP8 operands (for the `dequant` shadow: the fp32
-recompute of exactly what the production kernel multiplied) and a way to recompute q, k and
-w in fp32 from the pre-quantization inputs (the `raw` shadow). Rows of a request whose
-earlier keys are not in this call (decode steps, cached prefixes) are recorded for
-production only and counted: their keys live in the engine's FP8 cache, which the hooks do
-not read.
+An adapter turns one indexer call into an `IndexerCall`:
+
+- `marker`: an object the engine makes anew for every engine step (a batch, its metadata
+  or its forward context). Calls with the same marker belong to one step; the tracer keeps
+  a reference to it, so its identity cannot be reused;
+- `requests`: the engine's own request ids and where each request's rows lie in the call;
+- `prod_topk`: production's selection, request-local positions, -1 padded;
+- `raw`: the pre-quantization inputs (hidden states, q LoRA, positions) and the indexer's
+  weights, from which `raw_qkw` recomputes q, k and w in fp32 with the model's RoPE;
+- `fp8`: the engine's own FP8 operands, scored in fp32 for the `dequant` shadow (the fp32
+  recompute of exactly what the production kernel multiplied).
+
+Production rows are recorded whatever happens to the shadows: each shadow runs in a guard
+of its own. Rows of a request whose earlier keys are not in this call (decode steps, later
+prefill chunks, cached prefixes) are recorded for production only and counted: their keys
+live in the engine's FP8 cache, which the hooks do not read.
+
+A run stays open while its request is live: engines leave running requests out of many
+steps (prefill-only steps, chunked prefill), so absence from one step proves nothing. A run
+closes when the adapter learns that its request finished, when it has been absent for
+`IDLE_STEPS` engine steps, when more than `MAX_OPEN_RUNS` are open (the least recently seen
+first), or at exit. A request seen again after its run closed continues in a new run (its
+run id carries `-s<N>`, the `request` tag stays), counted as `request_resumed`.
 """
 
+import functools
 import importlib
 import inspect
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from shadowtrace_hooks import numerics, session
+from shadowtrace_hooks import numerics, rope, session
+from shadowtrace_hooks.rope import IndexerRope
 from shadowtrace_hooks.session import Run, Session
 
+log = logging.getLogger("shadowtrace")
 
-class UnsupportedVersion(RuntimeError):
-    """The engine's method does not have the signature the adapter was written against."""
-
-
-def check_signature(
-    cls: type, method: str, expected: list[str], where: str, *, leading: bool = False
-) -> None:
-    """Raises UnsupportedVersion unless `cls.method` takes exactly these parameters (with
-    `leading`, these first, and anything after them)."""
-    fn = getattr(cls, method, None)
-    if fn is None:
-        raise UnsupportedVersion(f"{where}: {cls.__name__}.{method} does not exist")
-    got = list(inspect.signature(fn).parameters)
-    if (got[: len(expected)] if leading else got) != expected:
-        raise UnsupportedVersion(
-            f"{where}: {cls.__name__}.{method}: expected parameters ({', '.join(expected)}), "
-            f"got ({', '.join(got)})"
-        )
+# Engine steps a request may be absent before its run is closed.
+IDLE_STEPS = 256
+# Runs open at once, each with its writer thread; beyond this the least recently seen closes.
+MAX_OPEN_RUNS = 256
 
 
 def bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -53,102 +59,309 @@ def bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
 class Request:
     """One request's rows in an indexer call."""
 
-    key: str  # the engine's request id, or a stand-in
+    key: str  # the engine's request id
     start: int  # first row of the call
     rows: int  # rows (query tokens) of this request in the call
     prefix: int  # tokens of the request before these rows (cached or earlier chunks)
-    prompt_length: int
+    prefill: bool = True  # prompt tokens (a prefill or one of its chunks), not generated ones
+    # rows of this request the call could not record, by reason (fused top-k, a stale
+    # buffer): counted in its run, and none of its rows are recorded
+    skipped: dict[str, int] = field(default_factory=dict)
+    # anything else to count in its run (a shadow the call could not compute for its rows);
+    # its rows are recorded
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class IndexerWeights:
+    """An indexer's weights in fp32, as its model defines them (FP8 weights dequantized)."""
+
+    heads: int
+    dim: int
+    wq_b: torch.Tensor  # [heads * dim, q_lora]
+    wk: torch.Tensor  # [dim, hidden]
+    weights_proj: torch.Tensor  # [heads, hidden]
+    norm: str  # "layer" (LayerNorm with bias) or "rms"
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor | None
+    eps: float
+
+
+@dataclass
+class RawInputs:
+    """The call's pre-quantization indexer inputs, row for row with `prod_topk`."""
+
+    x: torch.Tensor  # [rows, hidden]: the layer's normalized hidden states
+    qr: torch.Tensor  # [rows, q_lora]: the normalized q LoRA
+    positions: torch.Tensor  # [rows]: absolute positions
+    weights: Callable[[], IndexerWeights]  # built only when a shadow needs them
+    rope: IndexerRope
+
+
+@dataclass
+class Fp8Operands:
+    """The engine's FP8 indexer operands. q rows follow `prod_topk`; key rows of the call's
+    row r are `k8[k_offset + r]` (engines that score a phase of a mixed batch keep the
+    whole batch's keys)."""
+
+    q8: torch.Tensor  # [rows, H, D] e4m3
+    weights: torch.Tensor  # [rows, H] fp32, q_scale * D^-0.5 * H^-0.5 folded in
+    k8: torch.Tensor  # [N, D] e4m3
+    k_scale: torch.Tensor  # [N] fp32
+    k_offset: int = 0
 
 
 @dataclass
 class IndexerCall:
+    marker: Any
     layer: int
     k: int
     prod_topk: torch.Tensor  # [rows, k] int32, request-local positions, -1 padded
     requests: list[Request]
-    fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
-        None  # q8, k8, k_scale, weights
-    )
-    raw: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = (
-        None  # fp32 q, k, w (with H^-0.5)
-    )
-    counters: dict[str, int] = field(default_factory=dict)
+    raw: RawInputs | None = None
+    fp8: Fp8Operands | None = None
+    # manifest settings of every run the call touches, kept once set: the adapter's layout,
+    # the conventions the engine runs beside the model's (see `convention`)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def raw_qkw(raw: RawInputs, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T,H,D], k [T,D] after the model's RoPE and w [T,H] (with H^-0.5, without D^-0.5),
+    in fp32, from the pre-quantization inputs of `rows`."""
+    w8 = raw.weights()
+    x, qr, pos = raw.x[rows].float(), raw.qr[rows].float(), raw.positions[rows]
+    q = torch.nn.functional.linear(qr, w8.wq_b).view(-1, w8.heads, w8.dim)
+    key = torch.nn.functional.linear(x, w8.wk)
+    if w8.norm == "layer":
+        k = torch.nn.functional.layer_norm(key, (w8.dim,), w8.norm_weight, w8.norm_bias, w8.eps)
+    else:
+        k = key * torch.rsqrt(key.pow(2).mean(-1, keepdim=True) + w8.eps) * w8.norm_weight
+    w = torch.nn.functional.linear(x, w8.weights_proj) * w8.heads**-0.5
+    return raw.rope.apply(q, pos), raw.rope.apply(k, pos), w
+
+
+class _Open:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.serial = -1  # the engine step it last appeared in
 
 
 class EngineTracer:
-    """Runs of one engine in this process, one per request, closed when a new engine step
-    no longer contains the request (or at exit)."""
+    """Runs of one engine in this process, one per request."""
 
     def __init__(self, sess: Session, engine: dict, model: dict, dtypes: dict) -> None:
         self.sess, self.engine, self.model, self.dtypes = sess, engine, model, dtypes
-        self.runs: dict[str, Run] = {}
-        self.in_step: set[str] = set()
-        self.last_layer = -1
+        self.name = engine["name"]
+        self.open: dict[str, _Open] = {}
+        self.segments: dict[str, int] = {}  # closed request -> runs it has had
+        self.marker: Any = None
+        self.serial = -1
+
+    # --- steps and runs ---------------------------------------------------------------
+
+    def advance(self, marker: Any) -> None:
+        """Enters the engine step `marker` belongs to (a no-op within the same step)."""
+        if marker is self.marker:
+            return
+        self.marker, self.serial = marker, self.serial + 1
+        for key in [k for k, o in self.open.items() if self.serial - o.serial > IDLE_STEPS]:
+            self._close(key)
+
+    def runs(self, requests: Iterable[Request], device: torch.device) -> list[Run]:
+        """The run of each request, opened on first sight, its step advanced once per engine
+        step it appears in."""
+        out = []
+        for req in requests:
+            entry = self.open.get(req.key)
+            if entry is None:
+                entry = self.open[req.key] = _Open(self._open_run(req, device))
+                if len(self.open) > MAX_OPEN_RUNS:
+                    self._close(min(self.open, key=lambda k: self.open[k].serial))
+            if entry.serial != self.serial:
+                entry.serial = self.serial
+                entry.run.step += 1
+            if req.prefill:
+                prompt = entry.run.writer.manifest["prompt"]
+                prompt["length"] = max(prompt["length"], req.prefix + req.rows)
+            out.append(entry.run)
+        return out
+
+    def count(self, key: str, name: str, n: int) -> None:
+        """Counts in the open run of request `key` (its step unchanged), or in the session
+        when the request has no open run."""
+        entry = self.open.get(key)
+        (entry.run if entry is not None else self.sess).count(name, n)
+
+    def finish(self, keys: Iterable[str]) -> None:
+        """Closes the runs of requests the engine reports finished."""
+        for key in keys:
+            if key in self.open:
+                self._close(key)
+
+    def close(self, *, at_exit: bool = False, deadline: float | None = None) -> None:
+        """Closes every open run (at exit: within the session's flush `deadline`)."""
+        for key in list(self.open):
+            self._close(key, at_exit=at_exit, deadline=deadline)
+
+    def _open_run(self, req: Request, device: torch.device) -> Run:
+        segment = self.segments.get(req.key, 0)
+        run = self.sess.open_run(
+            token_ids=[],
+            request=req.key,
+            segment=segment,
+            prompt_length=0,
+            model=self.model,
+            engine=self.engine,
+            device=session.device_of(torch.empty(0, device=device)),
+            dtypes=self.dtypes,
+        )
+        if segment:
+            run.count("request_resumed")
+        return run
+
+    def _close(self, key: str, *, at_exit: bool = False, deadline: float | None = None) -> None:
+        entry = self.open.pop(key)
+        self.segments[key] = self.segments.get(key, 0) + 1
+        timeout = None if deadline is None else deadline - time.monotonic()
+        self.sess.close_run(entry.run, at_exit=at_exit, timeout_s=timeout)
+
+    # --- the indexer capture ----------------------------------------------------------
 
     def record(self, call: IndexerCall) -> None:
+        """Records one indexer call: production rows of every request, then each shadow in
+        a guard of its own, so a shadow failure leaves production's rows."""
         s = self.sess.settings
         if not (s.layer(call.layer) and s.site("indexer")):
             return
-        if call.layer <= self.last_layer:
-            self._next_step()
-        self.last_layer = call.layer
-        raw = call.raw() if call.raw is not None and s.precision is not None else None
-        for req in call.requests:
-            run = self._run(req, call.prod_topk.device)
+        self.advance(call.marker)
+        device = call.prod_topk.device
+        runs = self.runs(call.requests, device)
+        for req, run in zip(call.requests, runs, strict=True):
+            for key, value in call.settings.items():
+                run.writer.manifest["settings"].setdefault(key, value)
+            for name, n in {**req.counts, **req.skipped}.items():
+                run.count(name, n)
+            if req.skipped:
+                continue
             rows = slice(req.start, req.start + req.rows)
-            q_pos = torch.arange(req.prefix, req.prefix + req.rows, device=call.prod_topk.device)
+            q_pos = torch.arange(req.prefix, req.prefix + req.rows, device=device)
             prod = numerics.members(call.prod_topk[rows], q_pos + 1)
             shadows: dict[str, numerics.Selection] = {}
-            if req.prefix == 0 and s.precision is not None:
-                if raw is not None:
-                    q, k, w = (t[rows] for t in raw)
-                    shadows["raw"] = numerics.select(
-                        numerics.index_scores(q, k, w, q_pos), call.k, q_pos, s.band
-                    )
+            if s.precision is not None and req.prefix == 0:
+                if call.raw is not None:
+                    sel = self.sess.guarded(f"{self.name}:shadow_raw", run, self._raw, call, rows, q_pos)
+                    if sel is not None:
+                        shadows["raw"] = sel
                 if call.fp8 is not None:
-                    q8, k8, ks, w8 = (t[rows] for t in call.fp8)
-                    scores = numerics.folded_scores(q8, k8, ks, w8, q_pos)
-                    shadows["dequant"] = numerics.select(scores, call.k, q_pos, s.band)
+                    sel = self.sess.guarded(
+                        f"{self.name}:shadow_dequant", run, self._dequant, call, rows, q_pos
+                    )
+                    if sel is not None:
+                        shadows["dequant"] = sel
             elif s.precision is not None:
                 run.count("shadow_skipped_rows_without_keys", req.rows)
-            for name, n in call.counters.items():
-                run.count(name, n)
             run.topk(call.layer, call.layer, call.k, q_pos, prod, None, shadows)
 
-    def _run(self, req: Request, device: torch.device) -> Run:
-        self.in_step.add(req.key)
-        run = self.runs.get(req.key)
-        if run is None:
-            run = self.sess.open_run(
-                token_ids=[],
-                request=req.key,
-                prompt_length=req.prompt_length,
-                model=self.model,
-                engine=self.engine,
-                device=session.device_of(torch.empty(0, device=device)),
-                dtypes=self.dtypes,
-            )
-            run.step = 0
-            self.runs[req.key] = run
-        return run
+    def _raw(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> numerics.Selection:
+        assert call.raw is not None
+        q, k, w = raw_qkw(call.raw, rows)
+        return numerics.select(numerics.index_scores(q, k, w, q_pos), call.k, q_pos, self.sess.settings.band)
 
-    def _next_step(self) -> None:
-        for key in [k for k in self.runs if k not in self.in_step]:
-            self.sess.close_run(self.runs.pop(key))
-        for key in self.in_step:
-            self.runs[key].step += 1
-        self.in_step = set()
-
-    def close(self) -> None:
-        for run in self.runs.values():
-            self.sess.close_run(run)
-        self.runs = {}
+    def _dequant(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> numerics.Selection:
+        op = call.fp8
+        assert op is not None
+        keys = slice(op.k_offset + rows.start, op.k_offset + rows.stop)
+        scores = numerics.folded_scores(
+            op.q8[rows], op.k8[keys], op.k_scale[keys].reshape(-1), op.weights[rows], q_pos
+        )
+        return numerics.select(scores, call.k, q_pos, self.sess.settings.band)
 
 
-def engine_model(sess: Session, index_topk: int) -> dict:
-    """What an engine hook knows of the model: the user's `model` tag names it."""
+def convention(
+    name: str, engine: str | None, model: str | None, engine_source: str, model_source: str
+) -> dict[str, Any]:
+    """One numerics convention as the manifest records it (`settings.conventions`): the
+    engine's value beside the model's, and where each was read. A mismatch is the kind of
+    engine bug a shadow that copied the engine's convention could never show."""
     return {
-        "name": sess.settings.tags.get("model", "unnamed DSA model"),
+        "name": name, "engine": engine, "model": model,
+        "engine_source": engine_source, "model_source": model_source,
+    }  # fmt: skip
+
+
+def rope_convention(
+    engine_neox: bool | None, model: IndexerRope | None, engine_source: str, missing: str
+) -> dict:
+    """The indexer RoPE convention: the engine's pairs (`engine_neox`, None when unknown)
+    beside the model's (`model`, None when its config was not reached, for `missing`)."""
+    return convention(
+        "indexer_rope",
+        None if engine_neox is None else ("neox" if engine_neox else "interleaved"),
+        None if model is None else model.layout,
+        engine_source,
+        missing if model is None else model.source,
+    )
+
+
+def reached(sess: Session, engine: str) -> None:
+    """Notes that an indexer hook of `engine` was entered (whatever it then recorded)."""
+    sess.hook_calls[engine] = sess.hook_calls.get(engine, 0) + 1
+
+
+def watch_forward(cls: type, method: str, engine: str, real: Callable[[], bool]) -> None:
+    """Wraps `cls.method`, the model's forward, so that after the process's first real
+    forward (`real()` is true: not a profiling or warm-up run) one line says so if no
+    indexer hook of `engine` was entered: the layout runs code the adapter does not reach,
+    and without the line it would trace nothing without a word."""
+    forward = getattr(cls, method)
+    if getattr(forward, "_shadowtrace_watch", False):
+        return
+    checked: list[bool] = []
+
+    @functools.wraps(forward)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        sess = session.current()
+        if sess is not None and not checked:
+            sess.guarded(f"{engine}:watch", None, _check_first_forward, sess, cls, engine, real, checked)
+        return out
+
+    watched._shadowtrace_watch = True  # type: ignore[attr-defined]
+    setattr(cls, method, watched)
+
+
+def _check_first_forward(
+    sess: Session, cls: type, engine: str, real: Callable[[], bool], checked: list[bool]
+) -> None:
+    if session.capturing() or not real():
+        return
+    checked.append(True)
+    if not sess.hook_calls.get(engine):
+        sess.count("indexer_hooks_never_fired")
+        version = getattr(importlib.import_module(engine), "__version__", "unknown")
+        sess.warn_once(
+            f"{engine}:never_fired",
+            f"{engine} {version}: {cls.__name__} ran a forward and no indexer hook fired; this "
+            "layout is not traced (python -m shadowtrace_hooks doctor says what was hooked)",
+        )
+
+
+def engine_model(sess: Session, index_topk: int, config: Any = None) -> dict:
+    """What an engine hook knows of the model: its HF config when the adapter reached it,
+    else the user's `model` tag."""
+    name = sess.settings.tags.get("model")
+    if config is not None:
+        name = name or getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+        return {
+            "name": name or "unnamed DSA model",
+            "architecture": rope.family(config) or getattr(config, "model_type", None) or "dsa",
+            "config_hash": "",
+            "revision": None,
+            "num_layers": int(getattr(config, "num_hidden_layers", 0) or 0),
+            "index_topk": index_topk,
+        }
+    return {
+        "name": name or "unnamed DSA model",
         "architecture": sess.settings.tags.get("architecture", "dsa"),
         "config_hash": "",
         "revision": None,
@@ -157,27 +370,35 @@ def engine_model(sess: Session, index_topk: int) -> dict:
     }
 
 
-def tracer_for(sess: Session, engine: str, variant: str, index_topk: int) -> EngineTracer:
+def tracer_for(sess: Session, engine: str, variant: str, index_topk: int, config: Any = None) -> EngineTracer:
     """The session's tracer of `engine` (its package name, the engine's name in the
     manifest; `variant` names its FP8 indexer), made on first use."""
-    key = f"_engine_{engine}"
-    tracer = sess.__dict__.get(key)
+    tracer = sess.tracers.get(engine)
     if tracer is None:
         version = getattr(importlib.import_module(engine), "__version__", "unknown")
         tracer = EngineTracer(
             sess,
             engine={"name": engine, "version": version, "commit": None, "variant": variant},
-            model=engine_model(sess, index_topk),
+            model=engine_model(sess, index_topk, config),
             dtypes={"prod": "fp8_e4m3", "shadow": sess.settings.precision},
         )
-        sess.__dict__[key] = tracer
+        sess.tracers[engine] = tracer
     return tracer
 
 
-def requests_from_lengths(keys: list[str], new: list[int], cached: list[int]) -> list[Request]:
-    """Consecutive rows per request, as every engine lays out a batch."""
-    out, start = [], 0
-    for key, n, c in zip(keys, new, cached, strict=True):
-        out.append(Request(key=key, start=start, rows=n, prefix=c, prompt_length=c + n))
-        start += n
-    return out
+def weights_of(
+    heads: int, dim: int, wq_b: torch.Tensor, wk: torch.Tensor, weights_proj: torch.Tensor, norm: Any
+) -> IndexerWeights:
+    """IndexerWeights from fp32 projection weights and an engine's norm module: a LayerNorm
+    (weight and bias, `eps` or `variance_epsilon`) or an RMSNorm (weight alone)."""
+    eps = getattr(norm, "eps", None)
+    if eps is None:
+        eps = norm.variance_epsilon
+    layer = "RMS" not in type(norm).__name__
+    # SGLang's LayerNorm always holds a bias parameter and says with `use_bias` whether it applies.
+    bias = getattr(norm, "bias", None) if layer and getattr(norm, "use_bias", True) else None
+    return IndexerWeights(
+        heads=heads, dim=dim, wq_b=wq_b, wk=wk, weights_proj=weights_proj,
+        norm="layer" if layer else "rms", norm_weight=norm.weight.float(),
+        norm_bias=None if bias is None else bias.float(), eps=float(eps),
+    )  # fmt: skip

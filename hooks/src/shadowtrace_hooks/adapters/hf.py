@@ -1,67 +1,105 @@
 """HF transformers: `glm_moe_dsa` (GLM-5 / 5.1 / 5.2) and `deepseek_v32` (DeepSeek-V3.2).
 
-Supported: transformers 5.x with the module layout of 5.17.0 (checked against that release's
-modeling_glm_moe_dsa.py and modeling_deepseek_v32.py):
+Supported: transformers 5.17.0 through 5.24.0, in two layouts (`LAYOUTS`, checked at install
+and against the released wheels by the conformance tests): the KV cache argument is
+`past_key_values` up to 5.23 and `cache` from 5.24.
 
-- `*ForCausalLM.forward(input_ids, ..., logits_to_keep)` and `.generate`: a run per batch row
-  (per request), opened at the first forward of a request and closed when it returns;
-- `*DecoderLayer.forward(hidden_states, attention_mask, position_ids, past_key_values,
-  use_cache, position_embeddings[, prev_topk_indices])` returns `(hidden_states, topk)` for
-  GLM and `hidden_states` for DeepSeek: sites `layer_in`, `layer_out`; `self_attn` output[0]
-  is `attn_out`, `mlp` output is `mlp_out`;
+- `*ForCausalLM.forward(input_ids, attention_mask, position_ids, <cache>, ...)` and
+  `.generate`: a run per batch row (per request), opened at the first forward of a request
+  (no cache, or an empty one) and closed when it returns (for `generate`, when the whole
+  generation returns); every forward is a step;
+- `*DecoderLayer.forward(hidden_states, attention_mask, position_ids, <cache>, use_cache,
+  position_embeddings[, prev_topk_indices])` returns `(hidden_states, topk)` for GLM and
+  `hidden_states` for DeepSeek: sites `layer_in`, `layer_out`; `self_attn` output[0] is
+  `attn_out`, `mlp` output is `mlp_out`;
 - `*Indexer.forward(hidden_states, q_resid, position_embeddings, attention_mask,
-  position_ids, past_key_values)` returns int32 top-k [B, S, topk]: site `indexer`.
-  GLM-5.2's shared layers (`indexer_types == "shared"`) have no indexer and are not recorded.
+  position_ids, <cache>)` returns int32 top-k [B, S, topk]: site `indexer`. GLM-5.2's shared
+  layers (`indexer_types == "shared"`) have no indexer and are not recorded.
 
 The shadow recomputes the indexer from the same hidden_states and q_resid with the module's
 weights upcast (shadow_input `raw`; HF has no FP8 q/k, so there is no `dequant` row), and
 re-runs each decoder layer in the shadow precision on the production input (`local`) and
-on its own chain from the embeddings (`free`). Shadow layers run on the prefill only: a
-decode step would need a shadow KV cache (counted as `shadow_skipped_decode_steps`).
+on its own chain from the embeddings (`free`). The re-run is invisible to the model: no
+cache (production's KV and indexer caches are never passed to it) and no forward hook of
+the layer's modules fires, other than the tracer's own shadow site captures. Shadow layers
+run on the prefill only: a decode step would need a shadow KV cache (counted as
+`shadow_skipped_decode_steps`).
 """
 
 import functools
 import hashlib
+import inspect
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shadowtrace_hooks import numerics, session, shadow
+from shadowtrace_hooks import numerics, session, shadow, stats
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
 from shadowtrace_hooks.session import Run, Session
 
+log = logging.getLogger("shadowtrace")
+
 NAME = "transformers"
-SUPPORTED = "transformers 5.x (module layout of 5.17.0)"
-# module -> (causal LM class, indexer RoPE function in that module)
+# module -> (class name prefix, indexer RoPE function in that module)
 MODULES = {
-    "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": (
-        "GlmMoeDsaForCausalLM",
-        "apply_rotary_pos_emb_interleave",
-    ),
-    "transformers.models.deepseek_v32.modeling_deepseek_v32": (
-        "DeepseekV32ForCausalLM",
-        "apply_rotary_pos_emb",
-    ),
+    "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": ("GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
+    "transformers.models.deepseek_v32.modeling_deepseek_v32": ("DeepseekV32", "apply_rotary_pos_emb"),
 }
+_CACHE_NAMES = {"past_key_values": "5.17.0 to 5.23.0", "cache": "5.24.0"}
 _LOGITS_CHUNK = 1024
+
+
+def layouts(module: str) -> tuple[Layout, ...]:
+    """The layouts of one modeling module: the symbols the adapter relies on, per release range."""
+    prefix, rope = MODULES[module]
+    rope_params = ("q", "k", "cos", "sin") + (("position_ids",) if rope.endswith("interleave") else ())
+    out = []
+    for cache, releases in _CACHE_NAMES.items():
+        symbols = (
+            Symbol(module, f"{prefix}ForCausalLM.forward",
+                   ("self", "input_ids", "attention_mask", "position_ids", cache), leading=True),
+            Symbol(module, f"{prefix}DecoderLayer.forward",
+                   ("self", "hidden_states", "attention_mask", "position_ids", cache, "use_cache",
+                    "position_embeddings"), leading=True),
+            Symbol(module, f"{prefix}Indexer.forward",
+                   ("self", "hidden_states", "q_resid", "position_embeddings", "attention_mask",
+                    "position_ids", cache)),
+            Symbol(module, f"{prefix}RotaryEmbedding.forward", ("self", "x", "position_ids")),
+            Symbol(module, rope, (*rope_params, "unsqueeze_dim")),
+        )  # fmt: skip
+        out.append(Layout(name=f"{cache}=", source=f"transformers {releases}", symbols=symbols))
+    return tuple(out)
+
+
+LAYOUTS = tuple(layout for module in MODULES for layout in layouts(module))
+# The models the registry routes to each modeling module (AutoModelForCausalLM's mapping).
+ARCHITECTURES = {
+    "glm_moe_dsa": "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa",
+    "deepseek_v32": "transformers.models.deepseek_v32.modeling_deepseek_v32",
+}
 
 
 def install(module: Any) -> None:
     """Wraps the module's causal LM class so every instance traces itself when called."""
-    cls_name, rope_name = MODULES[module.__name__]
-    cls = getattr(module, cls_name)
+    prefix, rope_name = MODULES[module.__name__]
+    cls = getattr(module, f"{prefix}ForCausalLM")
     if getattr(cls, "_shadowtrace_patched", False):
         return
+    layout = select(layouts(module.__name__), {module.__name__: module}, f"{NAME} {_version()}")
+    cache_name = layout.name.removesuffix("=")
     rope = getattr(module, rope_name)
     forward, generate = cls.forward, cls.generate
+    inputs = _Inputs(forward, cache_name)
 
     @functools.wraps(forward)
     def traced_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         sess = session.current()
         if sess is None:
             return forward(self, *args, **kwargs)
-        tracer = sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope)
+        tracer = sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope, inputs)
         if tracer is None:
             return forward(self, *args, **kwargs)
         if session.capturing():
@@ -75,20 +113,46 @@ def install(module: Any) -> None:
         tracer = (
             None
             if sess is None
-            else sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope)
+            else sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope, inputs)
         )
         if tracer is None:
             return generate(self, *args, **kwargs)
         tracer.in_generate += 1
         try:
             return generate(self, *args, **kwargs)
+        except BaseException:
+            tracer.interrupted = True
+            raise
         finally:
             tracer.in_generate -= 1
             if tracer.in_generate == 0:
-                tracer.close_runs()
+                sess.guarded("transformers:close", None, tracer.close_runs)
 
     cls.forward, cls.generate = traced_forward, traced_generate
     cls._shadowtrace_patched = True
+    cls._shadowtrace_layout = module._shadowtrace_layout = layout
+
+
+class _Inputs:
+    """Reads a causal LM forward's inputs whether they came by position or by name, under
+    either name of the cache argument."""
+
+    def __init__(self, forward: Any, cache_name: str) -> None:
+        self.signature = inspect.signature(forward)
+        self.cache_name = cache_name
+
+    def __call__(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+        bound = self.signature.bind_partial(model, *args, **kwargs).arguments
+        extra = bound.get("kwargs", {})
+        cache = bound.get(self.cache_name)
+        if cache is None:
+            cache = extra.get("past_key_values", extra.get("cache"))
+        return {
+            "input_ids": bound.get("input_ids"),
+            "inputs_embeds": bound.get("inputs_embeds"),
+            "position_ids": bound.get("position_ids"),
+            "cache": cache,
+        }
 
 
 def _model_identity(config: Any) -> dict:
@@ -117,7 +181,6 @@ class _Step:
         self.layer_kwargs: dict = {}
         self.prod_sites: dict[str, torch.Tensor] = {}
         self.shadow_sites: dict[str, dict[str, torch.Tensor]] = {}
-        self.shadowing: str | None = None  # the mode whose shadow layer is running
         self.free: torch.Tensor | None = None  # the free chain's stream
         self.final_stream: torch.Tensor | None = None
         self.shadow_pe: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -127,54 +190,102 @@ class _Tracer:
     """Hooks of one model instance, registered on its first traced call."""
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, sess: Session, rope: Any) -> "_Tracer":
+    def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: _Inputs) -> "_Tracer":
         tracer = model.__dict__.get("_shadowtrace")
         if tracer is None:
-            tracer = cls(model, sess, rope)
+            tracer = cls(model, sess, rope, inputs)
             model.__dict__["_shadowtrace"] = tracer
         return tracer
 
-    def __init__(self, model: torch.nn.Module, sess: Session, rope: Any) -> None:
-        self.model, self.sess, self.rope = model, sess, rope
+    def __init__(self, model: torch.nn.Module, sess: Session, rope: Any, inputs: _Inputs) -> None:
+        self.model, self.sess, self.rope, self.inputs = model, sess, rope, inputs
         self.settings = sess.settings
         self.config = model.config
         self.identity = _model_identity(self.config)
         self.runs: list[Run] = []
         self.in_generate = 0
+        self.interrupted = False
         self.step: _Step | None = None
         self.dtype = self.sess.settings.shadow_dtype
+        self.forwards = 0
+        self.fired: set[str] = set()
         inner = model.model
         self.rotary = inner.rotary_emb
+        self.indexers = 0
         for i, layer in enumerate(inner.layers):
-            layer.register_forward_pre_hook(functools.partial(self._layer_in, i), with_kwargs=True)
-            layer.register_forward_hook(functools.partial(self._layer_out, i), with_kwargs=True)
-            layer.self_attn.register_forward_hook(functools.partial(self._site, "attn_out"))
-            layer.mlp.register_forward_hook(functools.partial(self._site, "mlp_out"))
+            layer.register_forward_pre_hook(
+                functools.partial(self._hook, "layer_in", self._layer_in, i), with_kwargs=True
+            )
+            layer.register_forward_hook(
+                functools.partial(self._hook, "layer_out", self._layer_out, i), with_kwargs=True
+            )
+            layer.self_attn.register_forward_hook(
+                functools.partial(self._hook, "site", self._site, "attn_out")
+            )
+            layer.mlp.register_forward_hook(functools.partial(self._hook, "site", self._site, "mlp_out"))
             indexer = getattr(layer.self_attn, "indexer", None)
             if indexer is not None:
-                indexer.register_forward_hook(functools.partial(self._indexer, i), with_kwargs=True)
-        inner.norm.register_forward_pre_hook(self._final_norm)
+                self.indexers += 1
+                indexer.register_forward_hook(
+                    functools.partial(self._hook, "indexer", self._indexer, i), with_kwargs=True
+                )
+        inner.norm.register_forward_pre_hook(functools.partial(self._hook, "final_norm", self._final_norm))
+
+    def _hook(self, kind: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Every hook body runs inside the guard: a failure is counted and disables that
+        capture, and never reaches the model's forward."""
+        if self.step is None or not self.runs:
+            return
+        self.fired.add(kind)
+        self.sess.guarded(f"transformers:{kind}", self.runs[0], fn, *args, **kwargs)
 
     # --- requests and steps ---------------------------------------------------------
 
     def forward(self, forward: Any, model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        self.sess.guarded("transformers:step", None, self._begin_step, args, kwargs)
+        # A step that fails to open (an out-of-memory error) is counted and retried at the
+        # next forward: it must not switch tracing off for the process.
+        self.sess.guarded("transformers:step", None, self._begin_step, model, args, kwargs, disable=False)
         try:
             out = forward(model, *args, **kwargs)
-        finally:
-            step, self.step = self.step, None
+        except BaseException:
+            # SystemExit from a serving engine's SIGTERM handler, an out-of-memory error:
+            # the request's rows stop half way, and its runs must say so.
+            self.interrupted = True
+            self.step = None
+            if not self.in_generate:
+                self.sess.guarded("transformers:close", None, self.close_runs)
+            raise
+        step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
+            self.sess.guarded("transformers:first_forward", None, self._check_first_forward)
         if not self.in_generate:
-            self.close_runs()
+            self.sess.guarded("transformers:close", None, self.close_runs)
         return out
 
-    def _begin_step(self, args: tuple, kwargs: dict) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        past = kwargs.get("past_key_values")
-        past_len = int(past.get_seq_length()) if past is not None else 0
+    def _check_first_forward(self) -> None:
+        """After the model's first traced forward, one line if a hook it needs never fired:
+        a layout the signature check could not tell apart, tracing nothing without a word."""
+        self.forwards += 1
+        if self.forwards != 1:
+            return
+        wanted = {"layer_in", "layer_out", "site", "final_norm"} | ({"indexer"} if self.indexers else set())
+        missing = sorted(wanted - self.fired)
+        if missing:
+            self.sess.count("hooks_never_fired")
+            self.sess.warn_once(
+                f"{NAME}:{type(self.model).__name__}:never_fired",
+                f"{NAME} {_version()}: {type(self.model).__name__}: hooks that never fired in the first "
+                f"forward: {', '.join(missing)}; those sites are not traced",
+            )
+
+    def _begin_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        given = self.inputs(model, args, kwargs)
+        cache = given["cache"]
+        past_len = int(cache.get_seq_length()) if cache is not None else 0
+        input_ids = given["input_ids"]
         if input_ids is None:
-            embeds = kwargs["inputs_embeds"]
+            embeds = given["inputs_embeds"]
             batch, seq = embeds.shape[:2]
             ids = [[] for _ in range(batch)]
             device = embeds.device
@@ -182,7 +293,7 @@ class _Tracer:
             batch, seq = input_ids.shape
             ids = input_ids.tolist()
             device = input_ids.device
-        position_ids = kwargs.get("position_ids")
+        position_ids = given["position_ids"]
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + seq, device=device).expand(batch, seq)
         if not self.runs or past_len == 0:
@@ -198,6 +309,7 @@ class _Tracer:
 
     def _open(self, ids: list[int], device: torch.device) -> Run:
         dtype = next(self.model.parameters()).dtype
+        layout = type(self.model)._shadowtrace_layout
         run = self.sess.open_run(
             token_ids=ids,
             model=self.identity,
@@ -205,46 +317,41 @@ class _Tracer:
             device=session.device_of(torch.empty(0, device=device)),
             dtypes={"prod": session.dtype_name(dtype), "shadow": self.settings.precision},
         )
-        run.writer.manifest["settings"]["adapter"] = f"{NAME}: {SUPPORTED}"
+        run.writer.manifest["settings"]["adapter"] = f"{NAME}: layout {layout.name} ({layout.source})"
         return run
 
     def close_runs(self) -> None:
         runs, self.runs = self.runs, []
+        interrupted, self.interrupted = self.interrupted, False
         for run in runs:
-            self.sess.close_run(run)
+            self.sess.close_run(run, interrupted=interrupted)
 
     # --- hooks ----------------------------------------------------------------------
 
-    def _active(self) -> _Step | None:
-        step = self.step
-        if step is None or step.shadowing is not None or not self.runs:
-            return None
-        return step
-
     def _layer_in(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        step = self._active()
-        if step is None:
-            return
-        hidden = args[0] if args else kwargs["hidden_states"]
+        step = self.step
+        assert step is not None
+        # By name, whichever way the model passed them: the shadow re-run replaces some.
+        bound = _signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
+        bound.update(bound.pop("kwargs", {}))
+        del bound["self"]
+        hidden = bound.pop("hidden_states")
         step.layer_input = hidden.detach().clone()
-        step.layer_kwargs = dict(kwargs)
+        step.layer_kwargs = bound
         step.prod_sites, step.shadow_sites = {}, {}
         if layer == 0 and "free" in self.settings.modes and not step.decode:
             step.free = hidden.detach().to(self.dtype)
 
     def _site(self, site: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
         step = self.step
-        if step is None or not self.runs:
-            return
+        assert step is not None
         tensor = output[0] if isinstance(output, tuple) else output
-        if step.shadowing is not None:
-            step.shadow_sites.setdefault(step.shadowing, {})[site] = tensor.detach()
-        else:
-            step.prod_sites[site] = tensor.detach().clone()
+        step.prod_sites[site] = tensor.detach().clone()
 
     def _layer_out(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        step = self._active()
-        if step is None or step.layer_input is None:
+        step = self.step
+        assert step is not None
+        if step.layer_input is None:
             return
         prod_out = (output[0] if isinstance(output, tuple) else output).detach()
         shadows: dict[str, torch.Tensor] = {}
@@ -255,18 +362,58 @@ class _Tracer:
             )
         if self.settings.layer(layer):
             self.sess.guarded("hidden", self.runs[0], self._record_layer, layer, prod_out, shadows)
+            self.sess.guarded("kv_sentinel", self.runs[0], self._record_sentinels, layer, step)
         step.layer_input = None
+
+    def _record_sentinels(self, layer: int, step: _Step) -> None:
+        """The KV sentinel watch (contexts 000 and 001: a padding row's NaN written into a
+        slot that valid rows read later). Each step, for this layer's cache entries (keys,
+        values, indexer keys; compressed latents from 5.24): slot 0, which a later write
+        may poison after it was read finite, and the slots this step wrote. A failed check
+        is a `sentinel` event with the non-finite count and the first slot holding one. HF
+        keeps no reserved padding slot and promises no zeros, so no zero-content check."""
+        cache = step.layer_kwargs.get(self.inputs.cache_name) or step.layer_kwargs.get("past_key_values")
+        layers = getattr(cache, "layers", None)
+        if layers is None or layer >= len(layers):
+            return
+        tensors = {
+            name: t for name, t in vars(layers[layer]).items() if isinstance(t, torch.Tensor) and t.dim() >= 3
+        }
+        if not tensors:
+            return
+        seq = step.positions.shape[1]
+        for b, run in enumerate(self.runs):
+            end = int(step.positions[b].max()) + 1
+            for check, first, last in (("kv_slot0_finite", 0, 1), ("kv_new_slots_finite", end - seq, end)):
+                bad, where = 0, None
+                for name, t in tensors.items():
+                    window = t[b].narrow(-2, first, max(0, min(last, t.shape[-2]) - first))
+                    nonfinite = ~torch.isfinite(window)
+                    count = int(nonfinite.sum())
+                    if count and where is None:
+                        slot = int(nonfinite.movedim(-2, 0).flatten(1).any(1).nonzero()[0]) + first
+                        where = f"{name} slot {slot}"
+                    bad += count
+                run.writer.send("events", {
+                    "seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
+                    "path": "prod", "kind": "sentinel", "count": 1, "check": check, "passed": bad == 0,
+                    "value": float(bad), "token": None if where is None else int(where.rsplit(" ", 1)[1]),
+                    "detail": f"slots {first}..{last - 1} of {', '.join(tensors)}"
+                    + ("" if where is None else f": first non-finite at {where}"),
+                })  # fmt: skip
 
     def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The layer re-run in the shadow precision: on the production input (local) and on
         the free chain (free). Returns each mode's layer output; site outputs land in
-        step.shadow_sites through the same hooks."""
+        step.shadow_sites. The re-run gets no cache (it must neither read production's
+        keys nor append its own) and fires no hook but the site captures below."""
         step = self.step
         assert step is not None
         assert step.layer_input is not None
         dtype = self.dtype
-        kwargs = dict(step.layer_kwargs)
-        kwargs.update(past_key_values=None, use_cache=False, position_embeddings=self._shadow_pe(step))
+        kwargs = {k: v for k, v in step.layer_kwargs.items() if k not in ("past_key_values", "cache")}
+        kwargs.update({self.inputs.cache_name: None, "use_cache": False})
+        kwargs["position_embeddings"] = self._shadow_pe(step)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.is_floating_point():
             kwargs["attention_mask"] = mask.to(dtype)
@@ -276,16 +423,22 @@ class _Tracer:
         if "free" in self.settings.modes and step.free is not None:
             inputs["free"] = step.free
         outputs = {}
-        with shadow.in_precision(module, dtype), torch.no_grad():
-            for mode, x in inputs.items():
-                step.shadowing = mode
-                try:
-                    # forward, not __call__: hooks on the layer itself (ours, a user's, a
-                    # test's planted fault) belong to the production call only.
-                    out = module.forward(x, **kwargs)
-                finally:
-                    step.shadowing = None
-                outputs[mode] = out[0] if isinstance(out, tuple) else out
+        mode = [""]
+
+        def site(name: str) -> Any:
+            def capture(module: torch.nn.Module, args: tuple, output: Any) -> None:
+                tensor = output[0] if isinstance(output, tuple) else output
+                step.shadow_sites.setdefault(mode[0], {})[name] = tensor.detach()
+
+            return capture
+
+        capture = {module.self_attn: site("attn_out"), module.mlp: site("mlp_out")}
+        with shadow.in_precision(module, dtype), shadow.hooks_suspended(module, capture), torch.no_grad():
+            for mode[0], x in inputs.items():
+                # forward, not __call__: hooks on the layer itself (ours, a user's, a
+                # test's planted fault) belong to the production call only.
+                out = module.forward(x, **kwargs)
+                outputs[mode[0]] = out[0] if isinstance(out, tuple) else out
         if "free" in outputs:
             step.free = outputs["free"]
         return outputs
@@ -295,7 +448,8 @@ class _Tracer:
         for every layer's shadow re-run and indexer recompute."""
         if step.shadow_pe is None:
             like = torch.empty(0, dtype=self.dtype, device=step.positions.device)
-            step.shadow_pe = self.rotary(like, step.positions)
+            with shadow.hooks_suspended(self.rotary):
+                step.shadow_pe = self.rotary.forward(like, step.positions)
         return step.shadow_pe
 
     def _record_layer(self, layer: int, prod_out: torch.Tensor, shadows: dict[str, torch.Tensor]) -> None:
@@ -324,48 +478,68 @@ class _Tracer:
                 )
 
     def _indexer(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        step = self._active()
-        if step is None or not self.settings.layer(layer) or not self.settings.site("indexer"):
+        if not self.settings.layer(layer) or not self.settings.site("indexer"):
             return
-        self.sess.guarded("indexer", self.runs[0], self._record_indexer, layer, module, args, kwargs, output)
+        names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        shadows = {}
+        if self.dtype is not None:
+            # The shadow in a guard of its own: its failure leaves production's rows.
+            shadows = self.sess.guarded(
+                f"indexer_shadow:{layer}", self.runs[0], self._indexer_shadow, layer, module, bound
+            ) or {}  # fmt: skip
+        self._record_indexer(layer, module, bound, output, shadows)
+
+    def _indexer_shadow(self, layer: int, module: torch.nn.Module, bound: dict) -> dict[int, Any]:
+        """Each batch row's shadow selection, from the same hidden_states and q_resid with
+        every projection in the shadow precision; its keys accumulate per run for decode."""
+        step = self.step
+        assert step is not None
+        scos, ssin = self._shadow_pe(step)
+        q, k, w = _indexer_qkw(
+            module, bound["hidden_states"], bound["q_resid"], scos, ssin, self.rope, self.dtype
+        )
+        out = {}
+        for b, run in enumerate(self.runs):
+            keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
+            keys.append(k[b])
+            out[b] = shadow.indexer_selection(
+                q[b], torch.cat(keys), w[b], step.positions[b], module.index_topk, self.settings.band
+            )
+        return out
 
     def _record_indexer(
-        self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any
+        self, layer: int, module: torch.nn.Module, bound: dict, output: Any, shadows: dict[int, Any]
     ) -> None:
         step = self.step
         assert step is not None
-        names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
-        bound = dict(zip(names, args, strict=False)) | kwargs
         hidden, q_resid = bound["hidden_states"], bound["q_resid"]
         prod_topk = output.detach().clone()
         cos, sin = bound["position_embeddings"]
         prod_q, prod_k, prod_w = _indexer_qkw(module, hidden, q_resid, cos, sin, self.rope, None)
-        shadow_qkw = None
-        if self.dtype is not None:
-            scos, ssin = self._shadow_pe(step)
-            shadow_qkw = _indexer_qkw(module, hidden, q_resid, scos, ssin, self.rope, self.dtype)
         band = self.settings.band
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
-            keys = run.state.setdefault(("indexer_keys", layer), {"prod": [], "shadow": []})
-            keys["prod"].append(prod_k[b])
-            prod_keys = torch.cat(keys["prod"])
-            prod_scores = _hf_scores(prod_q[b], prod_keys, prod_w[b], q_pos, module.softmax_scale)
+            keys = run.state.setdefault(("indexer_keys", layer), [])
+            keys.append(prod_k[b])
+            prod_scores = _hf_scores(prod_q[b], torch.cat(keys), prod_w[b], q_pos, module.softmax_scale)
+            # A NaN or Inf among production's visible scores is an event of its own, so that
+            # it can be the onset (the top-k rows alone cannot say it). The shadow's finiteness
+            # there is unknown: only its selection is kept.
+            seq = run.next_seq()
+            for event in stats.indexer_events(prod_scores, q_pos):
+                event["token"] = int(q_pos[event["token"]])
+                row = {"seq": seq, "step": run.step, "layer": layer, "site": "indexer", "path": "prod"}
+                run.writer.send("events", {**row, **event})
             prod = numerics.select(prod_scores, module.index_topk, q_pos, band)
-            shadows = {}
-            if shadow_qkw is not None:
-                q, k, w = (t[b] for t in shadow_qkw)
-                keys["shadow"].append(k)
-                shadows["raw"] = shadow.indexer_selection(
-                    q, torch.cat(keys["shadow"]), w, q_pos, module.index_topk, band
-                )
             prod_indices = numerics.members(prod_topk[b], q_pos + 1)
-            run.topk(layer, layer, module.index_topk, q_pos, prod_indices, prod, shadows)
+            row_shadows = {"raw": shadows[b]} if b in shadows else {}
+            run.topk(layer, layer, module.index_topk, q_pos, prod_indices, prod, row_shadows)
 
     def _final_norm(self, module: torch.nn.Module, args: tuple) -> None:
-        step = self._active()
-        if step is not None:
-            step.final_stream = args[0].detach()
+        step = self.step
+        assert step is not None
+        step.final_stream = args[0].detach()
 
     def _logits(self, step: _Step, out: Any) -> None:
         if not self.settings.site("logits") or step.final_stream is None:
@@ -375,6 +549,7 @@ class _Tracer:
         mode = "free" if "free" in self.settings.modes and step.free is not None else "local"
         stream = step.free if mode == "free" else step.final_stream
         want_shadow = self.dtype is not None and bool(self.settings.modes) and not step.decode
+        inner = self.model.model
         for b, run in enumerate(self.runs):
             positions = step.positions[b][-kept:]
             for start in range(0, kept, _LOGITS_CHUNK):
@@ -382,10 +557,11 @@ class _Tracer:
                 shadow_logits = None
                 if want_shadow and stream is not None:
                     x = stream[b, -kept:][rows]
-                    inner = self.model.model
                     with (
                         shadow.in_precision(inner.norm, self.dtype),
                         shadow.in_precision(self.model.lm_head, self.dtype),
+                        shadow.hooks_suspended(inner.norm),
+                        shadow.hooks_suspended(self.model.lm_head),
                     ):
                         shadow_logits = self.model.lm_head(inner.norm(x.to(self.dtype)))
                 run.logits(logits[b][rows], shadow_logits, positions[rows])
@@ -438,6 +614,11 @@ def _hf_scores(
     )  # [H,S,T]
     index = torch.matmul(w.unsqueeze(-2), scores.transpose(0, 1)).squeeze(-2)  # [S,T]
     return index.masked_fill(~numerics.causal_mask(q_pos, k.shape[0]), float("-inf"))
+
+
+@functools.cache
+def _signature(fn: Any) -> inspect.Signature:
+    return inspect.signature(fn)
 
 
 def _version() -> str:

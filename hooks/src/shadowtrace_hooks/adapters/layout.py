@@ -1,0 +1,112 @@
+"""What an adapter hooks, as data.
+
+Each adapter declares its `LAYOUTS`: for every upstream layout it supports (a release range
+or a commit), the symbols it patches or reads, with the parameters it relies on. The same
+declarations serve two checks:
+
+- at install, `select` resolves them on the imported engine (`inspect`) and picks the layout
+  that matches, or refuses with every difference;
+- the conformance tests resolve them in released source without importing it (`ast`, in
+  `hooks/tests/conformance/`), so a release that moved or changed a symbol fails a test
+  instead of a user's trace.
+"""
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedVersion(RuntimeError):
+    """The engine has none of the layouts the adapter was written against."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A class method or module function the adapter patches or calls, in `module`.
+
+    `params` are the parameter names as `inspect.signature` lists them (`self` included for
+    methods, `*args`/`**kwargs` by name); with `leading`, the engine may add parameters
+    after these.
+    """
+
+    module: str
+    qualname: str
+    params: tuple[str, ...]
+    leading: bool = False
+
+    def mismatch(self, got: list[str] | None) -> str | None:
+        """Why parameters `got` (None: the symbol is missing) do not fit, or None."""
+        where = f"{self.module}.{self.qualname}"
+        if got is None:
+            return f"{where} does not exist"
+        have = got[: len(self.params)] if self.leading else got
+        if tuple(have) == self.params:
+            return None
+        tail = ", ..." if self.leading else ""
+        return f"{where}: expected parameters ({', '.join(self.params)}{tail}), got ({', '.join(got)})"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One upstream layout: where it comes from (release range or commit) and its symbols."""
+
+    name: str
+    source: str
+    symbols: tuple[Symbol, ...]
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.module for s in self.symbols))
+
+
+def parameters(obj: Any) -> list[str] | None:
+    """Parameter names of a function or method, None when it is not callable."""
+    if obj is None or not callable(obj):
+        return None
+    try:
+        return list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def resolve(module: Any, qualname: str) -> Any:
+    """`Class.method` or `function` in an imported module, or None."""
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def problems(layout: Layout, modules: dict[str, Any]) -> list[str]:
+    """Every difference between the layout and the imported modules (by name)."""
+    out = []
+    for symbol in layout.symbols:
+        module = modules.get(symbol.module)
+        if module is None:
+            out.append(f"{symbol.module} is not imported")
+            continue
+        why = symbol.mismatch(parameters(resolve(module, symbol.qualname)))
+        if why is not None:
+            out.append(why)
+    return out
+
+
+def select(layouts: tuple[Layout, ...], modules: dict[str, Any], where: str) -> Layout:
+    """The first layout every symbol of which the imported modules match; UnsupportedVersion
+    naming each layout's differences when none does."""
+    reasons = []
+    for layout in layouts:
+        wanted = {m: modules.get(m) for m in layout.modules}
+        why = problems(layout, wanted)
+        if not why:
+            return layout
+        reasons.append(f"{layout.name} ({layout.source}): " + "; ".join(why))
+    raise UnsupportedVersion(f"{where}: no supported layout matches: " + " | ".join(reasons))
+
+
+def imported(name: str) -> Any:
+    """The module, imported (for layouts whose symbols span modules the engine has loaded)."""
+    return importlib.import_module(name)
