@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,10 @@ class Settings:
         self.tokens = values["SHADOWTRACE_TOKENS"]
         self.tags: dict[str, str] = values["SHADOWTRACE_TAGS"]
         self.queue: str = values["SHADOWTRACE_QUEUE"]
-        self.queue_capacity: int = values["SHADOWTRACE_QUEUE_CAPACITY"]
+        # Until SHADOWTRACE_QUEUE_MB and the timeouts are defined in env.json.
+        self.queue_bytes: int = 256 << 20
+        self.queue_timeout_s: float = 30.0
+        self.flush_timeout_s: float = 30.0
         self.band: float = values["SHADOWTRACE_BOUNDARY_BAND"]
         self.top_n: int = values["SHADOWTRACE_LOGITS_TOP_N"]
 
@@ -99,16 +103,27 @@ class Settings:
 
 def _salt() -> bytes:
     """This installation's prompt-hash salt, created on first use; a per-process one when
-    the cache directory cannot be written (its salt_id then differs per process)."""
+    the cache directory cannot be written (its salt_id then differs per process).
+
+    Ranks of one job start together: the salt is published with a hard link, which fails
+    when the file exists, so every process reads the one salt that won."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     path = base / "shadowtrace" / "salt"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"salt.{os.getpid()}.tmp")
+            tmp = path.with_name(f"salt.{os.getpid()}.{secrets.token_hex(4)}.tmp")
             tmp.write_bytes(secrets.token_bytes(32))
-            tmp.replace(path)
-        return path.read_bytes()
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        salt = path.read_bytes()
+        if len(salt) != 32:
+            raise OSError(f"{path}: {len(salt)} bytes, expected 32")
+        return salt
     except OSError:
         return secrets.token_bytes(32)
 
@@ -229,8 +244,12 @@ class Session:
         self.disabled: dict[str, str] = {}
         self.errors = 0
         self.open_runs: list[Run] = []
+        self.tracers: dict[str, Any] = {}  # engine name -> adapters.engine.EngineTracer
+        self.warned: set[str] = set()
+        self.hook_calls: dict[str, int] = {}  # engine -> indexer hook entries
         # Process-wide counts that belong to no run (captures skipped under CUDA-graph
-        # capture or torch.compile): every run closed afterwards carries them.
+        # capture or torch.compile, failed steps): every run closed afterwards carries the
+        # totals so far as `process.<name>`, so that summing runs never double-counts them.
         self.counters: dict[str, int] = {}
 
     def open_run(
@@ -243,12 +262,14 @@ class Session:
         dtypes: dict,
         parallel: dict | None = None,
         request: str | None = None,
+        segment: int = 0,
         prompt_length: int | None = None,
     ) -> Run:
         """Opens the run of one request. Its id names the prompt's hash, the request's
         number in this process, the rank and the process, so ranks and processes never
         collide; the `request` tag is the same on every rank of one request. Engines that
-        hold no token ids at the hook name the request themselves (`request`)."""
+        hold no token ids at the hook name the request themselves (`request`); a request
+        that continues after its run was closed opens `segment` 1, 2, ... of it."""
         s = self.settings
         parallel = parallel or parallelism()
         digest = token_hash(self.salt, token_ids)
@@ -259,7 +280,8 @@ class Session:
         request = "".join(c if c.isalnum() or c in "._-" else "_" for c in request)
         if (launch := os.environ.get("TORCHELASTIC_RUN_ID", "none")) != "none":
             request = f"{request}-{launch}"
-        run_id = f"{request}-rank{parallel['rank']}-pid{os.getpid()}"
+        part = f"-s{segment}" if segment else ""
+        run_id = f"{request}{part}-rank{parallel['rank']}-pid{os.getpid()}"
         tags = {**s.tags, "request": request}
         identity = {
             "run_id": run_id,
@@ -283,23 +305,31 @@ class Session:
             s.dir / run_id,
             identity,
             queue_mode=s.queue,
-            queue_capacity=s.queue_capacity,
+            queue_bytes=s.queue_bytes,
+            queue_timeout_s=s.queue_timeout_s,
+            flush_timeout_s=s.flush_timeout_s,
             tool_version=__version__,
         )
         run = Run(writer, s)
         self.open_runs.append(run)
         return run
 
-    def close_run(self, run: Run) -> None:
-        """Closes a run; a writer failure is counted, never raised into the engine."""
+    def close_run(
+        self, run: Run, *, interrupted: bool = False, at_exit: bool = False, timeout_s: float | None = None
+    ) -> None:
+        """Closes a run; a writer failure is counted, never raised into the engine. An
+        `interrupted` run (its forward raised, the process was stopped half way) stays
+        incomplete; a run closed `at_exit` says so."""
         if run in self.open_runs:
             self.open_runs.remove(run)
-        run.writer.counters.update(self.counters)
+        run.writer.counters.update({f"process.{k}": v for k, v in self.counters.items()})
         run.writer.counters.update(run.counters)
+        if at_exit:
+            run.writer.counters["closed_at_exit"] = 1
         if self.disabled:
             run.writer.manifest["settings"]["disabled_sites"] = dict(self.disabled)
         try:
-            run.writer.close()
+            run.writer.close(interrupted=interrupted, timeout_s=timeout_s)
         except Exception as e:  # the writer already counted it in the manifest
             self.errors += 1
             log.warning("shadowtrace: run %s: %s", run.run_id, e)
@@ -307,10 +337,27 @@ class Session:
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def guarded(self, key: str, run: Run | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Calls a capture; an exception is caught, counted in the run, reported once, and
-        disables that capture for the rest of the process. Returns None when it failed or
-        was disabled."""
+    def warn_once(self, key: str, message: str) -> None:
+        """One line on stderr (through the `shadowtrace` logger) the first time `key` is
+        reported in this process, counted as `warnings`."""
+        if key not in self.warned:
+            self.warned.add(key)
+            self.count("warnings")
+            log.warning("shadowtrace: %s", message)
+
+    def guarded(
+        self,
+        key: str,
+        run: Run | None,
+        fn: Callable[..., Any],
+        *args: Any,
+        disable: bool = True,
+        **kwargs: Any,
+    ) -> Any:
+        """Calls a capture; an exception is caught, counted in the run (or the process),
+        reported once, and (unless `disable` is False: bookkeeping that the next call may
+        get right) disables that capture for the rest of the process. Returns None when it
+        failed or was disabled."""
         if key in self.disabled:
             return None
         try:
@@ -318,11 +365,16 @@ class Session:
                 return fn(*args, **kwargs)
         except Exception as e:
             self.errors += 1
-            self.disabled[key] = f"{type(e).__name__}: {e}"
-            if run is not None:
-                run.count("hook_errors")
-                run.count("sites_disabled")
-            log.warning("shadowtrace: capture %s failed and is disabled: %s: %s", key, type(e).__name__, e)
+            reason = f"{type(e).__name__}: {e}"
+            (run or self).count("hook_errors")
+            if not disable:
+                self.warn_once(
+                    f"failed:{key}", f"capture {key} failed (counted, retried next time): {reason}"
+                )
+                return None
+            self.disabled[key] = reason
+            (run or self).count("sites_disabled")
+            log.warning("shadowtrace: capture %s failed and is disabled: %s", key, reason)
             return None
 
 
@@ -342,9 +394,14 @@ def start(settings: Settings) -> Session:
 
 
 def stop() -> None:
-    """Closes every open run (at interpreter exit, a run is closed as it stands)."""
+    """Closes every open run within one flush deadline for all of them (at interpreter
+    exit, after SIGTERM): a run is closed as it stands, `closed_at_exit`; one whose forward
+    was cut short stays incomplete; rows that miss the deadline are counted unflushed."""
     global _session
     if _session is not None:
-        for run in list(_session.open_runs):
-            _session.close_run(run)
-        _session = None
+        sess, _session = _session, None
+        deadline = time.monotonic() + sess.settings.flush_timeout_s
+        for tracer in sess.tracers.values():
+            tracer.close(at_exit=True, deadline=deadline)
+        for run in list(sess.open_runs):
+            sess.close_run(run, at_exit=True, timeout_s=deadline - time.monotonic())

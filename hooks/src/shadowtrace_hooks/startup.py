@@ -14,7 +14,9 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +71,24 @@ def _install(module: ModuleType) -> None:
         sess.guarded(f"install:{module.__name__}", None, adapters.install, module)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM's default action ends the process on the spot: the rows still queued would be
+    lost, and nothing would say so. Where the process keeps that default, SIGTERM instead
+    raises SystemExit (as serving engines' own handlers do), which unwinds the traced
+    forward (its runs say `interrupted`) and runs the atexit flush; a second SIGTERM ends
+    the process at once. A process with a handler of its own keeps it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def activate(environ: dict[str, str] | None = None) -> session.Session | None:
     """Starts tracing in this process when SHADOWTRACE says so; a bad variable is reported
     once and leaves tracing off. Never raises."""
@@ -81,6 +101,7 @@ def activate(environ: dict[str, str] | None = None) -> session.Session | None:
         return None
     sess = session.start(settings)
     atexit.register(session.stop)
+    _exit_on_sigterm()
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
     for name in adapters.TARGETS:
