@@ -40,13 +40,19 @@ pub struct RunAnalysis {
     pub run_id: String,
     /// Run directory.
     pub dir: PathBuf,
-    /// Whether the producer closed the run.
+    /// Whether the producer closed the run (every rank's, for ranks read as
+    /// one run).
     pub complete: bool,
-    /// Tags: the manifest's identity flattened, then the user's tags.
+    /// Tags: the manifest's identity flattened, then the user's tags (see
+    /// [`run_tags`]: a user tag named like an identity name wins, and the
+    /// identity's value stays as `manifest.<name>`).
     pub tags: BTreeMap<String, String>,
-    /// Losses and failures the producer counted, and rows dropped per table.
+    /// Losses and failures the producer counted, and rows dropped per table
+    /// (summed over the ranks, for ranks read as one run).
     pub counters: BTreeMap<String, u64>,
-    /// What the loader noticed (files left half-written, ...).
+    /// What the loader noticed (files left half-written, a manifest row
+    /// count its files do not hold, ...); for ranks read as one run, every
+    /// rank's, each prefixed with its rank.
     pub notes: Vec<String>,
     /// Top-k overlap per layer, against the reference recompute.
     pub topk: Vec<LayerOverlap>,
@@ -84,6 +90,14 @@ pub struct RunAnalysis {
 }
 
 impl RunAnalysis {
+    /// Whether the absence of a verdict in this run means something: its
+    /// producer closed it, and no capture failed (`hook_errors`). A run that
+    /// is not still reports every verdict it has.
+    #[must_use]
+    pub fn can_be_judged(&self) -> bool {
+        self.complete && self.counters.get("hook_errors").copied().unwrap_or(0) == 0
+    }
+
     /// Whether any verdict fired.
     #[must_use]
     pub fn has_verdict(&self) -> bool {
@@ -164,7 +178,8 @@ pub fn analyze(
         skipped.extend(dataset.skipped.iter().map(|e| format!("baseline {e}")));
         for (i, run) in dataset.runs.iter().enumerate() {
             let a = analyze_run(run, t, None)?;
-            let model = a.tags.get("model").cloned().unwrap_or_default();
+            // Matched by the manifest's model name, whatever a user tag says.
+            let model = run.manifest.identity.model.name.clone();
             floors
                 .entry(model)
                 .or_default()
@@ -210,28 +225,20 @@ pub fn analyze_run(
     // Part by part: a GLM-5.1 prefill's selections are tens of GB decoded;
     // one part file at a time bounds memory by the writer's part size.
     let mut topk_rows = Vec::new();
-    let mut skipped_rows = topk_overlap::Uninformative::new();
+    let mut skipped_rows = topk_overlap::Skipped::default();
     for part in run.files.get(&Table::Topk).into_iter().flatten() {
         let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
             let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
             topk_rows.extend(rows);
-            for (layer, (dense, no_shadow)) in skipped {
-                let entry = skipped_rows.entry(layer).or_default();
-                entry.0 += dense;
-                entry.1 += no_shadow;
-            }
+            skipped_rows.add(&skipped);
         }
     }
     let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
         topk_rows.into_iter().partition(|r| r.dequant);
-    let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows, t.topk_jaccard);
-    let topk_dequant = topk_overlap::by_layer(
-        &dequant_rows,
-        &topk_overlap::Uninformative::new(),
-        t.topk_jaccard,
-    );
+    let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
+    let topk_dequant = topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);
 
     let mut hidden_columns: Vec<&str> = hidden_error::COLUMNS.to_vec();
     hidden_columns.extend(
@@ -265,7 +272,12 @@ pub fn analyze_run(
         complete: m.status == Status::Complete,
         tags: run_tags(run),
         counters,
-        notes: run.notes.clone(),
+        notes: run
+            .notes
+            .iter()
+            .cloned()
+            .chain(run.problems.iter().map(ToString::to_string))
+            .collect(),
         topk,
         topk_dequant,
         hidden,
@@ -282,8 +294,21 @@ pub fn analyze_run(
     })
 }
 
-/// The tags a run is grouped by: its identity flattened, then user tags
-/// (which do not override the identity's names).
+/// The prefix under which an identity value a user tag displaced is kept.
+pub const MANIFEST_TAG_PREFIX: &str = "manifest.";
+
+/// The identity's value of `name` in a run's tags: `manifest.<name>` where a
+/// user tag displaced it, else `name` itself.
+#[must_use]
+pub fn identity_tag<'a>(tags: &'a BTreeMap<String, String>, name: &str) -> Option<&'a String> {
+    tags.get(&format!("{MANIFEST_TAG_PREFIX}{name}"))
+        .or_else(|| tags.get(name))
+}
+
+/// The tags a run is grouped by: its identity flattened, then user tags. The
+/// user chose a tag's name: one named like an identity name (`model=...`)
+/// takes that name, and the identity's value, when it differs, stays as
+/// `manifest.<name>`; the grid says which runs it grouped by a user's tag.
 #[must_use]
 pub fn run_tags(run: &Run) -> BTreeMap<String, String> {
     let id = &run.manifest.identity;
@@ -319,7 +344,11 @@ pub fn run_tags(run: &Run) -> BTreeMap<String, String> {
         id.parallelism.world_size.to_string(),
     );
     for (k, v) in &id.tags {
-        tags.entry(k.clone()).or_insert_with(|| v.clone());
+        if let Some(identity) = tags.insert(k.clone(), v.clone())
+            && identity != *v
+        {
+            tags.insert(format!("{MANIFEST_TAG_PREFIX}{k}"), identity);
+        }
     }
     tags
 }
@@ -342,12 +371,12 @@ pub fn length_bucket(length: u64, k: Option<u32>) -> String {
 fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
     let mut by_identity: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
     for run in runs {
-        if run.tags.get("token_hash").is_none_or(String::is_empty) {
+        if identity_tag(&run.tags, "token_hash").is_none_or(String::is_empty) {
             continue;
         }
         let key = ["model", "engine", "prod_dtype", "token_hash"]
             .iter()
-            .map(|k| run.tags.get(*k).cloned().unwrap_or_default())
+            .map(|k| identity_tag(&run.tags, k).cloned().unwrap_or_default())
             .collect();
         by_identity.entry(key).or_default().push(run);
     }

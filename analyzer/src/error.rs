@@ -144,6 +144,31 @@ pub enum LoadError {
         #[source]
         source: std::io::Error,
     },
+    /// A run that reads but contradicts itself, refused in strict mode.
+    #[error(transparent)]
+    Problem(#[from] RunProblem),
+}
+
+/// What a run's own files contradict, found while it still reads: `inspect`
+/// reports it as an error (exit 2), `analyze` as a note of the run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunProblem {
+    /// A table whose manifest claims another row count than its listed
+    /// files hold: rows lost without a word, or a manifest that lies.
+    #[error(
+        "{manifest}: table {table}: the manifest says {expected} rows, its listed files hold {got}"
+    )]
+    RowCount {
+        /// The manifest.
+        manifest: PathBuf,
+        /// The table.
+        table: &'static str,
+        /// Rows the manifest claims.
+        expected: u64,
+        /// Rows the files it lists hold (from their footers).
+        got: u64,
+    },
 }
 
 impl LoadError {
@@ -162,6 +187,7 @@ impl LoadError {
             | LoadError::Decode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
+            LoadError::Problem(RunProblem::RowCount { manifest, .. }) => manifest,
         }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::analysis::RunAnalysis;
+use crate::analysis::{MANIFEST_TAG_PREFIX, RunAnalysis, identity_tag};
 use crate::verdict::topk_series;
 
 /// One group of runs.
@@ -37,6 +37,9 @@ pub struct GroupRow {
 pub struct Grid {
     /// Tags grouped by.
     pub group_by: Vec<String>,
+    /// Per grouping tag that some run's user tag supplied in place of the
+    /// manifest identity's value: which runs, and both values.
+    pub user_tags: Vec<UserTag>,
     /// One row per group, sorted by key.
     pub groups: Vec<GroupRow>,
 }
@@ -72,6 +75,44 @@ impl Grid {
     }
 }
 
+/// A grouping tag some runs took from their user's tags, not the manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UserTag {
+    /// The tag.
+    pub tag: String,
+    /// Runs grouped by.
+    pub runs: usize,
+    /// (run id, the user's value, the manifest's value) of each run whose
+    /// user tag was used.
+    pub overrides: Vec<(String, String, String)>,
+}
+
+impl UserTag {
+    /// One line for a report, naming up to three of the runs.
+    #[must_use]
+    pub fn line(&self) -> String {
+        let shown: Vec<String> = self
+            .overrides
+            .iter()
+            .take(3)
+            .map(|(run, user, manifest)| format!("{run}: {user}, manifest {manifest}"))
+            .collect();
+        let more = self.overrides.len().saturating_sub(shown.len());
+        format!(
+            "{}: the user's tag on {} of {} runs ({}{})",
+            self.tag,
+            self.overrides.len(),
+            self.runs,
+            shown.join("; "),
+            if more > 0 {
+                format!("; {more} more")
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
 /// Groups side by side.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Comparison {
@@ -85,17 +126,44 @@ pub struct Comparison {
     pub rows: Vec<(Vec<String>, Vec<Option<GroupRow>>)>,
 }
 
-/// Groups runs by the values of `group_by` tags (a missing tag reads `-`).
+/// Groups runs by the values of `group_by` tags (a missing tag reads `-`;
+/// `manifest.<name>` reads the identity's value whatever a user tag says).
 #[must_use]
 pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
     let mut groups: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
     for run in runs {
         let key = group_by
             .iter()
-            .map(|t| run.tags.get(t).cloned().unwrap_or_else(|| "-".to_owned()))
+            .map(|t| {
+                let identity = t
+                    .strip_prefix(MANIFEST_TAG_PREFIX)
+                    .and_then(|name| identity_tag(&run.tags, name));
+                run.tags
+                    .get(t)
+                    .or(identity)
+                    .cloned()
+                    .unwrap_or_else(|| "-".to_owned())
+            })
             .collect();
         groups.entry(key).or_default().push(run);
     }
+    let user_tags = group_by
+        .iter()
+        .filter_map(|tag| {
+            let overrides: Vec<(String, String, String)> = runs
+                .iter()
+                .filter_map(|r| {
+                    let manifest = r.tags.get(&format!("{MANIFEST_TAG_PREFIX}{tag}"))?;
+                    Some((r.run_id.clone(), r.tags.get(tag)?.clone(), manifest.clone()))
+                })
+                .collect();
+            (!overrides.is_empty()).then(|| UserTag {
+                tag: tag.clone(),
+                runs: runs.len(),
+                overrides,
+            })
+        })
+        .collect();
     let rows = groups
         .into_iter()
         .map(|(key, runs)| {
@@ -144,6 +212,7 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
         .collect();
     Grid {
         group_by: group_by.to_vec(),
+        user_tags,
         groups: rows,
     }
 }

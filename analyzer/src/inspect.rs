@@ -188,6 +188,13 @@ pub fn render_run(run: &Run) -> String {
             let _ = writeln!(out, "{:<11}- {note}", if i == 0 { "notes" } else { "" });
         }
     }
+    for (i, problem) in run.problems.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "{:<11}- {problem}",
+            if i == 0 { "PROBLEMS" } else { "" }
+        );
+    }
     out
 }
 

@@ -26,5 +26,5 @@ pub mod schema_doc;
 pub mod verdict;
 
 pub use analysis::{Analysis, Options, RunAnalysis, analyze};
-pub use error::{AnalyzeError, LoadError};
+pub use error::{AnalyzeError, LoadError, RunProblem};
 pub use load::{Dataset, PartFile, Run};

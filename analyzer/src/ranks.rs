@@ -4,15 +4,22 @@
 //! request (the hooks give them one `request` tag and the manifest's world
 //! size). The indexer and the residual stream are replicated across ranks,
 //! so the ranks' traces must agree; the request is reported once, from its
-//! lowest rank, with how far the other ranks were from it. Ranks that
-//! disagree are themselves a finding (DeepSeek's reference asserts that
+//! lowest rank's metrics, with how far the other ranks were from it. Ranks
+//! that disagree are themselves a finding (DeepSeek's reference asserts that
 //! every rank selects the same top-k).
+//!
+//! What every rank holds is kept: counters are summed over the ranks (each
+//! rank is its own process, so nothing is counted twice; a note says so),
+//! every rank's notes are kept with its rank, failed sentinel checks are
+//! united, and the merged run is complete only when every rank's run is. A
+//! layer recorded on some ranks but not others is listed
+//! ([`RankAgreement::uneven_layers`]) rather than compared.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use crate::analysis::RunAnalysis;
+use crate::analysis::{RunAnalysis, identity_tag};
 
 /// How the ranks of one request compare with its lowest rank.
 #[derive(Debug, Clone, Serialize)]
@@ -27,10 +34,23 @@ pub struct RankAgreement {
     pub max_hidden_p95_diff: f64,
     /// Every rank reached the same verdicts and the same non-finite onset.
     pub same_verdicts: bool,
+    /// Layers (top-k or hidden) recorded on some ranks but not on others,
+    /// with the ranks that recorded them; left out of the differences above.
+    pub uneven_layers: Vec<UnevenLayer>,
+}
+
+/// A layer only some ranks recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnevenLayer {
+    /// The layer.
+    pub layer: i32,
+    /// The ranks that recorded it, lowest first.
+    pub ranks: Vec<u32>,
 }
 
 /// Merges the ranks of each multi-rank request into one run (the lowest
-/// rank's analysis with a [`RankAgreement`]), where its first rank was in
+/// rank's metrics with a [`RankAgreement`], and every rank's counters,
+/// notes, failed sentinels and completeness), where its first rank was in
 /// the input order; other runs pass unchanged.
 #[must_use]
 pub fn merge(runs: Vec<RunAnalysis>) -> Vec<RunAnalysis> {
@@ -38,7 +58,9 @@ pub fn merge(runs: Vec<RunAnalysis>) -> Vec<RunAnalysis> {
     let mut slots: Vec<Vec<RunAnalysis>> = Vec::with_capacity(runs.len());
     let mut slot_of: BTreeMap<(String, String), usize> = BTreeMap::new();
     for run in runs {
-        let world = run.tags.get("world_size").cloned().unwrap_or_default();
+        let world = identity_tag(&run.tags, "world_size")
+            .cloned()
+            .unwrap_or_default();
         match run.tags.get("request") {
             Some(request) if world.parse::<u32>().is_ok_and(|w| w > 1) => {
                 let key = (request.clone(), world);
@@ -61,14 +83,45 @@ pub fn merge(runs: Vec<RunAnalysis>) -> Vec<RunAnalysis> {
             ranks.sort_by_key(rank_of);
             let mut first = ranks.remove(0);
             first.ranks = Some(agreement(&first, &ranks));
+            fold_ranks(&mut first, &ranks);
             Some(first)
         })
         .collect()
 }
 
+/// Folds the other ranks' state into the lowest rank's run.
+fn fold_ranks(first: &mut RunAnalysis, others: &[RunAnalysis]) {
+    let all = || std::iter::once(&*first).chain(others);
+    let ranks: Vec<String> = all().map(|r| rank_of(r).to_string()).collect();
+    let mut notes: Vec<String> = all()
+        .flat_map(|r| {
+            let rank = rank_of(r);
+            r.notes.iter().map(move |n| format!("rank {rank}: {n}"))
+        })
+        .collect();
+    notes.push(format!(
+        "counters are summed over ranks {}",
+        ranks.join(", ")
+    ));
+    let complete = all().all(|r| r.complete);
+    let mut sentinels = first.failed_sentinels.clone();
+    for s in others.iter().flat_map(|r| &r.failed_sentinels) {
+        if !sentinels.contains(s) {
+            sentinels.push(s.clone());
+        }
+    }
+    for other in others {
+        for (name, value) in &other.counters {
+            *first.counters.entry(name.clone()).or_insert(0) += value;
+        }
+    }
+    first.notes = notes;
+    first.complete = complete;
+    first.failed_sentinels = sentinels;
+}
+
 fn rank_of(run: &RunAnalysis) -> u32 {
-    run.tags
-        .get("rank")
+    identity_tag(&run.tags, "rank")
         .and_then(|r| r.parse().ok())
         .unwrap_or(0)
 }
@@ -92,15 +145,19 @@ fn agreement(first: &RunAnalysis, others: &[RunAnalysis]) -> RankAgreement {
             })
             .collect()
     };
-    let (j0, h0) = (layer_j(first), site_p95(first));
+    let (first_jaccard, first_p95) = (layer_j(first), site_p95(first));
     for other in others {
+        // A layer one of the two lacks has no difference: it is listed in
+        // uneven_layers instead (f64::max would drop a NaN without a word).
         for (layer, j) in layer_j(other) {
-            let base = j0.get(&layer).copied().unwrap_or(f64::NAN);
-            max_jaccard_diff = max_jaccard_diff.max((j - base).abs());
+            if let Some(base) = first_jaccard.get(&layer) {
+                max_jaccard_diff = max_jaccard_diff.max((j - base).abs());
+            }
         }
         for (key, p95) in site_p95(other) {
-            let base = h0.get(&key).copied().unwrap_or(f64::NAN);
-            max_hidden_p95_diff = max_hidden_p95_diff.max((p95 - base).abs());
+            if let Some(base) = first_p95.get(&key) {
+                max_hidden_p95_diff = max_hidden_p95_diff.max((p95 - base).abs());
+            }
         }
         let verdict_layers = |r: &RunAnalysis| {
             (
@@ -123,5 +180,36 @@ fn agreement(first: &RunAnalysis, others: &[RunAnalysis]) -> RankAgreement {
         max_jaccard_diff,
         max_hidden_p95_diff,
         same_verdicts,
+        uneven_layers: uneven_layers(first, others),
     }
+}
+
+/// Layers some ranks recorded and others did not.
+fn uneven_layers(first: &RunAnalysis, others: &[RunAnalysis]) -> Vec<UnevenLayer> {
+    let layers = |r: &RunAnalysis| -> BTreeSet<i32> {
+        r.topk
+            .iter()
+            .map(|l| l.layer)
+            .chain(r.hidden.iter().map(|s| s.layer))
+            .collect()
+    };
+    let per_rank: Vec<(u32, BTreeSet<i32>)> = std::iter::once(first)
+        .chain(others)
+        .map(|r| (rank_of(r), layers(r)))
+        .collect();
+    let every: BTreeSet<i32> = per_rank
+        .iter()
+        .flat_map(|(_, l)| l.iter().copied())
+        .collect();
+    every
+        .into_iter()
+        .filter_map(|layer| {
+            let ranks: Vec<u32> = per_rank
+                .iter()
+                .filter(|(_, l)| l.contains(&layer))
+                .map(|(rank, _)| *rank)
+                .collect();
+            (ranks.len() < per_rank.len()).then_some(UnevenLayer { layer, ranks })
+        })
+        .collect()
 }

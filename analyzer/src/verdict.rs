@@ -38,7 +38,8 @@ pub struct Thresholds {
     /// Mean churn-free Jaccard below which a layer's selection has diverged.
     pub topk_jaccard: f64,
     /// Largest score distance from the k-th score still counted as churn;
-    /// `None`: each run's recorded band.
+    /// `None`: each run's recorded band. It can only narrow the band (see
+    /// [`crate::metrics::topk_overlap`]).
     pub churn_margin: Option<f32>,
     /// Multiple of the baseline noise floor that marks divergence.
     pub baseline_factor: f64,
@@ -213,7 +214,9 @@ pub fn topk_verdict(
 ) -> (Option<LayerVerdict>, Rule) {
     let series = topk_series(layers);
     let churn = match t.churn_margin {
-        Some(m) => format!("churn within {m:e} of the k-th score excluded"),
+        Some(m) => {
+            format!("churn within {m:e} of the k-th score, at most the recorded band, excluded")
+        }
         None => "churn within the recorded band excluded".to_owned(),
     };
     let (verdict, text) = match floor {

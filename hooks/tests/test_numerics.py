@@ -102,9 +102,11 @@ def test_selection_matches_torch_topk_and_its_kth_score(case: dict) -> None:
     else:
         assert got == expected
     if visible <= k:
-        assert math.isnan(sel.kth_score[0])
-        assert math.isnan(sel.kth_margin[0])
+        # A dense row: null, as the topk table defines it (masked here, null in the file).
+        assert np.ma.getmaskarray(sel.kth_score)[0]
+        assert np.ma.getmaskarray(sel.kth_margin)[0]
         assert sel.boundary_indices is not None
+        assert np.ma.getmaskarray(sel.boundary_indices.offsets)[0]
         assert len(sel.boundary_indices.values) == 0
     else:
         kth, nxt = f32([case["kth_score"], case["next_score"]], (2,)).tolist()
@@ -119,6 +121,22 @@ def test_the_boundary_band_lists_the_keys_near_the_kth_score_ascending() -> None
     assert sel.kth_score[0] == np.float32(3.02)
     assert sel.boundary_indices.values.tolist() == [2, 3, 4]
     assert sel.boundary_scores.values.tolist() == pytest.approx([3.0, 2.95, 3.02])
+
+
+def test_a_row_is_dense_by_its_visible_keys_never_because_its_kth_score_is_nan() -> None:
+    inf = math.inf
+    # k = 2. Row 0 sees one key (dense); row 1 sees four, two of them NaN: sparse, with a
+    # NaN k-th score and no key within a band of it.
+    scores = torch.tensor([[1.0, -inf, -inf, -inf], [math.nan, math.nan, 2.0, 1.0]])
+    sel = numerics.select(scores, 2, torch.tensor([0, 3]), band=0.5)
+    assert np.ma.getmaskarray(sel.kth_score).tolist() == [True, False]
+    assert np.ma.getmaskarray(sel.kth_margin).tolist() == [True, False]
+    assert math.isnan(sel.kth_score[1])
+    assert sel.boundary_indices is not None
+    assert sel.boundary_scores is not None
+    for lists in (sel.boundary_indices, sel.boundary_scores):
+        assert np.ma.getmaskarray(lists.offsets).tolist() == [True, False, False]
+        assert len(lists.values) == 0
 
 
 def test_members_drop_padding_and_keys_beyond_the_visible_range() -> None:

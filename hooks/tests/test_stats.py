@@ -63,3 +63,26 @@ def test_logits_rows_hold_the_top_ids_and_their_log_probabilities() -> None:
     expected = torch.log_softmax(logits, -1)
     assert lp.values[0] == pytest.approx(float(expected[0, 1]))
     assert "shadow_top_ids" not in cols
+
+
+def test_the_relative_error_against_a_zero_shadow_is_zero_or_infinite() -> None:
+    prod = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    shadow = torch.zeros(2, 2)
+    cols = stats.hidden_columns(prod, shadow, torch.tensor([0, 1]))
+    assert cols["rel_l2_err"].tolist() == [0.0, math.inf]
+
+
+def test_indexer_events_count_non_finite_scores_among_visible_keys_only() -> None:
+    # Query positions 0..3 over 4 keys: -inf above the diagonal is the causal mask.
+    scores = torch.tensor([[1.0, 2.0, 3.0, 4.0]]).repeat(4, 1)
+    scores = scores.masked_fill(~(torch.arange(4)[None, :] <= torch.arange(4)[:, None]), -math.inf)
+    scores[2, 1] = math.nan
+    scores[3, 0] = math.nan
+    scores[3, 3] = -math.inf  # a score the indexer produced, not the mask
+    events = {e["kind"]: e for e in stats.indexer_events(scores, torch.arange(4))}
+    assert events == {
+        "nan": {"kind": "nan", "token": 2, "channel": 1, "count": 2, "shadow_finite": None},
+        "neg_inf": {"kind": "neg_inf", "token": 3, "channel": 3, "count": 1, "shadow_finite": None},
+    }
+    masked_only = torch.tensor([[1.0, -math.inf], [1.0, 2.0]])
+    assert stats.indexer_events(masked_only, torch.arange(2)) == []

@@ -3,7 +3,14 @@
 //!
 //! [`resolve`] turns the process environment (or any lookup) into canonical
 //! JSON values, one per variable, defaults applied; the Python hooks produce
-//! the same JSON from the same definitions, and a test holds the two to it.
+//! the same JSON from the same definitions, and a test holds the two to it
+//! over a corpus of valid and invalid values for every variable.
+//!
+//! What each type accepts is written in the file (`types`) and nothing more:
+//! only ASCII whitespace is trimmed, numbers are ASCII digits (no `+`, no
+//! `_`, no other scripts' digits, no `nan` or `inf`), and an integer that
+//! does not fit its type is refused, not wrapped. Rust's and Python's own
+//! number parsers accept different strings, so neither is used alone.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -48,6 +55,11 @@ struct EnvFile {
     schema_version: u32,
     #[allow(dead_code, reason = "documentation for readers of the file")]
     doc: String,
+    #[allow(
+        dead_code,
+        reason = "what each type accepts, for readers; a test checks every variable's type is described"
+    )]
+    types: BTreeMap<String, String>,
     variables: Vec<EnvVar>,
 }
 
@@ -56,12 +68,14 @@ struct EnvFile {
 /// # Errors
 /// When the file is malformed.
 pub fn try_env_vars() -> Result<Vec<EnvVar>, SchemaError> {
-    serde_json::from_str::<EnvFile>(ENV_JSON)
-        .map(|f| f.variables)
-        .map_err(|source| SchemaError::Parse {
-            file: "v1/env.json",
-            source,
-        })
+    env_file().map(|f| f.variables)
+}
+
+fn env_file() -> Result<EnvFile, SchemaError> {
+    serde_json::from_str::<EnvFile>(ENV_JSON).map_err(|source| SchemaError::Parse {
+        file: "v1/env.json",
+        source,
+    })
 }
 
 // Invariant: compiled in and parsed by `definitions_parse_with_known_types` below.
@@ -102,7 +116,7 @@ pub fn resolve(
         .iter()
         .map(|var| {
             let raw = lookup(&var.name).unwrap_or_else(|| var.default.clone());
-            parse(var, raw.trim())
+            parse(var, trim(&raw))
                 .map(|v| (var.name.clone(), v))
                 .map_err(|expected| EnvError {
                     name: var.name.clone(),
@@ -113,11 +127,50 @@ pub fn resolve(
         .collect()
 }
 
+/// `s` without leading and trailing ASCII whitespace (space, tab, line
+/// feed, form feed, carriage return), the only whitespace a value loses.
+fn trim(s: &str) -> &str {
+    s.trim_matches(|c: char| c.is_ascii_whitespace())
+}
+
+/// One or more ASCII digits.
+fn digits(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// An integer as `types.int` defines it: `-?D+`.
+fn is_integer(s: &str) -> bool {
+    digits(s.strip_prefix('-').unwrap_or(s))
+}
+
+/// A number as `types.float` defines it: `-?(D+(.D*)?|.D+)([eE][+-]?D+)?`.
+fn is_decimal(s: &str) -> bool {
+    let s = s.strip_prefix('-').unwrap_or(s);
+    let (mantissa, exponent) = match s.find(['e', 'E']) {
+        Some(at) => (&s[..at], Some(&s[at + 1..])),
+        None => (s, None),
+    };
+    let mantissa = match mantissa.split_once('.') {
+        Some((whole, fraction)) => {
+            (digits(whole) || whole.is_empty())
+                && (digits(fraction) || fraction.is_empty())
+                && !(whole.is_empty() && fraction.is_empty())
+        }
+        None => digits(mantissa),
+    };
+    mantissa && exponent.is_none_or(|e| digits(e.strip_prefix(['+', '-']).unwrap_or(e)))
+}
+
+/// "an integer >= 1", or "an integer" without a minimum.
+fn number_expected(what: &str, min: Option<f64>) -> String {
+    min.map_or_else(|| what.to_owned(), |m| format!("{what} >= {m}"))
+}
+
 /// One value in canonical JSON, or what was expected instead.
 fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
     let list = |raw: &str| -> Vec<String> {
         raw.split(',')
-            .map(str::trim)
+            .map(trim)
             .filter(|s| !s.is_empty())
             .map(str::to_owned)
             .collect()
@@ -133,12 +186,14 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
         "enum" if var.values.iter().any(|v| v == raw) => Ok(json!(raw)),
         "enum" => Err(format!("one of {}", var.values.join(", "))),
         "int" => match raw.parse::<i64>() {
-            Ok(n) if var.min.is_none_or(|m| n as f64 >= m) => Ok(json!(n)),
-            _ => Err(format!("an integer >= {}", var.min.unwrap_or(f64::MIN))),
+            Ok(n) if is_integer(raw) && var.min.is_none_or(|m| n as f64 >= m) => Ok(json!(n)),
+            _ => Err(number_expected("an integer", var.min)),
         },
         "float" => match raw.parse::<f64>() {
-            Ok(x) if x.is_finite() && var.min.is_none_or(|m| x >= m) => Ok(json!(x)),
-            _ => Err(format!("a number >= {}", var.min.unwrap_or(f64::MIN))),
+            Ok(x) if is_decimal(raw) && x.is_finite() && var.min.is_none_or(|m| x >= m) => {
+                Ok(json!(x))
+            }
+            _ => Err(number_expected("a number", var.min)),
         },
         "layers" if raw == "all" => Ok(json!("all")),
         "layers" => {
@@ -146,7 +201,11 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
                 .iter()
                 .map(|part| {
                     let (a, b) = part.split_once('-').unwrap_or((part, part));
-                    match (a.trim().parse::<u32>(), b.trim().parse::<u32>()) {
+                    let (a, b) = (trim(a), trim(b));
+                    if !(digits(a) && digits(b)) {
+                        return Err(());
+                    }
+                    match (a.parse::<u32>(), b.parse::<u32>()) {
                         (Ok(a), Ok(b)) if a <= b => Ok([a, b]),
                         _ => Err(()),
                     }
@@ -188,21 +247,23 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
                 return Ok(json!({"kind": "all"}));
             }
             let (kind, n) = raw.split_once(':').ok_or_else(expected)?;
-            match (kind, n.trim().parse::<u64>()) {
-                ("every" | "last", Ok(n)) if n >= 1 => Ok(json!({"kind": kind, "n": n})),
+            let n = trim(n);
+            match (kind, n.parse::<u64>()) {
+                ("every" | "last", Ok(count)) if digits(n) && count >= 1 => {
+                    Ok(json!({"kind": kind, "n": count}))
+                }
                 _ => Err(expected()),
             }
         }
         "tags" => {
+            let expected = || "comma-separated key=value pairs with non-empty keys".to_owned();
             let mut tags = serde_json::Map::new();
             for pair in list(raw) {
-                let (k, v) = pair
-                    .split_once('=')
-                    .ok_or_else(|| "comma-separated key=value pairs".to_owned())?;
-                if k.trim().is_empty() {
-                    return Err("comma-separated key=value pairs with non-empty keys".to_owned());
+                let (k, v) = pair.split_once('=').ok_or_else(expected)?;
+                if trim(k).is_empty() {
+                    return Err(expected());
                 }
-                tags.insert(k.trim().to_owned(), json!(v.trim()));
+                tags.insert(trim(k).to_owned(), json!(trim(v)));
             }
             Ok(Value::Object(tags))
         }
@@ -234,6 +295,27 @@ mod tests {
             vars.len(),
             "every default reads as its type"
         );
+    }
+
+    #[test]
+    fn every_type_in_use_is_described_in_the_file() {
+        let file = env_file().unwrap();
+        for var in &file.variables {
+            assert!(file.types.contains_key(&var.ty), "{}: {}", var.name, var.ty);
+        }
+    }
+
+    #[test]
+    fn numbers_are_ascii_decimals_and_nothing_else() {
+        for good in ["0", "12", "-3", "0.5", ".5", "5.", "1e3", "1E-3", "-.5e+2"] {
+            assert!(is_decimal(good), "{good}");
+        }
+        for bad in [
+            "", ".", "-", "+1", "1_0", "nan", "inf", "1e", "1.2.3", "\u{663}", "0x10", " 1",
+        ] {
+            assert!(!is_decimal(bad), "{bad}");
+        }
+        assert!(is_integer("-12") && !is_integer("+12") && !is_integer("1_000"));
     }
 
     #[test]

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 use shadowtrace_analyzer::verdict::Thresholds;
 use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
 use shadowtrace_tracer::WriterOptions;
+use shadowtrace_tracer::record::Record;
 use shadowtrace_tracer::synth::SynthSpec;
+
+use crate::support::write_edited;
 
 /// A run with churn only (2 of 16 selected keys swapped among keys tied at
 /// the k-th score), no NaN, no divergence.
@@ -53,7 +56,7 @@ fn a_clean_run_has_no_verdict() {
     let run = analyze_one(clean("clean"));
     assert!(!run.has_verdict(), "{run:#?}");
     assert!(run.onset.is_none() && run.hidden_verdict.is_none() && run.topk_verdict.is_none());
-    assert_eq!(run.logits.as_ref().unwrap().argmax_agreement, 1.0);
+    assert_eq!(run.logits.as_ref().unwrap().argmax_agreement, Some(1.0));
 }
 
 #[test]
@@ -232,7 +235,7 @@ fn identical_runs_pair_up_as_deterministic() {
     let d = &a.determinism[0];
     assert_eq!(
         (d.a.as_str(), d.b.as_str(), d.agreement.argmax_agreement),
-        ("first", "second", 1.0)
+        ("first", "second", Some(1.0))
     );
     assert_eq!(d.agreement.js_divergence.unwrap().max, 0.0);
 }
@@ -322,5 +325,241 @@ fn runs_with_and_without_a_baseline_each_print_the_rule_they_were_judged_by() {
     assert!(
         lines.contains(&"baseline for synthetic/glm5-shaped: healthy-glm".to_owned()),
         "{lines:#?}"
+    );
+}
+
+/// One run of `spec` with its rows edited, analysed with `options`.
+fn analyze_edited(
+    spec: &SynthSpec,
+    options: &Options,
+    edit: impl FnOnce(&mut Vec<Record>),
+) -> (Analysis, RunAnalysis) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write_edited(tmp.path(), spec, edit);
+    let a = analyze(&[path], &[], options, |_, _, _| {}).unwrap();
+    assert!(a.skipped.is_empty(), "{:?}", a.skipped);
+    let run = a.runs[0].clone();
+    (a, run)
+}
+
+#[test]
+fn the_onset_token_is_the_events_row_s_when_hidden_rows_are_sampled() {
+    // SHADOWTRACE_TOKENS=every:139 keeps hidden rows at tokens 0, 139, 278,
+    // 417 and 556; the NaN starts at token 415 and reaches every later token.
+    // The events row of the same capture saw the whole tensor: it is the truth.
+    let spec = SynthSpec {
+        tokens: 600,
+        topk_queries: 2,
+        planted_nan: Some((1, "mlp_out", 415)),
+        ..clean("sampled")
+    };
+    let (_, run) = analyze_edited(&spec, &Options::default(), |records| {
+        let sites = shadowtrace_tracer::synth::HIDDEN_SITES;
+        let capture = |layer: i32, site: &str| {
+            i64::from(layer) * 4 + sites.iter().position(|s| *s == site).unwrap() as i64
+        };
+        for record in records.iter_mut() {
+            match record {
+                // One sequence number per capture, as the producers number them.
+                Record::Hidden(h) => {
+                    h.seq = capture(h.layer, &h.site);
+                    if h.seq >= capture(1, "mlp_out") && h.token >= 415 {
+                        h.prod.nan = 1;
+                    }
+                }
+                Record::Event(e) => e.seq = capture(e.layer, &e.site),
+                _ => {}
+            }
+        }
+        records.retain(|r| !matches!(r, Record::Hidden(h) if h.token % 139 != 0));
+    });
+    let onset = run.onset.unwrap();
+    assert_eq!(
+        (onset.layer, onset.site.as_str(), onset.token),
+        (1, "mlp_out", Some(415)),
+        "the events row's first token, not the first sampled one (417)"
+    );
+}
+
+#[test]
+fn all_nan_logits_keep_an_agreement_that_counts_them() {
+    let (a, run) = analyze_edited(&clean("nan-logits"), &Options::default(), |records| {
+        for record in records.iter_mut() {
+            if let Record::Logits(l) = record {
+                l.prod.logprobs.fill(f32::NAN);
+            }
+        }
+    });
+    let logits = serde_json::to_value(run.logits.as_ref().expect("positions matched")).unwrap();
+    assert_eq!(logits["nonfinite_positions"], 4, "{logits}");
+    assert_eq!(logits["positions"], 0, "{logits}");
+    assert!(logits["argmax_agreement"].is_null(), "{logits}");
+    let text = shadowtrace_analyzer::report::render_terminal(&a);
+    assert!(
+        text.contains("argmax agreement none: all 4 positions non-finite"),
+        "{text}"
+    );
+}
+
+#[test]
+fn dequant_dense_rows_are_counted_in_the_dequant_summary() {
+    let (_, run) = analyze_edited(&clean("dequant"), &Options::default(), |records| {
+        let dequant: Vec<Record> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Topk(t) => {
+                    let mut t = t.clone();
+                    t.shadow = t.shadow.map(|(_, s)| ("dequant".to_owned(), s));
+                    Some(Record::Topk(t))
+                }
+                _ => None,
+            })
+            .collect();
+        records.extend(dequant);
+    });
+    assert_eq!(run.topk_dequant.len(), 5);
+    for layer in run.topk_dequant.iter().chain(&run.topk) {
+        assert_eq!(
+            (layer.dense_rows, layer.informative_rows),
+            (2, 6),
+            "layer {}",
+            layer.layer
+        );
+    }
+}
+
+#[test]
+fn rows_without_boundary_lists_are_counted_as_churn_unknown_beside_the_verdict() {
+    let options = Options {
+        thresholds: Thresholds {
+            churn_margin: Some(0.5),
+            ..Thresholds::default()
+        },
+        ..Options::default()
+    };
+    let (a, run) = analyze_edited(&clean("no-band"), &options, |records| {
+        for record in records.iter_mut() {
+            if let Record::Topk(t) = record {
+                t.boundary_band = None;
+                t.prod.boundary = None;
+                if let Some((_, s)) = t.shadow.as_mut() {
+                    s.boundary = None;
+                }
+            }
+        }
+    });
+    for layer in &run.topk {
+        let value = serde_json::to_value(layer).unwrap();
+        assert_eq!(value["churn_unknown_rows"], 6, "{value}");
+        // Their differences all count: nothing was removed as churn.
+        assert_eq!(layer.jaccard_no_churn, layer.jaccard);
+    }
+    let text = shadowtrace_analyzer::report::render_terminal(&a);
+    let verdict = text
+        .lines()
+        .find(|l| l.contains("top-k divergence:"))
+        .unwrap();
+    assert!(
+        verdict.contains("churn unknown on 30 of 30 rows (no boundary lists)"),
+        "{verdict}"
+    );
+}
+
+#[test]
+fn shadow_only_non_finite_tokens_are_counted_and_shown() {
+    let (a, run) = analyze_edited(&clean("shadow-nan"), &Options::default(), |records| {
+        for record in records.iter_mut() {
+            if let Record::Hidden(h) = record
+                && h.layer == 2
+                && h.site == "layer_out"
+                && (h.token == 5 || h.token == 6)
+                && let Some(s) = h.shadow.as_mut()
+            {
+                s.stats.nan = 3;
+                s.comparison.rel_l2_err = f32::NAN;
+                s.comparison.cosine = f32::NAN;
+                s.comparison.max_abs_diff = f32::NAN;
+            }
+        }
+    });
+    let site = run
+        .hidden
+        .iter()
+        .find(|s| s.layer == 2 && s.site == "layer_out")
+        .unwrap();
+    let value = serde_json::to_value(site).unwrap();
+    assert_eq!(
+        (
+            &value["nonfinite_tokens"],
+            &value["shadow_nonfinite_tokens"]
+        ),
+        (&0.into(), &2.into()),
+        "{value}"
+    );
+    assert_eq!(site.rel_l2_err.unwrap().n, 62);
+    let text = shadowtrace_analyzer::report::render_terminal(&a);
+    let header = text.lines().find(|l| l.contains("NaN tok")).unwrap();
+    assert!(header.contains("NaN tok  shadow-only NaN"), "{header}");
+    let row = text
+        .lines()
+        .skip_while(|l| !l.contains("shadow-only NaN"))
+        .find(|l| l.split_whitespace().next() == Some("2"))
+        .unwrap();
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[cells.len() - 1], "2", "{row}");
+}
+
+#[test]
+fn zero_norm_shadows_make_the_error_infinite_and_the_verdict_fires() {
+    // Ten of 64 tokens at layer 3 have an all-zero shadow (and a non-zero
+    // prod): their relative error is +inf, so the layer's p95 is too.
+    let (_, run) = analyze_edited(&clean("zero-shadow"), &Options::default(), |records| {
+        for record in records.iter_mut() {
+            if let Record::Hidden(h) = record
+                && h.layer == 3
+                && h.site == "layer_out"
+                && h.token < 10
+                && let Some(s) = h.shadow.as_mut()
+            {
+                s.stats.l2 = 0.0;
+                s.stats.max_abs = 0.0;
+                s.comparison.rel_l2_err = f32::INFINITY;
+            }
+        }
+    });
+    let site = run
+        .hidden
+        .iter()
+        .find(|s| s.layer == 3 && s.site == "layer_out")
+        .unwrap();
+    let err = site.rel_l2_err.unwrap();
+    assert_eq!(
+        (err.p95, err.max),
+        (f64::INFINITY, f64::INFINITY),
+        "{err:?}"
+    );
+    assert!(err.p50.is_finite());
+    assert_eq!(run.hidden_verdict.unwrap().layer, 3);
+}
+
+#[test]
+fn a_user_model_tag_is_kept_and_the_grid_says_it_grouped_by_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = write(tmp.path(), &[clean("tagged"), clean("untagged")]);
+    crate::support::edit_manifest(&paths[0], |m| {
+        m["tags"]["model"] = "glm-5.1-fp8-prod".into();
+    });
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let tagged = a.runs.iter().find(|r| r.run_id == "tagged").unwrap();
+    assert_eq!(tagged.tags["model"], "glm-5.1-fp8-prod");
+    assert_eq!(tagged.tags["manifest.model"], "synthetic/glm5-shaped");
+    let keys: Vec<&str> = a.grid.groups.iter().map(|g| g.key[0].as_str()).collect();
+    assert_eq!(keys, ["glm-5.1-fp8-prod", "synthetic/glm5-shaped"]);
+    let text = shadowtrace_analyzer::report::render_terminal(&a);
+    assert!(
+        text.contains(
+            "model: the user's tag on 1 of 2 runs (tagged: glm-5.1-fp8-prod, manifest synthetic/glm5-shaped)"
+        ),
+        "{text}"
     );
 }

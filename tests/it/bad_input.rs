@@ -298,3 +298,36 @@ fn bad_runs_are_skipped_and_reported_or_fatal_when_strict() {
         "{strict}"
     );
 }
+
+#[test]
+fn a_manifest_claiming_more_rows_than_its_files_hold_is_reported_by_inspect_and_analyze() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = good_run(tmp.path());
+    let mut held = 0;
+    edit_manifest(&dir, |m| {
+        held = m["tables"]["hidden"]["rows"].as_u64().unwrap();
+        m["tables"]["hidden"]["rows"] = (held + 100).into();
+    });
+    let expected = format!(
+        "table hidden: the manifest says {} rows, its listed files hold {held}",
+        held + 100
+    );
+    let run = Run::open(&dir).unwrap();
+    let text = shadowtrace_analyzer::inspect::render_run(&run);
+    assert!(text.contains(&expected), "{text}");
+    let a = shadowtrace_analyzer::analyze(
+        std::slice::from_ref(&dir),
+        &[],
+        &shadowtrace_analyzer::Options::default(),
+        |_, _, _| {},
+    )
+    .unwrap();
+    assert!(
+        a.runs[0].notes.iter().any(|n| n.contains(&expected)),
+        "{:?}",
+        a.runs[0].notes
+    );
+    let strict = Dataset::load(std::slice::from_ref(&dir), true, |_, _| {}).unwrap_err();
+    assert!(strict.to_string().contains(&expected), "{strict}");
+    assert_eq!(strict.path(), dir.join(MANIFEST_FILE));
+}

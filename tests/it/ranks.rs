@@ -7,6 +7,7 @@ use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_tracer::synth::SynthSpec;
 
 use crate::analyze_verdicts::{clean, write};
+use crate::support::edit_manifest;
 
 /// Marks a written run as one rank of a tensor-parallel request.
 fn as_rank(run: &Path, rank: u32, world: u32, request: &str) {
@@ -83,4 +84,55 @@ fn runs_of_one_rank_each_stay_separate() {
     as_rank(&paths[1], 0, 1, "same");
     let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
     assert_eq!(a.runs.len(), 2);
+}
+
+#[test]
+fn merged_ranks_sum_counters_keep_every_note_and_any_incomplete_rank_makes_the_run_incomplete() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Rank 0 lacks layer 4; rank 1 is incomplete and counted more errors.
+    let rank0 = SynthSpec {
+        layers: 4,
+        ..clean("m-rank0")
+    };
+    let paths = write(tmp.path(), &[rank0, clean("m-rank1")]);
+    as_rank(&paths[0], 0, 2, "m");
+    as_rank(&paths[1], 1, 2, "m");
+    edit_manifest(&paths[0], |m| {
+        m["counters"]["hook_errors"] = 1.into();
+    });
+    edit_manifest(&paths[1], |m| {
+        m["counters"]["hook_errors"] = 2.into();
+        m["counters"]["sites_disabled"] = 1.into();
+        m["status"] = "incomplete".into();
+    });
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    assert_eq!(a.runs.len(), 1);
+    let merged = &a.runs[0];
+    assert_eq!(merged.counters["hook_errors"], 3, "{:?}", merged.counters);
+    assert_eq!(merged.counters["sites_disabled"], 1);
+    assert!(!merged.complete, "rank 1 never closed its run");
+    assert!(
+        merged
+            .notes
+            .iter()
+            .any(|n| n.starts_with("rank 1: run is incomplete")),
+        "{:?}",
+        merged.notes
+    );
+    assert!(
+        merged
+            .notes
+            .iter()
+            .any(|n| n == "counters are summed over ranks 0, 1"),
+        "{:?}",
+        merged.notes
+    );
+    let ranks = serde_json::to_value(merged.ranks.as_ref().unwrap()).unwrap();
+    assert_eq!(
+        ranks["uneven_layers"],
+        serde_json::json!([{"layer": 4, "ranks": [1]}]),
+        "{ranks}"
+    );
+    let text = shadowtrace_analyzer::report::render_terminal(&a);
+    assert!(text.contains("layer 4 recorded on rank 1 only"), "{text}");
 }

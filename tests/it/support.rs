@@ -1,10 +1,14 @@
 //! Small runs and row builders shared by the tests.
 
+use std::path::{Path, PathBuf};
+
+use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::record::{
-    Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Selection, TopLogits, TopkRow,
-    VectorStats,
+    Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Record, Selection, TopLogits,
+    TopkRow, VectorStats,
 };
 use shadowtrace_tracer::synth::SynthSpec;
+use shadowtrace_tracer::{RunWriter, WriterOptions};
 
 /// A synthetic run small enough to read back in a test, still with dense and
 /// sparse topk rows and a planted NaN.
@@ -24,6 +28,33 @@ pub(crate) fn small_spec(run_id: &str) -> SynthSpec {
         seed: 11,
         ..SynthSpec::demo(run_id)
     }
+}
+
+/// Writes `spec`'s run at `dir/<run id>` after `edit` has changed its rows:
+/// what the synthetic generator cannot plant by itself. Returns the run dir.
+pub(crate) fn write_edited(
+    dir: &Path,
+    spec: &SynthSpec,
+    edit: impl FnOnce(&mut Vec<Record>),
+) -> PathBuf {
+    let path = dir.join(&spec.run_id);
+    let mut records = spec.records();
+    edit(&mut records);
+    let writer = RunWriter::create(&path, spec.identity(), WriterOptions::default()).unwrap();
+    for record in records {
+        let _ = writer.send(record);
+    }
+    writer.close().unwrap();
+    path
+}
+
+/// Rewrites a run's manifest through `edit`.
+pub(crate) fn edit_manifest(run: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = run.join(MANIFEST_FILE);
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut manifest);
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
 }
 
 pub(crate) fn hidden_row(seq: i64, token: i32) -> HiddenRow {

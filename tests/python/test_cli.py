@@ -117,3 +117,37 @@ def test_env_prints_each_variable_with_its_value_or_default() -> None:
     values = json.loads(out.stdout)
     assert values["SHADOWTRACE"] is False
     assert values["SHADOWTRACE_TOKENS"] == {"kind": "all"}
+
+
+def edited_copy(run: Path, to: Path, edit: object) -> Path:
+    """A copy of `run` at `to` whose manifest `edit` changed."""
+    shutil.copytree(run, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    edit(manifest)  # type: ignore[operator]
+    (to / "manifest.json").write_text(json.dumps(manifest))
+    return to
+
+
+def test_inspect_reports_a_manifest_claiming_more_rows_than_its_files_hold(
+    demo_run: Path, tmp_path: Path
+) -> None:
+    held = json.loads((demo_run / "manifest.json").read_text())["tables"]["hidden"]["rows"]
+    edited_copy(demo_run, tmp_path / "inflated", lambda m: m["tables"]["hidden"].update(rows=held + 7))
+    out = shadowtrace("inspect", tmp_path / "inflated")
+    assert out.returncode == 2, out.stderr
+    assert f"table hidden: the manifest says {held + 7} rows, its listed files hold {held}" in out.stderr
+
+
+def test_fail_on_does_not_pass_when_no_run_could_be_judged(demo_run: Path, tmp_path: Path) -> None:
+    """Without --strict, bad runs are skipped; when every run is bad (unreadable, incomplete,
+    hook-errored), --fail-on has nothing to judge and exits 2, never 0."""
+    edited_copy(demo_run, tmp_path / "unreadable", lambda m: m.pop("model"))
+    edited_copy(demo_run, tmp_path / "incomplete", lambda m: m.update(status="incomplete"))
+    edited_copy(demo_run, tmp_path / "errored", lambda m: m["counters"].update(hook_errors=3))
+    out = shadowtrace("analyze", tmp_path, "--fail-on", "hidden")
+    assert out.returncode == 2, out.stdout
+    assert "--fail-on: no run could be judged: 1 unreadable, 1 incomplete, 1 with hook errors" in out.stderr
+    assert shadowtrace("analyze", tmp_path).returncode == 0, "without --fail-on it only reports"
+    assert shadowtrace("analyze", tmp_path, "--fail-on", "nonfinite").returncode == 1, "a verdict still fails"
+    shutil.copytree(demo_run, tmp_path / "good")
+    assert shadowtrace("analyze", tmp_path, "--fail-on", "hidden").returncode == 0

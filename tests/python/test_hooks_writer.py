@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import SCHEMAS, binary
 from shadowtrace_hooks import format
-from shadowtrace_hooks.config import resolve
+from shadowtrace_hooks.config import EnvError, resolve, variables
 from shadowtrace_hooks.writer import RunWriter
 
 IDENTITY = {
@@ -114,7 +114,7 @@ def test_python_files_have_the_defined_schema_and_encodings(tmp_path: Path) -> N
 
 
 def test_the_lossy_queue_accounts_for_every_row(tmp_path: Path) -> None:
-    writer = RunWriter(tmp_path / "lossy", IDENTITY, queue_mode="lossy", queue_capacity=1)
+    writer = RunWriter(tmp_path / "lossy", IDENTITY, queue_mode="lossy", queue_bytes=1)
     sent = 20_000
     dropped = sum(not writer.send("hidden", hidden(0, t % 8)) for t in range(sent))
     manifest = writer.close()
@@ -144,6 +144,187 @@ def test_python_and_rust_read_the_environment_alike(environ: dict) -> None:
         check=True,
     )
     assert json.loads(rust.stdout) == resolve(environ)
+
+
+# Values each type must read alike on both sides, valid and not: whitespace of both kinds,
+# signs, underscores, non-ASCII digits, words Python's int() and float() take, overflow.
+_CORPUS = {
+    "bool": ["1", "0", "true", "FALSE", " yes ", "On", "off", "", "maybe", "2", "\u212aon", "\x1c1"],
+    "path": ["runs", " runs ", "", "  ", "a b/c", "\u00fcber", "\x1cruns"],
+    "int": [
+        "1",
+        "007",
+        " 12 ",
+        "1_000",
+        "+5",
+        "-1",
+        "0",
+        "1.0",
+        "1e3",
+        "",
+        "\u0663",
+        "\u00a012",
+        "\x1c12",
+        "9223372036854775807",
+        "9223372036854775808",
+        "-9223372036854775809",
+        "1" * 5000,
+        "12 3",
+        "0x10",
+    ],
+    "float": [
+        "0.25",
+        ".5",
+        "5.",
+        "1e3",
+        "1E-3",
+        "0",
+        "-0",
+        "-0.5",
+        "nan",
+        "inf",
+        "-inf",
+        "infinity",
+        "1_0.5",
+        "",
+        "+1",
+        "1e400",
+        " 2 ",
+        "1.2.3",
+        "\u0663",
+        "0x1p3",
+        "1e",
+        ".",
+        "-.5e-3",
+        "\u00a00.5",
+    ],
+    "layers": [
+        "all",
+        "3",
+        "3-",
+        "-3",
+        "0-3,10",
+        " 76-77 , 0-3",
+        "3-1",
+        "1,,2",
+        "",
+        "a",
+        "0 - 3",
+        "4294967295",
+        "4294967296",
+        "\u0663",
+        "+3",
+        "3-+5",
+        "3--5",
+        "ALL",
+        "1_0",
+        "\u00a03",
+        "3-4-5",
+        "0-" + "9" * 5000,
+    ],
+    "enum": ["", "none!"],
+    "sites": ["all", "layer_out", "layer_out, indexer", "attn", "", ",", "ALL", "layer_out,,attn_out"],
+    "modes": ["local", "free,local", "local,local", "", "x", "LOCAL", " free "],
+    "tokens": [
+        "all",
+        "every:4",
+        "last:512",
+        "last:0",
+        "every:",
+        "every:+5",
+        "every: 5",
+        "last:\u0663",
+        "every:1_0",
+        "first:3",
+        "every:18446744073709551615",
+        "every:18446744073709551616",
+        "every:" + "9" * 5000,
+        "ALL",
+        "every:4:5",
+        "every :4",
+    ],
+    "tags": ["", "a=1", "a=1, b=two", "a", "=x", "a=b=c", " a = 1 ", "a=1,a=2", ",,", "a=,b=", "\u00a0a=1"],
+}
+
+
+def _environment_cases() -> list[tuple[str, str]]:
+    cases = []
+    for var in variables():
+        values = list(_CORPUS[var["type"]])
+        for word in var.get("values", []):
+            values += [word, word.upper(), f" {word} ", f"{word}x"]
+        cases += [(var["name"], value) for value in values]
+    return cases
+
+
+@pytest.mark.parametrize(("name", "value"), _environment_cases())
+def test_every_variable_reads_the_same_on_both_sides_valid_or_not(name: str, value: str) -> None:
+    rust = subprocess.run(
+        [binary("shadowtrace"), "env", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={name: value},
+        check=False,
+    )
+    try:
+        python = resolve({name: value})
+    except EnvError as e:
+        refused: EnvError | None = e
+    else:
+        refused = None
+    if refused is not None:
+        assert rust.returncode == 2, f"Rust accepted {value!r}: {rust.stdout}"
+        line = rust.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: {name}="), line
+        assert line.rsplit(": expected ", 1)[1] == refused.expected, (line, refused.expected)
+        return
+    assert rust.returncode == 0, f"Python read {value!r} as {python[name]!r}; Rust: {rust.stderr}"
+    assert json.loads(rust.stdout) == python
+    assert json.dumps(json.loads(rust.stdout), sort_keys=True) == json.dumps(python, sort_keys=True)
+
+
+def test_dense_rows_written_from_numerics_select_are_null_for_pyarrow_and_duckdb(tmp_path: Path) -> None:
+    import duckdb
+    import numpy as np
+    import torch
+    from shadowtrace_hooks import numerics
+
+    k, band = 4, 0.5
+    q_pos = torch.arange(10)  # queries 0..3 see at most k keys: dense
+    generator = torch.Generator().manual_seed(5)
+    causal = torch.arange(10)[None, :] <= q_pos[:, None]
+    scores = torch.randn(10, 10, generator=generator).masked_fill(~causal, -math.inf)
+    prod = numerics.select(scores, k, q_pos, band)
+    shadow = numerics.select(scores + 0.01 * torch.randn(10, 10, generator=generator), k, q_pos, band)
+    writer = RunWriter(tmp_path / "py-run", IDENTITY)
+    # The columns as Session.topk hands them to the writer.
+    columns = {
+        "step": 0, "layer": 0, "token": q_pos.numpy().astype(np.int32), "shadow_input": "raw",
+        "indexer_layer": 0, "k": k, "visible": (q_pos + 1).numpy().astype(np.int32),
+        "prod_indices": prod.indices, "prod_kth_score": prod.kth_score, "prod_kth_margin": prod.kth_margin,
+        "prod_boundary_indices": prod.boundary_indices, "prod_boundary_scores": prod.boundary_scores,
+        "shadow_indices": shadow.indices, "shadow_kth_score": shadow.kth_score,
+        "shadow_kth_margin": shadow.kth_margin, "shadow_boundary_indices": shadow.boundary_indices,
+        "shadow_boundary_scores": shadow.boundary_scores, "boundary_band": band,
+    }  # fmt: skip
+    assert writer.send_columns("topk", columns, 10)
+    writer.close()
+    files = str(tmp_path / "py-run" / "topk" / "*.parquet")
+    nullable = [
+        "prod_kth_score", "prod_kth_margin", "prod_boundary_indices", "prod_boundary_scores",
+        "shadow_kth_score", "shadow_kth_margin", "shadow_boundary_indices", "shadow_boundary_scores",
+    ]  # fmt: skip
+    table = pq.read_table(tmp_path / "py-run" / "topk").sort_by("token")
+    for name in nullable:
+        assert table[name].is_null().to_pylist() == [True] * 4 + [False] * 6, name
+    for name in ("prod_kth_score", "shadow_kth_score"):
+        assert not any(math.isnan(v) for v in table[name].drop_null().to_pylist()), name
+    for name in nullable:
+        ((dense_null, sparse_null),) = duckdb.sql(
+            f"select count(*) filter (visible <= k and {name} is null), "
+            f"count(*) filter (visible > k and {name} is null) from read_parquet('{files}')"
+        ).fetchall()
+        assert (dense_null, sparse_null) == (4, 0), name
 
 
 def test_importing_the_hooks_package_loads_nothing_heavy() -> None:

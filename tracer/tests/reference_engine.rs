@@ -68,3 +68,59 @@ fn a_directory_without_weights_is_refused_by_name() {
     let err = Model::open(dir.path(), Device::Cpu).unwrap_err();
     assert!(err.to_string().contains("no *.safetensors file"), "{err}");
 }
+
+#[test]
+fn a_fault_whose_indices_do_not_fit_the_model_or_prompt_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    synthetic::write(&model, &synthetic::glm51_config(2), 6).unwrap();
+    let prompt = dir.path().join("p.json");
+    std::fs::write(&prompt, serde_json::to_string(&ids(24)).unwrap()).unwrap();
+    // hidden_size 256, 2 layers, 24 prompt tokens.
+    let cases = [
+        (
+            r#"{"kind":"non_finite","layer":1,"site":"mlp_out","token":3,"channel":256,"value":"nan"}"#,
+            "channel 256 outside the model's hidden size 256",
+        ),
+        (
+            r#"{"kind":"non_finite","layer":1,"site":"mlp_out","token":24,"channel":0,"value":"nan"}"#,
+            "token 24 outside the prompt's 24 tokens",
+        ),
+        (
+            r#"{"kind":"non_finite","layer":1,"site":"indexer","token":3,"channel":0,"value":"nan"}"#,
+            "site indexer: expected attn_out, mlp_out or layer_out",
+        ),
+        (
+            r#"{"kind":"outlier","layer":0,"channel":-1,"factor":100.0}"#,
+            "channel -1 outside the model's hidden size 256",
+        ),
+        (
+            r#"{"kind":"kv_slot","layer":-1,"token":0}"#,
+            "layer -1 outside the model's 2 layers",
+        ),
+        (
+            r#"{"kind":"kv_slot","layer":0,"token":30}"#,
+            "token 30 outside the prompt's 24 tokens",
+        ),
+        (
+            r#"{"kind":"fp8_scale","layer":0,"linear":"self_attn.nope","factor":2.0}"#,
+            "linear self_attn.nope: no such linear in layer 0",
+        ),
+    ];
+    for (fault, expected) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_shadowtrace-run"))
+            .arg("--model")
+            .arg(&model)
+            .arg(&prompt)
+            .arg("--out")
+            .arg(dir.path().join("runs"))
+            .args(["--fault", fault])
+            .env_remove("SHADOWTRACE")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{fault}: {stderr}");
+        assert!(stderr.contains(expected), "{fault}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{fault}: {stderr}");
+    }
+}

@@ -9,7 +9,7 @@ use shadowtrace_analyzer::verdict::{
 };
 use shadowtrace_analyzer::{Analysis, Options, analyze};
 
-use super::Format;
+use super::{Format, exit_error};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct AnalyzeArgs {
@@ -39,7 +39,11 @@ pub(crate) struct AnalyzeArgs {
     #[arg(long, default_value_t = DEFAULT_TOPK_JACCARD, value_name = "J")]
     topk_threshold: f64,
     /// Largest score distance from the k-th score counted as boundary churn
-    /// [default: each run's recorded band].
+    /// [default: each run's recorded band]. A margin can only narrow the
+    /// band: churn is found among the keys a producer listed within its band,
+    /// with their scores. A row without boundary lists has no churn any
+    /// margin can find: such rows are counted as churn unknown beside the
+    /// verdict, every difference there counting.
     #[arg(long, value_name = "SCORE")]
     churn_margin: Option<f32>,
     /// Tags to group the grid by, comma-separated (manifest identity names
@@ -58,10 +62,14 @@ pub(crate) struct AnalyzeArgs {
     /// text for people, json for scripts.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
-    /// Exit with status 1 when a run has this verdict. Repeatable.
+    /// Exit with status 1 when a run has this verdict. Repeatable. When no
+    /// run has it and no run could be judged (every run unreadable,
+    /// incomplete, or with hook errors), exit with status 2: no verdict from
+    /// no data is not a pass.
     #[arg(long, value_enum, value_name = "VERDICT")]
     fail_on: Vec<FailOn>,
-    /// Fail on the first unreadable run instead of reporting and skipping it.
+    /// Fail on the first unreadable run, or run whose files contradict its
+    /// manifest, instead of reporting and skipping it (or noting it).
     #[arg(long)]
     strict: bool,
 }
@@ -142,11 +150,46 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     for s in &analysis.skipped {
         eprintln!("warning: skipped {s}");
     }
-    Ok(if fails(&analysis, &args.fail_on) {
-        ExitCode::from(1)
+    if fails(&analysis, &args.fail_on) {
+        return Ok(ExitCode::from(1));
+    }
+    if !args.fail_on.is_empty() && !analysis.runs.iter().any(|r| r.can_be_judged()) {
+        eprintln!(
+            "error: --fail-on: no run could be judged: {}",
+            unjudged(&analysis)
+        );
+        return Ok(exit_error());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Why no run could be judged, counted: `1 unreadable, 2 incomplete, ...`.
+fn unjudged(a: &Analysis) -> String {
+    let unreadable = a
+        .skipped
+        .iter()
+        .filter(|s| !s.starts_with("baseline "))
+        .count();
+    let incomplete = a.runs.iter().filter(|r| !r.complete).count();
+    let errored = a
+        .runs
+        .iter()
+        .filter(|r| r.complete && !r.can_be_judged())
+        .count();
+    let parts: Vec<String> = [
+        (unreadable, "unreadable"),
+        (incomplete, "incomplete"),
+        (errored, "with hook errors"),
+    ]
+    .into_iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect();
+    if parts.is_empty() {
+        "no runs".to_owned()
     } else {
-        ExitCode::SUCCESS
-    })
+        parts.join(", ")
+    }
 }
 
 fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {

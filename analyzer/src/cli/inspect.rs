@@ -51,7 +51,11 @@ pub(crate) fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     for error in &dataset.skipped {
         eprintln!("error: {error}");
     }
-    Ok(if dataset.skipped.is_empty() {
+    let problems: Vec<_> = dataset.runs.iter().flat_map(|r| &r.problems).collect();
+    for problem in &problems {
+        eprintln!("error: {problem}");
+    }
+    Ok(if dataset.skipped.is_empty() && problems.is_empty() {
         ExitCode::SUCCESS
     } else {
         exit_error()
@@ -72,5 +76,12 @@ fn run_json(run: &Run) -> serde_json::Value {
             (t.name().to_owned(), parts.into())
         })
         .collect();
-    serde_json::json!({"dir": run.dir, "manifest": run.manifest, "files": files, "notes": run.notes})
+    let problems: Vec<String> = run.problems.iter().map(ToString::to_string).collect();
+    serde_json::json!({
+        "dir": run.dir,
+        "manifest": run.manifest,
+        "files": files,
+        "notes": run.notes,
+        "problems": problems,
+    })
 }

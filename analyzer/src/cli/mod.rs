@@ -21,7 +21,8 @@ pub(crate) fn exit_error() -> ExitCode {
 /// Runs are written by shadowtrace's producers (today `shadowtrace demo`,
 /// which writes synthetic ones); this command reads them without libtorch.
 /// Exit codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input
-/// or error.
+/// or error (`inspect`: a bad run; `analyze --fail-on`: no run that could be
+/// judged).
 #[derive(Debug, Parser)]
 #[command(
     name = "shadowtrace",
@@ -41,15 +42,18 @@ enum Command {
     /// Print a run's identity, tables, row counts and status.
     ///
     /// Accepts run directories or directories of runs. Every part file is
-    /// checked (Parquet footer, format version, columns and types); a bad run
-    /// is reported with the file and the problem.
+    /// checked (Parquet footer, format version, columns and types), and each
+    /// table's manifest row count against the rows its listed files hold; a
+    /// bad run is reported with the file and the problem (exit 2).
     Inspect(inspect::InspectArgs),
     /// Compute metrics and verdicts over runs: top-k overlap, hidden-state
     /// error, logits agreement, non-finite onset, first-divergence layers,
     /// grouped into a grid.
     ///
     /// Every verdict is printed with the rule and threshold that produced
-    /// it. Exit codes: 0 success, 1 a verdict named by --fail-on, 2 error.
+    /// it. Exit codes: 0 success, 1 a verdict named by --fail-on, 2 error,
+    /// or under --fail-on no run that could be judged (every run unreadable,
+    /// incomplete, or with hook errors).
     Analyze(Box<analyze::AnalyzeArgs>),
     /// Print the SHADOWTRACE_* environment variables that switch and shape
     /// tracing: each one's value in this environment (or its default) and

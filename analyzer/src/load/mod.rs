@@ -30,8 +30,10 @@ pub struct Dataset {
 impl Dataset {
     /// Finds every run under `paths` and opens each.
     ///
-    /// With `strict`, the first bad run is the error; otherwise bad runs are
-    /// collected in [`Dataset::skipped`]. `progress` is called after each run
+    /// With `strict`, the first bad run is the error (a run whose files
+    /// contradict its manifest, [`Run::problems`], included); otherwise bad
+    /// runs are collected in [`Dataset::skipped`], and runs with problems are
+    /// kept with them. `progress` is called after each run
     /// with (runs done, runs found).
     ///
     /// # Errors
@@ -52,6 +54,9 @@ impl Dataset {
         let mut dataset = Dataset::default();
         for (i, dir) in dirs.iter().enumerate() {
             match Run::open(dir) {
+                Ok(run) if strict && !run.problems.is_empty() => {
+                    return Err(run.problems[0].clone().into());
+                }
                 Ok(run) => dataset.runs.push(run),
                 Err(e) if strict => return Err(e),
                 Err(e) => dataset.skipped.push(e),

@@ -8,7 +8,7 @@ use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{MANIFEST_FILE, Manifest, SCHEMA_VERSION, TMP_SUFFIX, Table};
 
 use super::part_file::PartFile;
-use crate::LoadError;
+use crate::{LoadError, RunProblem};
 
 /// A run whose manifest and files passed every check.
 #[derive(Debug, Clone)]
@@ -22,6 +22,9 @@ pub struct Run {
     /// Things a user should know that do not stop the run being read, for
     /// example files a killed writer left behind.
     pub notes: Vec<String>,
+    /// What the run's files contradict (see [`RunProblem`]): the run reads,
+    /// but `inspect` fails on it.
+    pub problems: Vec<RunProblem>,
 }
 
 impl Run {
@@ -63,7 +66,9 @@ impl Run {
     /// Opens a run directory: reads the manifest, then checks every complete
     /// part file on disk. A run whose writer was killed is still opened: its
     /// manifest says `incomplete`, its complete parts are read, and what the
-    /// writer left half-written is listed in [`Run::notes`].
+    /// writer left half-written is listed in [`Run::notes`]. A table whose
+    /// manifest row count is not what its listed files hold is a
+    /// [`Run::problems`] entry.
     ///
     /// # Errors
     /// A missing, corrupt or unknown-version manifest, a listed file missing
@@ -72,6 +77,7 @@ impl Run {
         let manifest = read_manifest(dir)?;
         let mut files = BTreeMap::new();
         let mut notes = Vec::new();
+        let mut problems = Vec::new();
         if manifest.status == Status::Incomplete {
             notes.push(
                 "run is incomplete: its writer has not closed it (still running, or killed)"
@@ -91,14 +97,28 @@ impl Run {
                 }
             }
             let mut parts = Vec::new();
+            let mut listed_rows = 0;
             for path in complete {
                 let relative = format!("{}/{}", table.name(), file_name(&path));
-                if !listed.iter().any(|l| **l == relative) {
+                let part = PartFile::open(&path, table, manifest.run_id())?;
+                if listed.iter().any(|l| **l == relative) {
+                    listed_rows += part.rows;
+                } else {
                     notes.push(format!(
                         "{relative}: complete but not yet listed in the manifest (read anyway)"
                     ));
                 }
-                parts.push(PartFile::open(&path, table, manifest.run_id())?);
+                parts.push(part);
+            }
+            if let Some(entry) = manifest.table(table)
+                && entry.rows != listed_rows
+            {
+                problems.push(RunProblem::RowCount {
+                    manifest: dir.join(MANIFEST_FILE),
+                    table: table.name(),
+                    expected: entry.rows,
+                    got: listed_rows,
+                });
             }
             for path in partial {
                 notes.push(format!(
@@ -114,6 +134,7 @@ impl Run {
             manifest,
             files,
             notes,
+            problems,
         })
     }
 }

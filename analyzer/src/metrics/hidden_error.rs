@@ -11,7 +11,12 @@
 //! vector holds a non-finite value). Per (layer, site, shadow mode), over
 //! tokens and steps: the [`Summary`] of relative L2 error and of cosine
 //! similarity, and the largest max |p − s|. Tokens whose prod vector is
-//! non-finite are counted, not summarised.
+//! non-finite are counted, not summarised; so are tokens whose shadow vector
+//! alone is non-finite (the shadow broke where production did not: its error
+//! is undefined there, and a count that vanished would hide it). Against an
+//! all-zero shadow the producers record a relative error of 0 when prod is
+//! zero too and +inf otherwise; +inf is part of the distribution (see
+//! [`Summary`] for quantiles over infinities).
 //!
 //! ## Why it matters
 //! In `local` mode the error is what that layer itself introduces (find the
@@ -27,11 +32,11 @@ use shadowtrace_schemas::columns::hidden as c;
 
 use super::summary::Summary;
 use crate::AnalyzeError;
-use crate::frame::{i32s, i64s, opt_f32s, opt_strs};
+use crate::frame::{i32s, i64s, opt_f32s, opt_i64s, opt_strs};
 use crate::verdict::Thresholds;
 
 /// Columns this metric reads.
-pub const COLUMNS: [&str; 11] = [
+pub const COLUMNS: [&str; 14] = [
     c::STEP,
     c::TOKEN,
     c::LAYER,
@@ -40,6 +45,9 @@ pub const COLUMNS: [&str; 11] = [
     c::PROD_NAN,
     c::PROD_POS_INF,
     c::PROD_NEG_INF,
+    c::SHADOW_NAN,
+    c::SHADOW_POS_INF,
+    c::SHADOW_NEG_INF,
     c::REL_L2_ERR,
     c::COSINE,
     c::MAX_ABS_DIFF,
@@ -58,6 +66,8 @@ pub struct SiteError {
     pub tokens: usize,
     /// Captures whose prod vector held NaN or ±Inf.
     pub nonfinite_tokens: usize,
+    /// Captures whose shadow vector held NaN or ±Inf while prod's was finite.
+    pub shadow_nonfinite_tokens: usize,
     /// Relative L2 error over finite captures.
     pub rel_l2_err: Option<Summary>,
     /// Cosine similarity over finite captures.
@@ -79,6 +89,11 @@ pub fn by_site(frame: &DataFrame) -> Result<Vec<SiteError>, AnalyzeError> {
     let nan = i64s(frame, c::PROD_NAN)?;
     let pos_inf = i64s(frame, c::PROD_POS_INF)?;
     let neg_inf = i64s(frame, c::PROD_NEG_INF)?;
+    let shadow_counts = [
+        opt_i64s(frame, c::SHADOW_NAN)?,
+        opt_i64s(frame, c::SHADOW_POS_INF)?,
+        opt_i64s(frame, c::SHADOW_NEG_INF)?,
+    ];
     let rel = opt_f32s(frame, c::REL_L2_ERR)?;
     let cos = opt_f32s(frame, c::COSINE)?;
     let diff = opt_f32s(frame, c::MAX_ABS_DIFF)?;
@@ -87,6 +102,7 @@ pub fn by_site(frame: &DataFrame) -> Result<Vec<SiteError>, AnalyzeError> {
     struct Acc {
         tokens: usize,
         nonfinite: usize,
+        shadow_nonfinite: usize,
         rel: Vec<f64>,
         cos: Vec<f64>,
         diff: Option<f64>,
@@ -108,6 +124,13 @@ pub fn by_site(frame: &DataFrame) -> Result<Vec<SiteError>, AnalyzeError> {
             acc.nonfinite += 1;
             continue;
         }
+        if shadow_counts
+            .iter()
+            .any(|counts| counts[i].is_some_and(|n| n > 0))
+        {
+            acc.shadow_nonfinite += 1;
+            continue;
+        }
         if let Some(v) = rel[i] {
             acc.rel.push(f64::from(v));
         }
@@ -126,6 +149,7 @@ pub fn by_site(frame: &DataFrame) -> Result<Vec<SiteError>, AnalyzeError> {
             shadow_mode,
             tokens: acc.tokens,
             nonfinite_tokens: acc.nonfinite,
+            shadow_nonfinite_tokens: acc.shadow_nonfinite,
             rel_l2_err: Summary::of(acc.rel),
             cosine: Summary::of(acc.cos),
             max_abs_diff: acc.diff,

@@ -8,7 +8,10 @@
 //!
 //! ## Definition
 //! Argmax agreement: the share of positions whose best prod id equals the
-//! best shadow id. Jensen–Shannon divergence, in bits (0 to 1), between the
+//! best shadow id, over the positions whose log-probabilities are finite on
+//! both sides; positions with a NaN or infinite one are counted apart, and
+//! when none is left (every matched position non-finite: the worst case)
+//! there is no share, only that count. Jensen–Shannon divergence, in bits (0 to 1), between the
 //! two top-N distributions, each renormalised to sum to one over its own N
 //! ids; an id one path lists and the other does not has probability zero on
 //! the other side. Positions are matched on (step, token).
@@ -40,13 +43,14 @@ pub const COLUMNS: [&str; 6] = [
 /// Agreement between two top-N sequences over matched positions.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Agreement {
-    /// Positions compared.
+    /// Positions compared: matched, and finite on both sides.
     pub positions: usize,
     /// Positions left out because a log-probability of either side was
     /// NaN or infinite (a NaN run's logits agree with nothing).
     pub nonfinite_positions: usize,
-    /// Share of positions with the same best token.
-    pub argmax_agreement: f64,
+    /// Share of compared positions with the same best token; `None` (JSON
+    /// null) when every matched position was non-finite.
+    pub argmax_agreement: Option<f64>,
     /// Jensen–Shannon divergence in bits over the positions.
     pub js_divergence: Option<Summary>,
 }
@@ -82,8 +86,9 @@ pub fn top_n(frame: &DataFrame) -> Result<(TopN, TopN), AnalyzeError> {
     Ok((prod, shadow))
 }
 
-/// Agreement of `a` with `b` over the positions both hold; `None` when they
-/// share none.
+/// Agreement of `a` with `b` over the positions both hold; `None` only
+/// when they share none (all of them non-finite is an agreement with no
+/// share and every position counted).
 #[must_use]
 pub fn agreement(a: &TopN, b: &TopN) -> Option<Agreement> {
     let mut same = 0;
@@ -103,10 +108,10 @@ pub fn agreement(a: &TopN, b: &TopN) -> Option<Agreement> {
         js.push(js_divergence(ids_a, lp_a, ids_b, lp_b));
     }
     let positions = js.len();
-    (positions > 0).then(|| Agreement {
+    (positions + nonfinite_positions > 0).then(|| Agreement {
         positions,
         nonfinite_positions,
-        argmax_agreement: same as f64 / positions as f64,
+        argmax_agreement: (positions > 0).then(|| same as f64 / positions as f64),
         js_divergence: Summary::of(js),
     })
 }
@@ -170,12 +175,21 @@ mod tests {
         let mut b = TopN::new();
         a.insert((0, 0), (vec![5, 6], vec![f32::NAN, f32::NAN]));
         b.insert((0, 0), (vec![5, 6], vec![f32::NAN, f32::NAN]));
-        assert!(agreement(&a, &b).is_none(), "NaN logits agree with nothing");
+        let all_nan = agreement(&a, &b).expect("a matched position");
+        assert_eq!(
+            (
+                all_nan.positions,
+                all_nan.nonfinite_positions,
+                all_nan.argmax_agreement
+            ),
+            (0, 1, None),
+            "NaN logits agree with nothing, and are counted"
+        );
         a.insert((0, 1), (vec![5, 6], vec![-0.1, -3.0]));
         b.insert((0, 1), (vec![6, 5], vec![-0.2, -2.0]));
         let got = agreement(&a, &b).unwrap();
         assert_eq!((got.positions, got.nonfinite_positions), (1, 1));
-        assert_eq!(got.argmax_agreement, 0.0);
+        assert_eq!(got.argmax_agreement, Some(0.0));
     }
 
     #[test]
@@ -188,6 +202,7 @@ mod tests {
         b.insert((0, 2), (vec![8, 7], vec![-0.1, -3.0]));
         a.insert((0, 3), (vec![9], vec![0.0]));
         let g = agreement(&a, &b).unwrap();
-        assert_eq!((g.positions, g.argmax_agreement), (2, 0.5));
+        assert_eq!((g.positions, g.argmax_agreement), (2, Some(0.5)));
+        assert!(agreement(&a, &TopN::new()).is_none(), "no shared position");
     }
 }

@@ -8,8 +8,12 @@
 //! Candidates: `hidden` rows with a prod NaN, +Inf or −Inf count above zero,
 //! and `events` rows of kind nan, pos_inf or neg_inf on the prod path. The
 //! onset is the candidate with the smallest capture sequence number `seq`
-//! (ties: the hidden row, then the lower token). The shadow was finite there
-//! when the hidden row's shadow counts are zero, or the event says so.
+//! (ties: the events row, then the lower token). At one capture the events
+//! row is the truth: the producer found its first token in the whole
+//! tensor, while hidden rows may be a sample of the tokens
+//! (`SHADOWTRACE_TOKENS=every:N` or `last:N`), whose first non-finite one can
+//! come later. The shadow was finite there when the event says so, or the
+//! hidden row's shadow counts are zero.
 //! Failed sentinel checks are listed beside it.
 //!
 //! ## Why it matters
@@ -146,7 +150,8 @@ pub fn onset(
                 kind: kind.to_owned(),
                 shadow_finite,
             },
-            0,
+            // After an events row of the same capture (see the module docs).
+            1,
         );
     }
 
@@ -188,7 +193,7 @@ pub fn onset(
                 kind: kind_i.to_owned(),
                 shadow_finite: shadow_finite[i],
             },
-            1,
+            0,
         );
     }
     Ok((best.map(|b| b.3), sentinels))

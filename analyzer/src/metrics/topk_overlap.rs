@@ -10,8 +10,17 @@
 //! `shadowtrace_schemas::selection`). The same again with boundary churn
 //! removed from both: keys of either path's boundary list whose score lies
 //! within the churn margin of that path's k-th score. The margin is the
-//! run's recorded `boundary_band` unless a smaller one is asked for; a row
-//! without boundary lists has no churn to remove.
+//! run's recorded `boundary_band` unless a smaller one is asked for.
+//!
+//! What a margin can do: churn is found only among the keys a producer listed
+//! in its boundary lists, which hold the keys within its band of the k-th
+//! score, with their scores. A margin can narrow that band, never widen it;
+//! and a row without boundary lists (no band recorded, or a path's list
+//! null) has no score of any differing key to measure, so no margin can find
+//! its churn. Such rows are counted as churn unknown ([`RowOverlap::churn_unknown`],
+//! [`LayerOverlap::churn_unknown_rows`]) and reported beside the verdict;
+//! what churn is known there (one path's list) is removed, and every other
+//! difference counts, so their churn-free Jaccard is a lower bound.
 //!
 //! Rows with at most k visible keys (`visible <= k`) select every key and
 //! carry no information: they are counted as dense and kept out of every
@@ -22,8 +31,9 @@
 //!
 //! Rows whose shadow scored the dequantized FP8 operands (`shadow_input`
 //! `dequant`) measure the production kernel's own error, not the distance
-//! to the reference: they are kept apart ([`RowOverlap::dequant`]), carry no
-//! dense counts, and never drive a verdict.
+//! to the reference: they are kept apart ([`RowOverlap::dequant`],
+//! [`Skipped::dequant`]), with their own dense counts, and never drive a
+//! verdict.
 //!
 //! ## Why it matters
 //! A selection that loses keys the reference needs changes attention
@@ -68,6 +78,32 @@ pub const COLUMNS: [&str; 15] = [
 /// Per layer, rows left out of the averages: (dense rows, rows without a shadow).
 pub type Uninformative = BTreeMap<i32, (usize, usize)>;
 
+/// Rows left out of the averages, for the reference shadow (or none) and
+/// for the dequant shadow apart: the same query rows appear once per shadow.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Skipped {
+    /// Rows whose shadow (if any) is the reference recompute.
+    pub reference: Uninformative,
+    /// Rows whose shadow scored the dequantized FP8 operands.
+    pub dequant: Uninformative,
+}
+
+impl Skipped {
+    /// Adds another chunk's counts.
+    pub fn add(&mut self, other: &Skipped) {
+        for (mine, theirs) in [
+            (&mut self.reference, &other.reference),
+            (&mut self.dequant, &other.dequant),
+        ] {
+            for (layer, (dense, no_shadow)) in theirs {
+                let entry = mine.entry(*layer).or_default();
+                entry.0 += dense;
+                entry.1 += no_shadow;
+            }
+        }
+    }
+}
+
 /// Overlap of one informative row.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct RowOverlap {
@@ -93,6 +129,9 @@ pub struct RowOverlap {
     pub differing_keys: usize,
     /// Of those, the keys that were churn.
     pub differing_churn: usize,
+    /// The row lacks the band or a path's boundary list: its churn could
+    /// not be (fully) computed, and its churn-free values are lower bounds.
+    pub churn_unknown: bool,
 }
 
 /// What a layer's rows amount to.
@@ -106,6 +145,9 @@ pub struct LayerOverlap {
     pub dense_rows: usize,
     /// Rows without a shadow selection (not averaged in).
     pub rows_without_shadow: usize,
+    /// Informative rows whose churn could not be computed (no boundary
+    /// lists): averaged in with every difference counted.
+    pub churn_unknown_rows: usize,
     /// Jaccard, churn included.
     pub jaccard: Option<Summary>,
     /// Recall, churn included.
@@ -133,7 +175,7 @@ pub struct LayerOverlap {
 pub fn row_overlaps(
     frame: &DataFrame,
     churn_margin: Option<f32>,
-) -> Result<(Vec<RowOverlap>, Uninformative), AnalyzeError> {
+) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
     let step = i32s(frame, c::STEP)?;
     let layer = i32s(frame, c::LAYER)?;
     let token = i32s(frame, c::TOKEN)?;
@@ -153,12 +195,14 @@ pub fn row_overlaps(
         .map(|s| s.as_deref() == Some("dequant"))
         .collect();
 
-    let mut skipped = Uninformative::new();
+    let mut skipped = Skipped::default();
     for i in 0..frame.height() {
-        if dequant[i] {
-            continue; // the same query rows again, against a second shadow
-        }
-        let entry = skipped.entry(layer[i]).or_default();
+        let counts = if dequant[i] {
+            &mut skipped.dequant
+        } else {
+            &mut skipped.reference
+        };
+        let entry = counts.entry(layer[i]).or_default();
         if visible[i] <= k[i] {
             entry.0 += 1;
         } else if shadow.get(i).is_none() {
@@ -175,8 +219,16 @@ pub fn row_overlaps(
             let margin = match (band[i], churn_margin) {
                 (Some(b), Some(m)) => b.min(m),
                 (Some(b), None) => b,
-                (None, _) => -1.0, // no boundary lists recorded: nothing is churn
+                // No band: no boundary list can hold a key, whatever the margin.
+                (None, _) => -1.0,
             };
+            let churn_unknown = band[i].is_none()
+                || [prod_bi.get(i), shadow_bi.get(i)]
+                    .iter()
+                    .any(Option::is_none)
+                || [prod_bs.get(i), shadow_bs.get(i)]
+                    .iter()
+                    .any(Option::is_none);
             let kth_or_nan = |kth: Option<f32>| kth.unwrap_or(f32::NAN);
             excluded.clear();
             excluded.extend(churn(
@@ -207,6 +259,7 @@ pub fn row_overlaps(
                 differing_keys: all.union - all.intersection,
                 differing_churn: (all.union - all.intersection)
                     - (clean.union - clean.intersection),
+                churn_unknown,
             })
         })
         .flatten()
@@ -235,6 +288,7 @@ pub fn by_layer(rows: &[RowOverlap], skipped: &Uninformative, threshold: f64) ->
                 informative_rows: n,
                 dense_rows,
                 rows_without_shadow,
+                churn_unknown_rows: rows.iter().filter(|r| r.churn_unknown).count(),
                 jaccard: take(|r| r.jaccard),
                 recall: take(|r| r.recall),
                 jaccard_no_churn: take(|r| r.jaccard_no_churn),

@@ -3,7 +3,9 @@
 use std::fmt::Write;
 
 use super::terminal::layer_rows;
-use super::{LAYER_COLUMNS, comparison_table, grid_table, sci};
+use super::{
+    LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, model_label, sci,
+};
 use crate::Analysis;
 
 /// Renders the report; `plots` are paths relative to the report, embedded
@@ -32,6 +34,9 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
     );
 
     let _ = writeln!(out, "## Grid by {}\n", a.grid.group_by.join(", "));
+    for u in &a.grid.user_tags {
+        let _ = writeln!(out, "- {}\n", u.line());
+    }
     let (header, rows) = grid_table(&a.grid);
     table(&mut out, &header, &rows);
     if let Some((by, header, rows)) = comparison_table(&a.grid) {
@@ -48,7 +53,10 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                     d.a.clone(),
                     d.b.clone(),
                     d.agreement.positions.to_string(),
-                    format!("{:.4}", d.agreement.argmax_agreement),
+                    d.agreement.argmax_agreement.map_or_else(
+                        || format!("none ({} non-finite)", d.agreement.nonfinite_positions),
+                        |share| format!("{share:.4}"),
+                    ),
                     sci(d.agreement.js_divergence.map(|s| s.max)),
                 ]
             })
@@ -79,7 +87,7 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             out,
             "### {}\n\n{} on {}, {} prompt of {} tokens, {}.\n",
             run.run_id,
-            tag("model"),
+            model_label(run),
             tag("engine"),
             tag("prompt_kind"),
             tag("prompt_len"),
@@ -123,6 +131,12 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             ),
             None => writeln!(out, "- top-k divergence: none"),
         };
+        if let Some(text) = churn_unknown_text(run) {
+            let _ = writeln!(out, "- top-k {text}");
+        }
+        if let Some(l) = &run.logits {
+            let _ = writeln!(out, "- logits: argmax agreement {}", argmax_text(l));
+        }
         for note in &run.notes {
             let _ = writeln!(out, "- note: {note}");
         }

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 pub use markdown::render_markdown;
 pub use terminal::render_terminal;
 
+use crate::analysis::RunAnalysis;
 use crate::grid::{Grid, GroupRow};
+use crate::metrics::logits::Agreement;
 use crate::{Analysis, AnalyzeError};
 
 /// Files a report directory holds, relative to it.
@@ -70,6 +72,41 @@ pub fn write_report(dir: &Path, analysis: &Analysis) -> Result<Vec<PathBuf>, Ana
     Ok(written)
 }
 
+/// A run's model as its header names it: the `model` tag, and the
+/// manifest's model name beside it where a user tag displaced it.
+pub(crate) fn model_label(run: &RunAnalysis) -> String {
+    let model = run.tags.get("model").map_or("-", String::as_str);
+    match run
+        .tags
+        .get(&format!("{}model", crate::analysis::MANIFEST_TAG_PREFIX))
+    {
+        Some(manifest) => format!("{model} (user tag; manifest model {manifest})"),
+        None => model.to_owned(),
+    }
+}
+
+/// Argmax agreement as the reports say it: the share and over how many
+/// positions, or why there is none.
+pub(crate) fn argmax_text(a: &Agreement) -> String {
+    match a.argmax_agreement {
+        Some(share) => format!("{share:.4} over {} positions", a.positions),
+        None => format!("none: all {} positions non-finite", a.nonfinite_positions),
+    }
+}
+
+/// Beside a run's top-k verdict: how many of its informative rows had no
+/// boundary lists, so that no churn could be removed there; `None` when
+/// every row's churn was computed.
+pub(crate) fn churn_unknown_text(run: &RunAnalysis) -> Option<String> {
+    let unknown: usize = run.topk.iter().map(|l| l.churn_unknown_rows).sum();
+    let rows: usize = run.topk.iter().map(|l| l.informative_rows).sum();
+    (unknown > 0).then(|| {
+        format!(
+            "churn unknown on {unknown} of {rows} rows (no boundary lists): every difference there counts"
+        )
+    })
+}
+
 /// A number for a table: fixed decimals, or `-` when absent.
 pub(crate) fn num(v: Option<f64>, decimals: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.decimals$}"))
@@ -96,7 +133,10 @@ pub(crate) fn marks(nonfinite: Option<i32>, hidden: &[i32], topk: &[i32]) -> Str
 }
 
 /// Header of the per-run layer table.
-pub(crate) const LAYER_COLUMNS: [&str; 10] = [
+/// `NaN tok` counts tokens whose prod vector is non-finite at any site of
+/// the layer (the largest count over its sites), `shadow-only NaN` those whose
+/// shadow alone is.
+pub(crate) const LAYER_COLUMNS: [&str; 11] = [
     "layer",
     "J",
     "J no churn",
@@ -106,6 +146,7 @@ pub(crate) const LAYER_COLUMNS: [&str; 10] = [
     "hidden p95",
     "cos min",
     "NaN tok",
+    "shadow-only NaN",
     "marks",
 ];
 

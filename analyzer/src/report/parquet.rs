@@ -86,7 +86,7 @@ fn runs(a: &Analysis) -> Frame {
             x.topk_verdict.as_ref().map(|v| v.layer)
         }),
         col_map("argmax_agreement", r, |x| {
-            x.logits.as_ref().map(|l| l.argmax_agreement)
+            x.logits.as_ref().and_then(|l| l.argmax_agreement)
         }),
     ])
 }
@@ -115,6 +115,9 @@ fn topk_layers(a: &Analysis) -> Frame {
             l.informative_rows as u64
         }),
         col_map("dense_rows", &rows, |(_, l)| l.dense_rows as u64),
+        col_map("churn_unknown_rows", &rows, |(_, l)| {
+            l.churn_unknown_rows as u64
+        }),
         col_map("jaccard_mean", &rows, |(_, l)| stat(l.jaccard, |s| s.mean)),
         col_map("jaccard_p5", &rows, |(_, l)| stat(l.jaccard, |s| s.p5)),
         col_map("jaccard_min", &rows, |(_, l)| stat(l.jaccard, |s| s.min)),
@@ -151,6 +154,7 @@ fn topk_rows(a: &Analysis) -> Frame {
         col_map("churn_keys", &rows, |(_, x)| x.churn_keys as u64),
         col_map("differing_keys", &rows, |(_, x)| x.differing_keys as u64),
         col_map("differing_churn", &rows, |(_, x)| x.differing_churn as u64),
+        col_map("churn_unknown", &rows, |(_, x)| x.churn_unknown),
     ])
 }
 
@@ -164,6 +168,9 @@ fn hidden_layers(a: &Analysis) -> Frame {
         col_map("tokens", &rows, |(_, x)| x.tokens as u64),
         col_map("nonfinite_tokens", &rows, |(_, x)| {
             x.nonfinite_tokens as u64
+        }),
+        col_map("shadow_nonfinite_tokens", &rows, |(_, x)| {
+            x.shadow_nonfinite_tokens as u64
         }),
         col_map("rel_l2_err_mean", &rows, |(_, x)| {
             stat(x.rel_l2_err, |s| s.mean)

@@ -2,7 +2,10 @@
 
 use std::fmt::Write;
 
-use super::{LAYER_COLUMNS, comparison_table, grid_table, marks, num, sci};
+use super::{
+    LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, marks,
+    model_label, num, sci,
+};
 use crate::Analysis;
 use crate::analysis::RunAnalysis;
 
@@ -37,11 +40,10 @@ pub fn render_terminal(a: &Analysis) -> String {
             let js = d.agreement.js_divergence.map(|s| s.max);
             let _ = writeln!(
                 out,
-                "  {} vs {}: argmax agreement {:.4} over {} positions, max JS {} bits",
+                "  {} vs {}: argmax agreement {}, max JS {} bits",
                 d.a,
                 d.b,
-                d.agreement.argmax_agreement,
-                d.agreement.positions,
+                argmax_text(&d.agreement),
                 sci(js)
             );
         }
@@ -59,6 +61,9 @@ fn plural(n: usize) -> &'static str {
 
 fn grid_section(out: &mut String, a: &Analysis) {
     let _ = writeln!(out, "grid by {}", a.grid.group_by.join(", "));
+    for u in &a.grid.user_tags {
+        let _ = writeln!(out, "  {}", u.line());
+    }
     let (header, rows) = grid_table(&a.grid);
     table(out, &header, &rows);
     let _ = writeln!(out);
@@ -83,7 +88,7 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         out,
         "run {}: {} on {}, {} prompt of {} tokens, {status}",
         run.run_id,
-        tag("model"),
+        model_label(run),
         tag("engine"),
         tag("prompt_kind"),
         tag("prompt_len")
@@ -102,6 +107,16 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             r.max_jaccard_diff,
             r.max_hidden_p95_diff
         );
+        for u in &r.uneven_layers {
+            let ranks: Vec<String> = u.ranks.iter().map(ToString::to_string).collect();
+            let _ = writeln!(
+                out,
+                "  layer {} recorded on rank{} {} only",
+                u.layer,
+                if u.ranks.len() == 1 { "" } else { "s" },
+                ranks.join(", ")
+            );
+        }
     }
     for (k, v) in run.counters.iter().filter(|(_, v)| **v > 0) {
         let _ = writeln!(out, "  counted: {k} = {v}");
@@ -164,28 +179,37 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
     );
     let _ = writeln!(
         out,
-        "  top-k divergence:  {}",
+        "  top-k divergence:  {}{}",
         run.topk_verdict.as_ref().map_or_else(
             || "none".to_owned(),
             |v| format!(
                 "layer {}: mean Jaccard {:.4} < {:.4}",
                 v.layer, v.value, v.limit
             )
-        )
+        ),
+        churn_unknown_text(run)
+            .map(|t| format!("; {t}"))
+            .unwrap_or_default()
     );
     if let Some(l) = &run.logits {
+        let detail = if l.argmax_agreement.is_none() {
+            String::new()
+        } else {
+            format!(
+                ", JS mean {} max {} bits{}",
+                sci(l.js_divergence.map(|s| s.mean)),
+                sci(l.js_divergence.map(|s| s.max)),
+                if l.nonfinite_positions > 0 {
+                    format!(" ({} non-finite positions left out)", l.nonfinite_positions)
+                } else {
+                    String::new()
+                }
+            )
+        };
         let _ = writeln!(
             out,
-            "  logits:            argmax agreement {:.4} over {} positions, JS mean {} max {} bits{}",
-            l.argmax_agreement,
-            l.positions,
-            sci(l.js_divergence.map(|s| s.mean)),
-            sci(l.js_divergence.map(|s| s.max)),
-            if l.nonfinite_positions > 0 {
-                format!(" ({} non-finite positions left out)", l.nonfinite_positions)
-            } else {
-                String::new()
-            }
+            "  logits:            argmax agreement {}{detail}",
+            argmax_text(l)
         );
     }
     let header = LAYER_COLUMNS.map(str::to_owned);
@@ -212,13 +236,16 @@ pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
                 .hidden
                 .iter()
                 .find(|s| s.layer == layer && s.site == "layer_out");
-            let nonfinite: usize = run
-                .hidden
-                .iter()
-                .filter(|s| s.layer == layer)
-                .map(|s| s.nonfinite_tokens)
-                .max()
-                .unwrap_or(0);
+            let worst = |count: fn(&crate::metrics::hidden_error::SiteError) -> usize| {
+                run.hidden
+                    .iter()
+                    .filter(|s| s.layer == layer)
+                    .map(count)
+                    .max()
+                    .unwrap_or(0)
+            };
+            let nonfinite = worst(|s| s.nonfinite_tokens);
+            let shadow_nonfinite = worst(|s| s.shadow_nonfinite_tokens);
             let onset = run
                 .onset
                 .as_ref()
@@ -246,6 +273,7 @@ pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
                 sci(h.and_then(|h| h.rel_l2_err.map(|s| s.p95))),
                 num(h.and_then(|h| h.cosine.map(|s| s.min)), 6),
                 nonfinite.to_string(),
+                shadow_nonfinite.to_string(),
                 if onset.is_none() && hv.is_empty() && kv.is_empty() {
                     String::new()
                 } else {

@@ -1,13 +1,39 @@
 """The SHADOWTRACE_* environment, read once, as `schemas/v1/env.json` defines it.
 
 `resolve` gives every variable's canonical value with defaults applied, the same JSON the
-Rust side's `shadowtrace env --format json` prints for the same environment.
+Rust side's `shadowtrace env --format json` prints for the same environment, and refuses
+exactly the values it refuses, naming the same variable (schemas/src/env.rs; a test runs a
+corpus of valid and invalid values through both). Each type accepts what env.json's `types`
+says and nothing more: Python's own `str.strip`, `int` and `float` accept more than that
+(Unicode spaces and digits, `1_000`, `nan`), so they only run on text already checked.
 """
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from shadowtrace_hooks import definitions
+
+# Words a bool variable reads as true or false (case-insensitive). The startup .pth line
+# repeats FALSE_WORDS for SHADOWTRACE itself: it must decide before importing anything.
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+# The whitespace a value and its list items lose: ASCII only, as Rust's is_ascii_whitespace.
+_SPACE = " \t\n\x0c\r"
+_DIGITS = re.compile(r"[0-9]+")
+_INTEGER = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# Integer types' ranges: i64 for int, u32 for layers, u64 for tokens (the Rust types).
+_I64 = (-(1 << 63), (1 << 63) - 1)
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+
+
+def _integer(digits: str) -> int | None:
+    """The value of text already checked to be ASCII digits (and a sign), or None when it
+    is too long for any of the types above: int() refuses thousands of digits by raising."""
+    return int(digits) if len(digits) <= 21 else None
 
 
 class EnvError(ValueError):
@@ -31,7 +57,7 @@ def resolve(environ: Mapping[str, str]) -> dict[str, Any]:
     out = {}
     for var in variables():
         raw = environ.get(var["name"], var["default"])
-        value = _parse(var, raw.strip())
+        value = _parse(var, raw.strip(_SPACE))
         if isinstance(value, _Bad):
             raise EnvError(var["name"], raw, value.expected)
         out[var["name"]] = value
@@ -44,30 +70,33 @@ class _Bad:
 
 
 def _items(raw: str) -> list[str]:
-    return [part.strip() for part in raw.split(",") if part.strip()]
+    return [part.strip(_SPACE) for part in raw.split(",") if part.strip(_SPACE)]
 
 
 def _number(var: dict[str, Any], raw: str, kind: type) -> Any:
     minimum = var.get("min")
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    ok = value is not None and value == value and value not in (float("inf"), float("-inf"))
-    if ok and (minimum is None or value >= minimum):
+    value: int | float | None = None
+    if kind is int and _INTEGER.fullmatch(raw):
+        value = _integer(raw)
+        value = value if value is not None and _I64[0] <= value <= _I64[1] else None
+    elif kind is float and _DECIMAL.fullmatch(raw):
+        value = float(raw)
+        value = value if abs(value) != float("inf") else None
+    if value is not None and (minimum is None or value >= minimum):
         return value
     what = "an integer" if kind is int else "a number"
-    return _Bad(f"{what} >= {minimum}")
+    return _Bad(what if minimum is None else f"{what} >= {minimum}")
 
 
 def _parse(var: dict[str, Any], raw: str) -> Any:
     kind = var["type"]
     vocabulary = definitions.load("vocabulary")
     if kind == "bool":
-        lowered = raw.lower()
-        if lowered in ("1", "true", "yes", "on"):
+        # ASCII letters only: no bool word is spelled otherwise.
+        lowered = raw.lower() if raw.isascii() else raw
+        if lowered in TRUE_WORDS:
             return True
-        if lowered in ("", "0", "false", "no", "off"):
+        if lowered in FALSE_WORDS:
             return False
         return _Bad("1/true/yes/on or 0/false/no/off")
     if kind == "path":
@@ -100,9 +129,9 @@ def _parse(var: dict[str, Any], raw: str) -> Any:
         tags = {}
         for pair in _items(raw):
             key, sep, value = pair.partition("=")
-            if not sep or not key.strip():
+            if not sep or not key.strip(_SPACE):
                 return _Bad("comma-separated key=value pairs with non-empty keys")
-            tags[key.strip()] = value.strip()
+            tags[key.strip(_SPACE)] = value.strip(_SPACE)
         return tags
     return _Bad(f"a value of the unknown type {kind} (a defect in env.json)")
 
@@ -113,12 +142,13 @@ def _layers(raw: str) -> Any:
     expected = _Bad("all, or layers and ranges such as 0-3,10")
     ranges = []
     for part in _items(raw):
-        first, _, last = part.partition("-")
-        last = last or first
-        if not (first.strip().isdigit() and last.strip().isdigit()):
+        first, dash, last = part.partition("-")
+        # "3" is the range 3-3; "3-" and "-3" are neither.
+        first, last = first.strip(_SPACE), (last if dash else first).strip(_SPACE)
+        if not (_DIGITS.fullmatch(first) and _DIGITS.fullmatch(last)):
             return expected
-        a, b = int(first), int(last)
-        if a > b:
+        a, b = _integer(first), _integer(last)
+        if a is None or b is None or a > b or b > _U32_MAX:
             return expected
         ranges.append([a, b])
     return sorted(ranges) if ranges else expected
@@ -128,6 +158,8 @@ def _tokens(raw: str) -> Any:
     if raw == "all":
         return {"kind": "all"}
     kind, _, n = raw.partition(":")
-    if kind in ("every", "last") and n.strip().isdigit() and int(n) >= 1:
-        return {"kind": kind, "n": int(n)}
+    n = n.strip(_SPACE)
+    count = _integer(n) if _DIGITS.fullmatch(n) else None
+    if kind in ("every", "last") and count is not None and 1 <= count <= _U64_MAX:
+        return {"kind": kind, "n": count}
     return _Bad("all, every:N or last:N with N >= 1")

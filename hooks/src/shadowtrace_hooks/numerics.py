@@ -10,7 +10,9 @@ runs on the engine's device:
   (key s visible to query t iff s <= q_pos[t], the query's own key included);
 - `fp8_scores`: the same from FP8 codes and their scales, the product a kernel computes;
 - `select`: top-k rows in the stored form (valid indices ascending), the k-th score, its
-  margin to the (k+1)-th, and the keys within a band of the k-th score.
+  margin to the (k+1)-th, and the keys within a band of the k-th score; a row is dense
+  (at most k visible keys) by its visible keys alone, and a dense row's k-th score, margin
+  and boundary lists are null, as the topk table defines them.
 """
 
 import math
@@ -183,7 +185,9 @@ def dense_weight(linear: torch.nn.Module, block: int = 128) -> torch.Tensor:
 
 @dataclass
 class Lists:
-    """A list column in flat form: row i is values[offsets[i]:offsets[i+1]]."""
+    """A list column in flat form: row i is values[offsets[i]:offsets[i+1]]. Where `offsets`
+    is a numpy masked array, a masked offsets[i] makes row i null (Arrow reads list offsets
+    with nulls so), which is how a dense row's boundary lists reach the file."""
 
     values: np.ndarray
     offsets: np.ndarray
@@ -191,7 +195,9 @@ class Lists:
 
 @dataclass
 class Selection:
-    """Top-k rows of one path in the topk table's form; nan margins where a row is dense."""
+    """Top-k rows of one path in the topk table's form. A dense row's k-th score and margin
+    are masked (numpy masked arrays, written as null) and its boundary lists null; a sparse
+    row whose scores are NaN keeps its NaN."""
 
     indices: Lists
     kth_score: np.ndarray
@@ -226,10 +232,18 @@ def members(indices: torch.Tensor, visible: torch.Tensor) -> Lists:
     return _lists_from_mask(mask[:, :keys])[0]
 
 
+def _null_rows(lists: Lists, rows: np.ndarray) -> Lists:
+    """`lists` with `rows` null: their offsets masked (their lists are empty)."""
+    mask = np.zeros(len(lists.offsets), dtype=bool)
+    mask[:-1] = rows
+    return Lists(lists.values, np.ma.masked_array(lists.offsets, mask=mask))
+
+
 def select(scores: torch.Tensor, k: int, q_pos: torch.Tensor, band: float | None) -> Selection:
     """Top-k of each row of `scores` [T, S] (-inf where masked) with the k-th score, its
-    margin to the (k+1)-th (nan when the row is dense: at most k visible keys) and, with a
-    band, the keys whose score lies within it of the k-th score."""
+    margin to the (k+1)-th and, with a band, the keys whose score lies within it of the
+    k-th score. A row is dense when it sees at most k keys (never because its k-th score is
+    NaN): its k-th score and margin are masked and its boundary lists null."""
     keys = scores.shape[1]
     visible = q_pos + 1
     take = min(k + 1, keys)
@@ -242,7 +256,16 @@ def select(scores: torch.Tensor, k: int, q_pos: torch.Tensor, band: float | None
     margin = torch.where(dense, torch.full_like(margin, math.nan), margin)
     kth = torch.where(dense, torch.full_like(kth, math.nan), kth)
     boundary = scores_b = None
+    dense_rows = dense.cpu().numpy()
     if band is not None:
         near = ((scores - kth[:, None]).abs() <= band) & ~dense[:, None] & torch.isfinite(scores)
         boundary, scores_b = _lists_from_mask(near, scores)
-    return Selection(indices, kth.cpu().numpy(), margin.cpu().numpy(), boundary, scores_b)
+        assert scores_b is not None
+        boundary, scores_b = _null_rows(boundary, dense_rows), _null_rows(scores_b, dense_rows)
+    return Selection(
+        indices,
+        np.ma.masked_array(kth.cpu().numpy(), mask=dense_rows),
+        np.ma.masked_array(margin.cpu().numpy(), mask=dense_rows),
+        boundary,
+        scores_b,
+    )

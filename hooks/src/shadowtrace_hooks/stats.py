@@ -35,7 +35,11 @@ def hidden_columns(
         cols["shadow_max_abs"], cols["shadow_l2"] = _finite_norms(s)
         # Non-finite anywhere in either vector makes the comparison NaN, as the docs say.
         diff = p - s
-        cols["rel_l2_err"] = diff.norm(dim=-1) / s.norm(dim=-1)
+        diff_norm, shadow_norm = diff.norm(dim=-1), s.norm(dim=-1)
+        # Against a zero shadow: 0 when prod is zero too, +inf otherwise (never 0/0 = NaN,
+        # which reads as a non-finite vector).
+        against_zero = torch.where(diff_norm > 0, math.inf, 0.0).to(diff_norm.dtype)
+        cols["rel_l2_err"] = torch.where(shadow_norm != 0, diff_norm / shadow_norm, against_zero)
         cols["cosine"] = (p * s).sum(-1) / (p.norm(dim=-1) * s.norm(dim=-1))
         cols["max_abs_diff"] = diff.abs().amax(-1)
         bad = ~(torch.isfinite(p).all(-1) & torch.isfinite(s).all(-1))
@@ -67,6 +71,24 @@ def nonfinite_events(prod: torch.Tensor, shadow: torch.Tensor | None) -> list[di
         events.append(
             {"kind": kind, "token": token, "channel": channel, "count": count, "shadow_finite": shadow_finite}
         )
+    return events
+
+
+def indexer_events(
+    scores: torch.Tensor, q_pos: torch.Tensor, shadow: torch.Tensor | None = None
+) -> list[dict]:
+    """`nonfinite_events` of an indexer score matrix [T, S] whose query t sees keys
+    s <= q_pos[t]: the -inf beyond them is the mask, not a score. token is the first query
+    row holding the kind, channel its first key, count over every visible score; with the
+    shadow's scores, whether they were finite over that query's visible keys."""
+    visible = torch.arange(scores.shape[1], device=scores.device)[None, :] <= q_pos[:, None]
+    p = scores.detach()
+    p = torch.where(visible, p, torch.zeros_like(p))
+    events = nonfinite_events(p, None)
+    for event in events:
+        if shadow is not None:
+            row = shadow.detach()[event["token"]][visible[event["token"]]]
+            event["shadow_finite"] = bool(torch.isfinite(row).all())
     return events
 
 

@@ -8,6 +8,7 @@
 )]
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
@@ -34,6 +35,10 @@ enum Path {
 /// shadow the SHADOWTRACE_* variables ask for, one run per prompt under
 /// SHADOWTRACE_DIR (or --out). Without, one untraced pass per prompt in
 /// --path numerics. See `shadowtrace env` for the variables.
+///
+/// Exit codes: 0 success, 2 bad input (a prompt, a variable, a --fault whose
+/// layer, site, channel, token or linear does not fit the model or prompt)
+/// or error.
 #[derive(Parser, Debug)]
 #[command(name = "shadowtrace run", version)]
 struct Args {
@@ -54,7 +59,8 @@ struct Args {
     fp8_indexer: String,
     /// A fault planted in production, as JSON, for example
     /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'
-    /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable.
+    /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable; traced
+    /// passes only. Every index it carries is checked against the model and each prompt.
     #[arg(long)]
     fault: Vec<String>,
     /// Numerics of an untraced pass.
@@ -92,8 +98,17 @@ fn read_prompt(path: &std::path::Path, vocab: i64) -> Result<Vec<i64>> {
     Ok(ids)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+fn main() -> ExitCode {
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
     let device = Device::cuda_if_available();
     let model = Model::open(&args.model, device)?;
     let name = args.name.clone().unwrap_or_else(|| {
@@ -112,21 +127,25 @@ fn main() -> Result<()> {
     opts.fp8_indexer_name.clone_from(&args.fp8_indexer);
     for f in &args.fault {
         let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
-        if fault.layer() >= model.config.num_hidden_layers {
-            bail!(
-                "--fault {f}: layer {} past the model's {} layers",
-                fault.layer(),
-                model.config.num_hidden_layers
-            );
-        }
+        fault
+            .check(&model, None)
+            .with_context(|| format!("--fault {f}"))?;
         opts.faults.push(fault);
     }
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    if out.is_none() && !args.fault.is_empty() {
+        bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
+    }
     if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
         bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");
     }
     for (i, path) in args.prompts.iter().enumerate() {
         let ids = read_prompt(path, model.config.vocab_size)?;
+        for (fault, f) in opts.faults.iter().zip(&args.fault) {
+            fault
+                .check(&model, Some(ids.len() as i64))
+                .with_context(|| format!("--fault {f} on {}", path.display()))?;
+        }
         let started = std::time::Instant::now();
         let Some(out) = &out else {
             let numerics = match args.path {

@@ -1,5 +1,9 @@
 //! Top-k over indexer scores, with the k-th score and its margin to the
 //! (k+1)-th, and rows with at most k visible keys marked dense.
+//!
+//! A row is dense because of how many keys it sees, never because of its
+//! scores: a sparse row whose k-th score is NaN keeps that NaN (the trace
+//! records the non-finite scores as an event), where a dense row has none.
 
 use tch::{Kind, Tensor};
 
@@ -18,7 +22,8 @@ pub struct TopkSelection {
     /// `[T, k]` int64 key positions, best first; a dense row lists its
     /// visible keys in order and pads with -1.
     pub indices: Tensor,
-    /// `[T]` fp32 k-th largest score; NaN for a dense row.
+    /// `[T]` fp32 k-th largest score; NaN for a dense row (and for a sparse
+    /// row whose scores are NaN: [`TopkSelection::dense`] tells them apart).
     pub kth_score: Tensor,
     /// `[T]` fp32 k-th minus (k+1)-th largest score; NaN for a dense row.
     pub kth_margin: Tensor,
@@ -109,7 +114,7 @@ impl TopkSelection {
             indices.sort_unstable();
             let kth = self.kth_score.f_double_value(&[t])? as f32;
             let margin = self.kth_margin.f_double_value(&[t])? as f32;
-            let dense = kth.is_nan();
+            let dense = self.dense.f_int64_value(&[t])? != 0;
             let boundary = match band {
                 Some(band) if !dense => Some(boundary_keys(&scores.f_get(t)?, kth, band)?),
                 _ => None,
@@ -140,9 +145,11 @@ impl TopkSelection {
             let indices = Vec::<i64>::try_from(flat(&self.indices)?)?;
             let kth = Vec::<f32>::try_from(flat(&self.kth_score)?)?;
             let margin = Vec::<f32>::try_from(flat(&self.kth_margin)?)?;
+            let dense = Vec::<bool>::try_from(flat(&self.dense)?)?;
             let mut boundary: Vec<Boundary> = vec![Boundary::default(); t];
             if let Some(band) = band {
-                // NaN k-th scores (dense rows) compare false: no boundary there.
+                // NaN k-th scores (dense rows, and sparse rows whose scores
+                // are NaN) compare false: no key is near them.
                 let near = scores
                     .f_sub(&self.kth_score.f_unsqueeze(1)?)?
                     .f_abs()?
@@ -163,7 +170,7 @@ impl TopkSelection {
                         .map(|&i| i32::try_from(i).unwrap_or(i32::MAX))
                         .collect();
                     keys.sort_unstable();
-                    let dense = kth[r].is_nan();
+                    let dense = dense[r];
                     Selection {
                         indices: keys,
                         kth_score: (!dense).then_some(kth[r]),
@@ -193,4 +200,38 @@ fn boundary_keys(row: &Tensor, kth: f32, band: f32) -> Result<Boundary, tch::Tch
             .collect(),
         scores: Vec::<f32>::try_from(scores.f_to_device(tch::Device::Cpu)?)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sparse_row_whose_kth_score_is_nan_stays_sparse() {
+        let ninf = f32::NEG_INFINITY;
+        // Row 0 sees one key (dense at k = 2); row 1 sees four, two of them NaN.
+        let scores = Tensor::from_slice(&[1.0_f32, ninf, ninf, ninf, f32::NAN, f32::NAN, 2.0, 1.0])
+            .view([2, 4]);
+        let visible = Tensor::from_slice(&[1_i64, 4]);
+        let selection = topk_with_margin(&scores, 2, &visible).unwrap();
+        let rows = selection.rows(&scores, Some(0.5)).unwrap();
+        let one = selection.row(1, &scores, Some(0.5)).unwrap();
+        for (what, sparse) in [("rows", &rows[1]), ("row", &one)] {
+            assert!(
+                sparse.kth_score.is_some_and(f32::is_nan),
+                "{what}: {sparse:?}"
+            );
+            assert!(sparse.kth_margin.is_some(), "{what}: {sparse:?}");
+            assert_eq!(
+                sparse.boundary,
+                Some(Boundary::default()),
+                "{what}: no key is within a band of NaN"
+            );
+        }
+        assert_eq!(
+            (rows[0].kth_score, rows[0].kth_margin, &rows[0].boundary),
+            (None, None, &None),
+            "the dense row"
+        );
+    }
 }

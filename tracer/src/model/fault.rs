@@ -4,6 +4,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::Model;
+
+/// Sites a [`Fault::NonFinite`] can be planted at: the production tensors
+/// the layer exposes.
+pub const NON_FINITE_SITES: [&str; 3] = ["attn_out", "mlp_out", "layer_out"];
+
 /// One planted fault; `layer` is the decoder layer it acts in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -85,7 +91,120 @@ impl NonFiniteValue {
     }
 }
 
+/// A fault that does not fit the model or the prompt it would be planted in:
+/// refused before anything runs, since an index past a tensor's end panics
+/// inside libtorch, and a site, linear or indexer that does not exist would
+/// plant nothing without a word.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FaultError {
+    /// A layer the model does not have.
+    #[error("layer {got} outside the model's {layers} layers")]
+    Layer {
+        /// The fault's layer.
+        got: i64,
+        /// The model's layers.
+        layers: i64,
+    },
+    /// A channel past the hidden size.
+    #[error("channel {got} outside the model's hidden size {hidden}")]
+    Channel {
+        /// The fault's channel.
+        got: i64,
+        /// The model's hidden size.
+        hidden: i64,
+    },
+    /// A token past the prompt.
+    #[error("token {got} outside the prompt's {tokens} tokens")]
+    Token {
+        /// The fault's token.
+        got: i64,
+        /// The prompt's length.
+        tokens: i64,
+    },
+    /// A site a non-finite value cannot be planted at.
+    #[error("site {got}: expected attn_out, mlp_out or layer_out")]
+    Site {
+        /// The fault's site.
+        got: String,
+    },
+    /// A linear the layer does not have.
+    #[error("linear {got}: no such linear in layer {layer}")]
+    Linear {
+        /// The fault's linear.
+        got: String,
+        /// Its layer.
+        layer: i64,
+    },
+    /// An indexer fault in a layer that reuses the previous top-k.
+    #[error("layer {layer} runs no indexer of its own (it reuses the previous layer's top-k)")]
+    NoIndexer {
+        /// The fault's layer.
+        layer: i64,
+    },
+}
+
 impl Fault {
+    /// Checks every index the fault carries against `model` (layer, channel,
+    /// site, linear, indexer) and, given the prompt's length, its token.
+    ///
+    /// # Errors
+    /// The first index that does not fit.
+    pub fn check(&self, model: &Model, tokens: Option<i64>) -> Result<(), FaultError> {
+        let c = &model.config;
+        let layer = self.layer();
+        if !(0..c.num_hidden_layers).contains(&layer) {
+            return Err(FaultError::Layer {
+                got: layer,
+                layers: c.num_hidden_layers,
+            });
+        }
+        let channel = |got: i64| {
+            if (0..c.hidden_size).contains(&got) {
+                Ok(())
+            } else {
+                Err(FaultError::Channel {
+                    got,
+                    hidden: c.hidden_size,
+                })
+            }
+        };
+        let token = |got: i64| match tokens {
+            Some(n) if !(0..n).contains(&got) => Err(FaultError::Token { got, tokens: n }),
+            _ => Ok(()),
+        };
+        match self {
+            Fault::NonFinite {
+                site,
+                token: t,
+                channel: ch,
+                ..
+            } => {
+                if !NON_FINITE_SITES.contains(&site.as_str()) {
+                    return Err(FaultError::Site { got: site.clone() });
+                }
+                channel(*ch)?;
+                token(*t)
+            }
+            Fault::KvSlot { token: t, .. } => token(*t),
+            Fault::Fp8Scale { linear, .. } => {
+                if model.has_tensor(&format!("model.layers.{layer}.{linear}.weight")) {
+                    Ok(())
+                } else {
+                    Err(FaultError::Linear {
+                        got: linear.clone(),
+                        layer,
+                    })
+                }
+            }
+            Fault::Outlier { channel: ch, .. } => channel(*ch),
+            Fault::IndexerKey { .. } if !c.runs_indexer(layer) => {
+                Err(FaultError::NoIndexer { layer })
+            }
+            Fault::IndexerKey { .. } => Ok(()),
+        }
+    }
+
     /// The layer the fault acts in.
     #[must_use]
     pub fn layer(&self) -> i64 {

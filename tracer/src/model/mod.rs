@@ -110,6 +110,15 @@ impl Model {
         })
     }
 
+    /// Whether the checkpoint holds the tensor `name`.
+    #[must_use]
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.checkpoint
+            .names_with_prefix(name)
+            .iter()
+            .any(|n| n == name)
+    }
+
     /// Loads the named tensors (fp32, on the model's device) with `prefix`
     /// stripped from their names.
     ///

@@ -96,6 +96,20 @@ pub fn trace(
                 ("layer_out", &prod.layer_out, Some(|o| &o.layer_out)),
             ];
             for (site, tensor, pick) in sites {
+                // The indexer runs inside attention: its capture (selections,
+                // and any non-finite production score) comes before attn_out.
+                if site == "attn_out"
+                    && opts.site("indexer")
+                    && let Some(prod_scores) = prod.index_scores.as_ref()
+                {
+                    let shadow_scores = local.as_ref().and_then(|o| o.index_scores.as_ref());
+                    let scores = IndexerScores {
+                        prod: prod_scores,
+                        shadow: shadow_scores,
+                    };
+                    record_topk(&writer, seq, i, c.index_topk, &scores, opts.band)?;
+                    seq += 1;
+                }
                 if !opts.site(site) {
                     continue;
                 }
@@ -106,25 +120,6 @@ pub fn trace(
                 }
                 record_site(&writer, seq, i, site, tensor, &shadows, &tokens_t, &tokens);
                 seq += 1;
-            }
-            if opts.site("indexer")
-                && let (Some(prod_scores), Some(shadow_scores)) = (
-                    prod.index_scores.as_ref(),
-                    local.as_ref().and_then(|o| o.index_scores.as_ref()),
-                )
-            {
-                record_topk(
-                    &writer,
-                    i,
-                    c.index_topk,
-                    prod_scores,
-                    Some(shadow_scores),
-                    opts.band,
-                )?;
-            } else if opts.site("indexer")
-                && let Some(prod_scores) = prod.index_scores.as_ref()
-            {
-                record_topk(&writer, i, c.index_topk, prod_scores, None, opts.band)?;
             }
         }
         prev_prod = Some(prod.topk.shallow_clone());
@@ -235,14 +230,52 @@ fn record_site(
     }
 }
 
+/// One layer's indexer scores `[S, S]` (query t sees keys s <= t, the rest
+/// -inf): production's, and the local shadow's where it ran.
+struct IndexerScores<'a> {
+    prod: &'a Tensor,
+    shadow: Option<&'a Tensor>,
+}
+
+/// The `indexer` capture `seq` of one layer: a `topk` row per query, and an
+/// `events` row per non-finite kind among production's visible scores
+/// (token: the first query holding it; channel: its first key), so that a
+/// NaN made in the indexer is an onset like any other.
 fn record_topk(
     writer: &RunWriter,
+    seq: i64,
     layer: i64,
     k: i64,
-    prod_scores: &Tensor,
-    shadow_scores: Option<&Tensor>,
+    scores: &IndexerScores<'_>,
     band: f32,
 ) -> Result<(), TraceError> {
+    let (prod_scores, shadow_scores) = (scores.prod, scores.shadow);
+    for (kind, token, key, count) in stats::indexer_nonfinite(prod_scores) {
+        let shadow_finite = shadow_scores.map(|s| {
+            s.get(token)
+                .narrow(0, 0, token + 1)
+                .isfinite()
+                .all()
+                .int64_value(&[])
+                == 1
+        });
+        let _ = writer.send(EventRow {
+            seq,
+            step: 0,
+            layer: layer as i32,
+            site: "indexer".to_owned(),
+            path: "prod".to_owned(),
+            kind: kind.to_owned(),
+            token: Some(token as i32),
+            channel: Some(key as i32),
+            count,
+            shadow_finite,
+            check: None,
+            passed: None,
+            value: None,
+            detail: None,
+        });
+    }
     let s = prod_scores.size()[0];
     let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, prod_scores.device()));
     let prod = topk_with_margin(prod_scores, k, &visible)?;

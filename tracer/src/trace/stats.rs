@@ -40,7 +40,9 @@ pub fn vector_stats(x: &Tensor) -> Vec<VectorStats> {
 }
 
 /// prod against shadow for each row of two `[S, N]` tensors; NaN where
-/// either row holds a non-finite value.
+/// either row holds a non-finite value. Against a zero shadow the relative
+/// error is 0 when prod is zero too and +inf otherwise (never 0/0 = NaN,
+/// which would read as a non-finite vector).
 #[must_use]
 pub fn comparisons(prod: &Tensor, shadow: &Tensor) -> Vec<Comparison> {
     let (p, s) = (prod.to_kind(Kind::Double), shadow.to_kind(Kind::Double));
@@ -51,8 +53,15 @@ pub fn comparisons(prod: &Tensor, shadow: &Tensor) -> Vec<Comparison> {
         .logical_and(&s.isfinite().all_dim(-1, false))
         .logical_not();
     let nan = |t: Tensor| t.masked_fill(&bad, f64::NAN);
+    let (diff_norm, shadow_norm) = (
+        diff.norm_scalaropt_dim(2, -1, false),
+        s.norm_scalaropt_dim(2, -1, false),
+    );
+    let against_zero = diff_norm
+        .zeros_like()
+        .masked_fill(&diff_norm.gt(0.0), f64::INFINITY);
     let rel = host_f32(&nan(
-        diff.norm_scalaropt_dim(2, -1, false) / s.norm_scalaropt_dim(2, -1, false)
+        (&diff_norm / &shadow_norm).where_self(&shadow_norm.ne(0.0), &against_zero)
     ));
     let cos = host_f32(&nan((&p * &s).sum_dim_intlist(-1, false, Kind::Double)
         / (p.norm_scalaropt_dim(2, -1, false)
@@ -94,6 +103,19 @@ pub fn nonfinite(x: &Tensor) -> Vec<(&'static str, i64, i64, i64)> {
         })
     })
     .collect()
+}
+
+/// [`nonfinite`] over the visible scores of a causal indexer score matrix
+/// `[T, S]`: query t sees keys s <= t, and the -inf beyond them is the mask,
+/// not a score. (kind, first query, first key, count over the visible scores.)
+#[must_use]
+pub fn indexer_nonfinite(scores: &Tensor) -> Vec<(&'static str, i64, i64, i64)> {
+    let size = scores.size();
+    let device = scores.device();
+    let keys = Tensor::arange(size[1], (Kind::Int64, device)).unsqueeze(0);
+    let queries = Tensor::arange(size[0], (Kind::Int64, device)).unsqueeze(1);
+    let visible = keys.le_tensor(&queries);
+    nonfinite(&scores.where_self(&visible, &scores.zeros_like()))
 }
 
 /// Top-`n` ids and log-probabilities of each row of `logits` `[S, V]`.
@@ -148,6 +170,19 @@ mod tests {
     }
 
     #[test]
+    fn the_relative_error_against_a_zero_shadow_is_zero_or_infinite() {
+        let p = Tensor::from_slice(&[0.0_f32, 0.0, 1.0, 0.0]).view([2, 2]);
+        let s = Tensor::zeros([2, 2], (Kind::Float, Device::Cpu));
+        let c = comparisons(&p, &s);
+        assert_eq!(c[0].rel_l2_err, 0.0, "both zero: no error");
+        assert_eq!(
+            c[1].rel_l2_err,
+            f32::INFINITY,
+            "prod moved off a zero shadow"
+        );
+    }
+
+    #[test]
     fn non_finite_values_are_found_first_in_token_order_and_counted() {
         let mut x = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
         let _ = x.get(2).get(1).fill_(f64::NAN);
@@ -157,6 +192,19 @@ mod tests {
         assert_eq!(found, vec![("nan", 2, 1, 2), ("neg_inf", 1, 2, 1)]);
         x = x.zeros_like();
         assert!(nonfinite(&x).is_empty());
+    }
+
+    #[test]
+    fn indexer_scores_are_non_finite_only_among_visible_keys() {
+        let ninf = f32::NEG_INFINITY;
+        // Three queries over three keys; -inf above the diagonal is the mask.
+        let scores =
+            Tensor::from_slice(&[1.0_f32, ninf, ninf, 2.0, f32::NAN, ninf, ninf, 0.5, 1.0])
+                .view([3, 3]);
+        assert_eq!(
+            indexer_nonfinite(&scores),
+            vec![("nan", 1, 1, 1), ("neg_inf", 2, 0, 1)]
+        );
     }
 
     #[test]
