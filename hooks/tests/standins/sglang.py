@@ -807,38 +807,8 @@ class Indexer0522(BaseFusedOp, _IndexerImpl):
         return self._forward(x, q_lora, positions, forward_batch, layer_id, return_indices)
 
 
-class Indexer0523(BaseFusedOp, _IndexerImpl):
-    """0.5.23 (dsa_indexer.py L267)."""
-
-    def __init__(
-        self, hidden_size: int, index_n_heads: int, index_head_dim: int, rope_head_dim: int, index_topk: int,
-        q_lora_rank: int, max_position_embeddings: int, rope_theta: float, layer_id: int,
-        scale_fmt: str | None, block_size: int = 128, rope_scaling: dict | None = None,
-        is_neox_style: bool = True, prefix: str = "", quant_config: Any = None, alt_stream: Any = None,
-        config: Any = None,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self._build(
-            hidden_size, index_n_heads, index_head_dim, rope_head_dim, index_topk, q_lora_rank,
-            max_position_embeddings, rope_theta, layer_id, scale_fmt, block_size, rope_scaling,
-            is_neox_style, config,
-        )  # fmt: skip
-
-    def _get_logits_head_gate(self, x: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
-        return self._gate(x, q_scale)
-
-    def _get_q_k_bf16(
-        self, q_lora: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, enable_dual_stream: bool,
-        forward_batch: Any,
-    ) -> tuple:  # fmt: skip
-        return self._q_k(q_lora, x, positions)
-
-    def _fused_q_prepare_and_store(
-        self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
-        layer_id: int,
-        act_quant: Any, *, num_tokens: int | None = None, enable_dual_stream: bool = True,
-    ) -> tuple:  # fmt: skip
-        return self._fused_q(x, q_lora, positions, forward_batch, layer_id)
+class Indexer0523(Indexer0522):
+    """0.5.23 (dsa_indexer.py L267): forward_cuda gains use_cuda_graph."""
 
     def forward_cuda(
         self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, forward_batch: Any,
