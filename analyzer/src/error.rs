@@ -169,6 +169,17 @@ pub enum RunProblem {
         /// Rows the files it lists hold (from their footers).
         got: u64,
     },
+    /// A run that says it is complete, whose producer handed its writer more
+    /// rows than the run holds or counts as dropped.
+    #[error(
+        "{manifest}: the run is complete, yet {missing} rows its producer sent are neither written nor counted as dropped"
+    )]
+    Unaccounted {
+        /// The manifest.
+        manifest: PathBuf,
+        /// Rows sent and neither written nor counted.
+        missing: u64,
+    },
 }
 
 impl LoadError {
@@ -187,7 +198,9 @@ impl LoadError {
             | LoadError::Decode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
-            LoadError::Problem(RunProblem::RowCount { manifest, .. }) => manifest,
+            LoadError::Problem(
+                RunProblem::RowCount { manifest, .. } | RunProblem::Unaccounted { manifest, .. },
+            ) => manifest,
         }
     }
 }

@@ -10,7 +10,8 @@ def test_unset_means_off_with_the_documented_defaults() -> None:
     assert values["SHADOWTRACE_LAYERS"] == "all"
     assert values["SHADOWTRACE_MODE"] == ["local"]
     assert values["SHADOWTRACE_TOKENS"] == {"kind": "all"}
-    assert values["SHADOWTRACE_QUEUE_CAPACITY"] == 4096
+    assert values["SHADOWTRACE_QUEUE_MB"] == 256
+    assert values["SHADOWTRACE_QUEUE_TIMEOUT_S"] == values["SHADOWTRACE_FLUSH_TIMEOUT_S"] == 30.0
     assert list(values) == [v["name"] for v in variables()]
 
 
@@ -38,7 +39,12 @@ def test_values_read_as_their_types() -> None:
     [
         ("SHADOWTRACE_LAYERS", "3-1", "all, or layers and ranges such as 0-3,10"),
         ("SHADOWTRACE_SHADOW", "fp16", "one of fp32, bf16, none"),
-        ("SHADOWTRACE_QUEUE_CAPACITY", "0", "an integer >= 1"),
+        ("SHADOWTRACE_QUEUE_MB", "0", "an integer >= 1"),
+        (
+            "SHADOWTRACE_QUEUE_CAPACITY",
+            "4096",
+            "unset: replaced by SHADOWTRACE_QUEUE_MB (the queue is bounded in bytes, not rows)",
+        ),
         ("SHADOWTRACE_BOUNDARY_BAND", "nan", "a number >= 0"),
         ("SHADOWTRACE", "maybe", "1/true/yes/on or 0/false/no/off"),
         ("SHADOWTRACE_TOKENS", "last:0", "all, every:N or last:N with N >= 1"),

@@ -60,6 +60,10 @@ struct EnvFile {
         reason = "what each type accepts, for readers; a test checks every variable's type is described"
     )]
     types: BTreeMap<String, String>,
+    /// Variables that no longer exist, and what replaced them: set, they are an error
+    /// (silently ignoring one would trace otherwise than its user asked).
+    #[serde(default)]
+    retired: BTreeMap<String, String>,
     variables: Vec<EnvVar>,
 }
 
@@ -85,6 +89,21 @@ fn env_file() -> Result<EnvFile, SchemaError> {
 )]
 static ENV_VARS: LazyLock<Vec<EnvVar>> =
     LazyLock::new(|| try_env_vars().expect("compiled-in env definitions parse"));
+
+// Invariant: as ENV_VARS.
+#[expect(
+    clippy::expect_used,
+    reason = "compiled-in definition, parsed by a unit test"
+)]
+static RETIRED: LazyLock<Retired> = LazyLock::new(|| {
+    Retired(
+        env_file()
+            .expect("compiled-in env definitions parse")
+            .retired,
+    )
+});
+
+struct Retired(BTreeMap<String, String>);
 
 /// Every variable, in the order of the definitions file.
 #[must_use]
@@ -112,6 +131,15 @@ pub struct EnvError {
 pub fn resolve(
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<BTreeMap<String, Value>, EnvError> {
+    for (name, instead) in &RETIRED.0 {
+        if let Some(got) = lookup(name) {
+            return Err(EnvError {
+                name: name.clone(),
+                got,
+                expected: instead.clone(),
+            });
+        }
+    }
     env_vars()
         .iter()
         .map(|var| {
@@ -325,7 +353,7 @@ mod tests {
         assert_eq!(r["SHADOWTRACE_LAYERS"], json!("all"));
         assert_eq!(r["SHADOWTRACE_MODE"], json!(["local"]));
         assert_eq!(r["SHADOWTRACE_TOKENS"], json!({"kind": "all"}));
-        assert_eq!(r["SHADOWTRACE_QUEUE_CAPACITY"], json!(4096));
+        assert_eq!(r["SHADOWTRACE_QUEUE_MB"], json!(256));
     }
 
     #[test]
@@ -366,7 +394,13 @@ mod tests {
             err.expected.contains("layer_in, indexer, attn_out"),
             "{err}"
         );
-        assert!(resolve(with(&[("SHADOWTRACE_QUEUE_CAPACITY", "0")])).is_err());
+        assert!(resolve(with(&[("SHADOWTRACE_QUEUE_MB", "0")])).is_err());
+        let retired = resolve(with(&[("SHADOWTRACE_QUEUE_CAPACITY", "4096")])).unwrap_err();
+        assert_eq!(retired.name, "SHADOWTRACE_QUEUE_CAPACITY");
+        assert!(
+            retired.expected.contains("SHADOWTRACE_QUEUE_MB"),
+            "{retired}"
+        );
         assert!(resolve(with(&[("SHADOWTRACE", "maybe")])).is_err());
     }
 }

@@ -233,8 +233,12 @@ pub struct TableEntry {
     pub status: Status,
     /// Rows in completed files.
     pub rows: u64,
-    /// Rows the lossy queue dropped.
+    /// Rows the writer dropped and counted.
     pub dropped_rows: u64,
+    /// Rows the producer handed to the writer when the manifest was written;
+    /// absent in runs written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_rows: Option<u64>,
     /// Completed part files, relative to the run directory.
     pub files: Vec<String>,
 }

@@ -22,6 +22,8 @@ fn a_run_killed_mid_write_keeps_its_complete_parts_and_says_incomplete() {
         .read_line(&mut line)
         .unwrap();
     assert_eq!(line.trim(), "ready", "the helper reached its kill point");
+    // An idle writer rewrites the manifest within a second: what was sent is on disk.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
     child.kill().unwrap(); // SIGKILL on Unix: no destructor, no flush.
     child.wait().unwrap();
 
@@ -38,6 +40,20 @@ fn a_run_killed_mid_write_keeps_its_complete_parts_and_says_incomplete() {
         run.notes
             .iter()
             .any(|n| n.contains("topk/part-00000.parquet.tmp") && n.contains("half-written")),
+        "{:?}",
+        run.notes
+    );
+
+    // The 300 top-k rows sent and never completed are said, not silently missing.
+    assert_eq!(
+        run.manifest.table(Table::Topk).unwrap().sent_rows,
+        Some(300)
+    );
+    assert!(run.manifest.counters["unflushed_rows"] >= 300);
+    assert!(
+        run.notes
+            .iter()
+            .any(|n| n.starts_with("300 rows handed to the writer are in no complete part")),
         "{:?}",
         run.notes
     );

@@ -11,7 +11,7 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 from conftest import SCHEMAS, binary
-from shadowtrace_hooks import format
+from shadowtrace_hooks import definitions, format
 from shadowtrace_hooks.config import EnvError, resolve, variables
 from shadowtrace_hooks.writer import RunWriter
 
@@ -254,6 +254,8 @@ def _environment_cases() -> list[tuple[str, str]]:
         for word in var.get("values", []):
             values += [word, word.upper(), f" {word} ", f"{word}x"]
         cases += [(var["name"], value) for value in values]
+    # A retired variable, set to anything, is refused on both sides with what replaced it.
+    cases += [(name, value) for name in definitions.load("env")["retired"] for value in ("4096", "")]
     return cases
 
 

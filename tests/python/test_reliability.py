@@ -144,6 +144,63 @@ def digest(out: str) -> str:
     return next(line.split()[1] for line in out.splitlines() if line.startswith("logits "))
 
 
+@pytest.fixture(scope="module")
+def reference_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny GLM-5 checkpoint of 12 layers and a 2200-token prompt: the reference engine
+    traces it in tens of seconds on the CPU, time to be killed half way."""
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("reference")
+    tiny_models.glm(layers=12).save_pretrained(root / "model")
+    (root / "prompt.json").write_text(json.dumps(tiny_models.prompt(2200)[0].tolist()))
+    return root / "model", root / "prompt.json"
+
+
+@pytest.mark.parametrize(
+    ("fault", "sig", "code"),
+    [
+        ("SIGKILL mid-trace (Rust writer)", signal.SIGKILL, -signal.SIGKILL),
+        ("SIGTERM mid-trace (Rust writer)", signal.SIGTERM, 128 + signal.SIGTERM),
+    ],
+)
+def test_a_kill_mid_trace_of_the_reference_engine_leaves_a_run_that_says_what_it_lost(
+    tmp_path: Path, reference_checkpoint: tuple[Path, Path], fault: str, sig: int, code: int
+) -> None:
+    model, prompt = reference_checkpoint
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [binary("shadowtrace-run"), "--model", model, "--out", runs, prompt],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # Until the writer's manifest says rows were sent: the trace is half way through.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            manifests = list(runs.glob("*/manifest.json"))
+            tables = json.loads(manifests[0].read_text())["tables"] if manifests else {}
+            if tables.get("hidden", {}).get("sent_rows", 0) > 0:
+                break
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == code, err[-3000:]
+    acc = account(runs)
+    record(fault, True, acc, 1)
+    (manifest,) = (json.loads(p.read_text()) for p in runs.glob("*/manifest.json"))
+    assert manifest["status"] == "incomplete"
+    assert acc["silent"] == 0
+    if sig == signal.SIGTERM:
+        # Stopped at a layer boundary: everything sent was written, the cut is said.
+        assert manifest["counters"]["interrupted"] == 1
+        assert acc["written"] == acc["sent"] > 0
+    else:
+        out = subprocess.run([binary("shadowtrace"), "inspect", runs], capture_output=True, text=True)
+        assert "INCOMPLETE" in out.stdout
+
+
 def test_a_full_disk_leaves_the_engine_running_and_counts_what_it_could_not_write(tmp_path: Path) -> None:
     untraced = subprocess.run(
         [sys.executable, TRACE, "glm", str(LENGTH), "-", "--digest-only", "--forwards", "4"],

@@ -100,6 +100,17 @@ pub enum TraceError {
         #[source]
         source: arrow_schema::ArrowError,
     },
+    /// The writer could not write every row within the flush deadline; the run
+    /// is left incomplete and its manifest counts what was not written.
+    #[error(
+        "run {run_id}: rows not written within {seconds} s; the run stays incomplete (unflushed_rows)"
+    )]
+    FlushTimeout {
+        /// The run.
+        run_id: String,
+        /// The deadline.
+        seconds: f64,
+    },
     /// The writer thread panicked; the run is left incomplete.
     #[error("run {run_id}: the writer thread panicked; the run is left incomplete")]
     WorkerPanicked {

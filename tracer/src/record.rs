@@ -188,6 +188,31 @@ impl Record {
             Record::Logits(_) => Table::Logits,
         }
     }
+
+    /// What the row holds in memory while it waits in the writer's queue, which is
+    /// bounded in bytes: its fixed fields and its lists' elements.
+    #[must_use]
+    pub fn approx_bytes(&self) -> usize {
+        const FIXED: usize = std::mem::size_of::<Record>();
+        let selection = |s: &Selection| {
+            4 * s.indices.len()
+                + s.boundary
+                    .as_ref()
+                    .map_or(0, |b| 4 * (b.indices.len() + b.scores.len()))
+        };
+        FIXED
+            + match self {
+                Record::Hidden(_) => 0,
+                Record::Topk(row) => {
+                    selection(&row.prod) + row.shadow.as_ref().map_or(0, |(_, s)| selection(s))
+                }
+                Record::Event(row) => row.detail.as_ref().map_or(0, String::len),
+                Record::Logits(row) => {
+                    let top = |t: &TopLogits| 4 * (t.ids.len() + t.logprobs.len());
+                    top(&row.prod) + row.shadow.as_ref().map_or(0, top)
+                }
+            }
+    }
 }
 
 impl From<HiddenRow> for Record {

@@ -129,6 +129,19 @@ impl Run {
             }
             files.insert(table, parts);
         }
+        if let Some(missing) = unaccounted(&manifest) {
+            if manifest.status == Status::Complete {
+                problems.push(RunProblem::Unaccounted {
+                    manifest: dir.join(MANIFEST_FILE),
+                    missing,
+                });
+            } else {
+                notes.push(format!(
+                    "{missing} rows handed to the writer are in no complete part (when its manifest \
+                     was last written): lost if its process is gone"
+                ));
+            }
+        }
         Ok(Run {
             dir: dir.to_owned(),
             manifest,
@@ -137,6 +150,22 @@ impl Run {
             problems,
         })
     }
+}
+
+/// Rows the producer handed to the writer (`tables.<t>.sent_rows`) that are
+/// neither in a complete part nor counted as dropped, invalid or rejected;
+/// `None` when there are none, or the manifest predates `sent_rows`.
+fn unaccounted(manifest: &Manifest) -> Option<u64> {
+    let mut sent = 0;
+    let mut accounted = 0;
+    for entry in manifest.tables.values() {
+        sent += entry.sent_rows?;
+        accounted += entry.rows + entry.dropped_rows;
+    }
+    for counter in ["invalid_rows", "rejected_rows"] {
+        accounted += manifest.counters.get(counter).copied().unwrap_or(0);
+    }
+    Some(sent.saturating_sub(accounted)).filter(|&n| n > 0)
 }
 
 /// Reads and checks `manifest.json`: JSON first, then the format version, and

@@ -54,6 +54,9 @@ def resolve(environ: Mapping[str, str]) -> dict[str, Any]:
 
     Raises EnvError for the first value that does not read.
     """
+    for name, instead in definitions.load("env").get("retired", {}).items():
+        if name in environ:
+            raise EnvError(name, environ[name], instead)
     out = {}
     for var in variables():
         raw = environ.get(var["name"], var["default"])

@@ -58,10 +58,9 @@ class Settings:
         self.tokens = values["SHADOWTRACE_TOKENS"]
         self.tags: dict[str, str] = values["SHADOWTRACE_TAGS"]
         self.queue: str = values["SHADOWTRACE_QUEUE"]
-        # Until SHADOWTRACE_QUEUE_MB and the timeouts are defined in env.json.
-        self.queue_bytes: int = 256 << 20
-        self.queue_timeout_s: float = 30.0
-        self.flush_timeout_s: float = 30.0
+        self.queue_bytes: int = values["SHADOWTRACE_QUEUE_MB"] << 20
+        self.queue_timeout_s: float = values["SHADOWTRACE_QUEUE_TIMEOUT_S"]
+        self.flush_timeout_s: float = values["SHADOWTRACE_FLUSH_TIMEOUT_S"]
         self.band: float = values["SHADOWTRACE_BOUNDARY_BAND"]
         self.top_n: int = values["SHADOWTRACE_LOGITS_TOP_N"]
 

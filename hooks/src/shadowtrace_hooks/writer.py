@@ -9,7 +9,8 @@ The contract is the Rust writer's (tracer/src/writer):
   renamed when complete;
 - manifest.json is rewritten atomically whenever a part completes, and at most every
   `_MANIFEST_EVERY_S` seconds while rows arrive, so a killed process leaves a manifest that
-  lists its complete parts and how many rows the producer had handed over (`sent_rows`):
+  lists its complete parts and how many rows the producer had handed over (`sent_rows`, also
+  rewritten after a second without rows):
   what was sent and is neither written nor counted as dropped was lost, and readers say so;
 - it says `incomplete` until `close()` has written every row; a close that cannot finish
   in time (the flush deadline), or a run whose request was interrupted, stays `incomplete`
@@ -312,7 +313,13 @@ class RunWriter:
         while True:
             with self._ready:
                 while not self._queue:
-                    self._ready.wait()
+                    if not self._ready.wait(_MANIFEST_EVERY_S) and self._sent_changed():
+                        # Idle: the producer may be stuck or about to die; what it sent is on disk.
+                        self._ready.release()
+                        try:
+                            self._write_manifest()
+                        finally:
+                            self._ready.acquire()
                 table, payload, rows, nbytes = self._queue.popleft()
             if payload is _CLOSE:
                 break
@@ -345,6 +352,11 @@ class RunWriter:
             self._write_manifest(final=True)
         finally:
             self._finished.set()
+
+    def _sent_changed(self) -> bool:
+        """Whether rows were sent since the manifest on disk counted them."""
+        listed = self.manifest["tables"]
+        return any(listed.get(name, {}).get("sent_rows") != n for name, n in self.sent.items())
 
     def _write_manifest(self, *, final: bool = False) -> None:
         """Rewrites manifest.json from the live counts (either thread may call it)."""

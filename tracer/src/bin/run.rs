@@ -9,13 +9,15 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::{Model, Numerics};
-use shadowtrace_tracer::trace::{TraceOptions, trace};
+use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -38,7 +40,9 @@ enum Path {
 ///
 /// Exit codes: 0 success, 2 bad input (a prompt, a variable, a --fault whose
 /// layer, site, channel, token or linear does not fit the model or prompt)
-/// or error.
+/// or error, 143 stopped by SIGTERM (the run being traced is closed
+/// incomplete with counters.interrupted; every row it sent is written or
+/// counted).
 #[derive(Parser, Debug)]
 #[command(name = "shadowtrace run", version)]
 struct Args {
@@ -103,7 +107,13 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");
-            ExitCode::from(2)
+            let interrupted = error.chain().any(|e| {
+                matches!(
+                    e.downcast_ref::<TraceRunError>(),
+                    Some(TraceRunError::Interrupted { .. })
+                )
+            });
+            ExitCode::from(if interrupted { 128 + 15 } else { 2 })
         }
     }
 }
@@ -117,6 +127,12 @@ fn run(args: &Args) -> Result<()> {
             .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
     });
     let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    // SIGTERM ends the trace at the next layer with every row sent written or counted,
+    // instead of the default immediate death that would leave the run's rows unflushed.
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
+        .context("installing the SIGTERM handler")?;
+    opts.stop = Some(stop);
     let Some(indexer) = Fp8Indexer::named(&args.fp8_indexer) else {
         bail!(
             "--fp8-indexer {}: expected trtllm, sglang, vllm or deepseek_reference",

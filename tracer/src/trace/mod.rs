@@ -12,6 +12,7 @@ pub mod options;
 pub mod stats;
 
 use std::path::Path;
+use std::sync::atomic::Ordering;
 
 use tch::{Kind, Tensor};
 
@@ -24,7 +25,7 @@ use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
-use crate::{RunWriter, TraceError, WriterOptions};
+use crate::{RunWriter, TraceError};
 
 /// A trace that could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +37,15 @@ pub enum TraceRunError {
     /// The run could not be written.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// Stopped before `layer` ([`TraceOptions::stop`]); the run was closed
+    /// `incomplete`, with `counters.interrupted`.
+    #[error(
+        "interrupted before layer {layer}: the run is closed incomplete (counters.interrupted)"
+    )]
+    Interrupted {
+        /// The first layer not traced.
+        layer: i64,
+    },
 }
 
 const SALT: &[u8] = b"shadowtrace-reference";
@@ -56,7 +66,7 @@ pub fn trace(
     let writer = RunWriter::create(
         run_dir,
         identity(model, ids, run_id, opts),
-        WriterOptions::default(),
+        opts.writer.clone(),
     )?;
     let c = &model.config;
     let s = ids.len() as i64;
@@ -70,6 +80,14 @@ pub fn trace(
     let mut seq = 0_i64;
     let (mut prev_prod, mut prev_free): (Option<Tensor>, Option<Tensor>) = (None, None);
     for i in 0..c.num_hidden_layers {
+        if opts
+            .stop
+            .as_ref()
+            .is_some_and(|s| s.load(Ordering::Relaxed))
+        {
+            writer.close_interrupted()?;
+            return Err(TraceRunError::Interrupted { layer: i });
+        }
         let weights = model.load(&format!("model.layers.{i}."))?;
         let layer = |numerics, faults| Layer {
             config: c,

@@ -2,6 +2,9 @@
 //! (`schemas/v1/env.json`, read once) or set by the demo.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use serde_json::Value;
 use shadowtrace_schemas::env::{EnvError, resolve};
@@ -9,6 +12,7 @@ use tch::Kind;
 
 use crate::indexer::Fp8Indexer;
 use crate::model::fault::Fault;
+use crate::{QueueMode, WriterOptions};
 
 /// A shadow mode (DESIGN.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +63,12 @@ pub struct TraceOptions {
     pub prompt_kind: Option<String>,
     /// The model's name in the manifest.
     pub model_name: String,
+    /// How the run is written: queue mode and bound, deadlines.
+    pub writer: WriterOptions,
+    /// Set (by a SIGTERM handler) to end the trace at the next layer: the run
+    /// is closed `incomplete` with `counters.interrupted`, every row it sent
+    /// written or counted.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl TraceOptions {
@@ -79,6 +89,8 @@ impl TraceOptions {
             tags: BTreeMap::new(),
             prompt_kind: None,
             model_name: model_name.to_owned(),
+            writer: WriterOptions::default(),
+            stop: None,
         }
     }
 
@@ -150,6 +162,20 @@ impl TraceOptions {
             }
         }
         o.prompt_kind = o.tags.get("prompt_kind").cloned();
+        if text("SHADOWTRACE_QUEUE") == "lossy" {
+            o.writer.queue_mode = QueueMode::Lossy;
+        }
+        let number = |name: &str| v.get(name).and_then(Value::as_f64);
+        if let Some(mb) = v.get("SHADOWTRACE_QUEUE_MB").and_then(Value::as_u64) {
+            o.writer.queue_bytes =
+                usize::try_from(mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+        }
+        if let Some(s) = number("SHADOWTRACE_QUEUE_TIMEOUT_S") {
+            o.writer.queue_timeout = seconds(s);
+        }
+        if let Some(s) = number("SHADOWTRACE_FLUSH_TIMEOUT_S") {
+            o.writer.flush_timeout = seconds(s);
+        }
         let on = v
             .get("SHADOWTRACE")
             .and_then(Value::as_bool)
@@ -198,4 +224,12 @@ impl TraceOptions {
             _ => (0..s).collect(),
         }
     }
+}
+
+/// A non-negative number of seconds as a duration, at most a year (a deadline
+/// past that is no deadline in practice, and `Instant + Duration` must not
+/// overflow).
+fn seconds(s: f64) -> Duration {
+    const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+    Duration::try_from_secs_f64(s).map_or(YEAR, |d| d.min(YEAR))
 }

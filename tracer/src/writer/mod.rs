@@ -3,26 +3,35 @@
 //!
 //! # Guarantees
 //! - The caller's thread never encodes or touches disk: rows go through a
-//!   bounded queue. In [`QueueMode::Blocking`] a full queue makes the caller
-//!   wait; in [`QueueMode::Lossy`] the row is dropped and counted, and the
-//!   count lands in the manifest (`tables.<t>.dropped_rows`).
+//!   queue bounded in bytes ([`WriterOptions::queue_bytes`]). In
+//!   [`QueueMode::Blocking`] a full queue makes the caller wait, at most
+//!   [`WriterOptions::queue_timeout`]; in [`QueueMode::Lossy`] the row is
+//!   dropped at once. Every row not queued is counted, and the count lands in
+//!   the manifest (`tables.<t>.dropped_rows`; `queue_wait_timeouts`).
 //! - A part file is written as `part-NNNNN.parquet.tmp` and renamed when its
 //!   footer is on disk; the manifest lists only renamed parts.
 //! - `manifest.json` says `incomplete` from the moment the run opens until
-//!   [`RunWriter::close`] returns; it is rewritten atomically (temporary file,
-//!   then rename) whenever a part completes. A process killed at any point
-//!   leaves a manifest that lists exactly the complete parts.
+//!   [`RunWriter::close`] has written every row; it is rewritten atomically
+//!   (temporary file, then rename) whenever a part completes and at most
+//!   every second while rows arrive, with the rows handed over so far
+//!   (`tables.<t>.sent_rows`) and those not yet in a complete part
+//!   (`counters.unflushed_rows`). A process killed at any point leaves a
+//!   manifest that lists exactly the complete parts and says what it lost.
+//! - Closing waits at most [`WriterOptions::flush_timeout`]; a run that cannot
+//!   finish in time stays `incomplete`.
 
 mod batch;
 mod part;
 mod props;
+mod queue;
 mod worker;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, channel};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 pub use part::part_path;
 pub use props::{row_group_rows, writer_properties};
@@ -52,13 +61,22 @@ impl QueueMode {
     }
 }
 
-/// How a run is written.
+/// How a run is written. [`crate::trace::TraceOptions::from_env`] fills it
+/// from `SHADOWTRACE_QUEUE`, `SHADOWTRACE_QUEUE_MB`,
+/// `SHADOWTRACE_QUEUE_TIMEOUT_S` and `SHADOWTRACE_FLUSH_TIMEOUT_S`.
 #[derive(Debug, Clone)]
 pub struct WriterOptions {
-    /// Rows the queue holds before it blocks or drops (defaults to 4096).
-    pub queue_capacity: usize,
+    /// Bytes of rows the queue holds before it blocks or drops (defaults to
+    /// 256 MiB).
+    pub queue_bytes: usize,
     /// Full-queue behaviour (defaults to [`QueueMode::Blocking`]).
     pub queue_mode: QueueMode,
+    /// How long a blocking send waits for room before the row is dropped and
+    /// counted (defaults to 30 s).
+    pub queue_timeout: Duration,
+    /// How long closing the run may wait for its rows to be written (defaults
+    /// to 30 s).
+    pub flush_timeout: Duration,
     /// A part file is completed once it reaches this many bytes (defaults to
     /// 256 MiB), so a long run killed midway keeps all but its last part.
     pub part_max_bytes: usize,
@@ -69,8 +87,10 @@ pub struct WriterOptions {
 impl Default for WriterOptions {
     fn default() -> WriterOptions {
         WriterOptions {
-            queue_capacity: 4096,
+            queue_bytes: 256 << 20,
             queue_mode: QueueMode::Blocking,
+            queue_timeout: Duration::from_secs(30),
+            flush_timeout: Duration::from_secs(30),
             part_max_bytes: 256 << 20,
             tool: Tool {
                 name: "shadowtrace-tracer".to_owned(),
@@ -103,21 +123,36 @@ pub(crate) enum Message {
 /// Counts shared by the caller's side and the worker.
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
+    pub(crate) sent: [AtomicU64; 4],
     pub(crate) dropped: [AtomicU64; 4],
+    pub(crate) queue_wait_timeouts: AtomicU64,
+    pub(crate) interrupted: AtomicBool,
     pub(crate) failed: AtomicBool,
 }
 
 /// Writes one run. Dropping it without [`RunWriter::close`] still completes
 /// the files, but leaves the run marked `incomplete`.
-#[derive(Debug)]
 #[must_use = "a run writer must be closed for its run to be marked complete"]
 pub struct RunWriter {
     dir: PathBuf,
     run_id: String,
     mode: QueueMode,
-    tx: Option<SyncSender<Message>>,
+    queue_timeout: Duration,
+    flush_timeout: Duration,
+    queue: Arc<queue::ByteQueue>,
     shared: Arc<Shared>,
     worker: Option<JoinHandle<Result<Manifest, TraceError>>>,
+    done: Option<Receiver<()>>,
+}
+
+impl std::fmt::Debug for RunWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunWriter")
+            .field("dir", &self.dir)
+            .field("run_id", &self.run_id)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RunWriter {
@@ -144,17 +179,12 @@ impl RunWriter {
             source,
         })?;
         let mut manifest = Manifest::open(identity, options.tool.clone(), worker::unix_ms());
-        manifest
-            .identity
-            .settings
-            .insert("queue_mode".to_owned(), options.queue_mode.as_str().into());
-        manifest
-            .identity
-            .settings
-            .insert("queue_capacity".to_owned(), options.queue_capacity.into());
+        let settings = &mut manifest.identity.settings;
+        settings.insert("queue_mode".to_owned(), options.queue_mode.as_str().into());
+        settings.insert("queue_bytes".to_owned(), options.queue_bytes.into());
         worker::write_manifest(dir, &manifest)?;
 
-        let (tx, rx) = sync_channel(options.queue_capacity.max(1));
+        let queue = Arc::new(queue::ByteQueue::new(options.queue_bytes));
         let shared = Arc::new(Shared::default());
         let run_id = manifest.run_id().to_owned();
         let worker = worker::Worker::new(
@@ -163,9 +193,15 @@ impl RunWriter {
             options.part_max_bytes,
             shared.clone(),
         );
+        let (done_tx, done) = channel();
+        let worker_queue = queue.clone();
         let handle = std::thread::Builder::new()
             .name(format!("shadowtrace-writer-{run_id}"))
-            .spawn(move || worker.run(&rx))
+            .spawn(move || {
+                let result = worker.run(&worker_queue);
+                let _ = done_tx.send(());
+                result
+            })
             .map_err(|source| TraceError::Io {
                 path: dir.to_owned(),
                 source,
@@ -174,9 +210,12 @@ impl RunWriter {
             dir: dir.to_owned(),
             run_id,
             mode: options.queue_mode,
-            tx: Some(tx),
+            queue_timeout: options.queue_timeout,
+            flush_timeout: options.flush_timeout,
+            queue,
             shared,
             worker: Some(handle),
+            done: Some(done),
         })
     }
 
@@ -187,35 +226,43 @@ impl RunWriter {
     }
 
     /// Hands a row to the writer. Never panics and never fails loudly: a row
-    /// that cannot be queued is counted as dropped.
+    /// that cannot be queued in time is counted as dropped.
     pub fn send(&self, record: impl Into<Record>) -> Delivery {
         let record = record.into();
-        let table = record.table();
-        let queued = match (&self.tx, self.mode) {
-            _ if self.shared.failed.load(Ordering::Relaxed) => false,
-            (Some(tx), QueueMode::Blocking) => tx.send(Message::Row(record)).is_ok(),
-            (Some(tx), QueueMode::Lossy) => match tx.try_send(Message::Row(record)) {
-                Ok(()) => true,
-                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
-            },
-            (None, _) => false,
+        let table = record.table() as usize;
+        self.shared.sent[table].fetch_add(1, Ordering::Relaxed);
+        let queued = !self.shared.failed.load(Ordering::Relaxed) && {
+            let bytes = record.approx_bytes();
+            let deadline = match self.mode {
+                QueueMode::Blocking => Some(Instant::now() + self.queue_timeout),
+                QueueMode::Lossy => None,
+            };
+            let queued = self.queue.push(Message::Row(record), bytes, deadline);
+            if !queued && self.mode == QueueMode::Blocking {
+                self.shared
+                    .queue_wait_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            queued
         };
         if queued {
             Delivery::Queued
         } else {
-            self.shared.dropped[table as usize].fetch_add(1, Ordering::Relaxed);
+            self.shared.dropped[table].fetch_add(1, Ordering::Relaxed);
             Delivery::Dropped
         }
     }
 
     /// Completes `table`: its last part is finished and listed in the
     /// manifest, and later rows for it are counted as dropped. Waits for room
-    /// in the queue in either mode, since losing it would lose the table.
+    /// in the queue in either mode (up to the flush deadline), since losing it
+    /// would lose the table.
     pub fn close_table(&self, table: Table) {
-        if let Some(tx) = &self.tx {
-            // A closed channel means the worker has already stopped; close() reports why.
-            let _ = tx.send(Message::CloseTable(table));
-        }
+        let deadline = Instant::now() + self.flush_timeout;
+        // Refused only by a closed queue: the worker has stopped, and close() says why.
+        let _ = self
+            .queue
+            .push(Message::CloseTable(table), 0, Some(deadline));
     }
 
     /// Rows dropped so far for `table`.
@@ -228,25 +275,48 @@ impl RunWriter {
     /// manifest.
     ///
     /// # Errors
-    /// The first error the worker met; the run then stays `incomplete`, with
-    /// every part completed before the error listed.
+    /// The first error the worker met, or that it could not finish within the
+    /// flush deadline; the run then stays `incomplete`, with every part
+    /// completed before listed.
     pub fn close(mut self) -> Result<Manifest, TraceError> {
         self.shutdown(true)
     }
 
-    fn shutdown(&mut self, mark_complete: bool) -> Result<Manifest, TraceError> {
-        if let Some(tx) = self.tx.take() {
-            if mark_complete {
-                let _ = tx.send(Message::CloseRun);
-            }
-            drop(tx);
+    /// Finishes every table as [`RunWriter::close`] does, but leaves the run
+    /// `incomplete` with `counters.interrupted`: its producer stopped half way
+    /// (a signal), so rows it would have sent are missing.
+    ///
+    /// # Errors
+    /// As [`RunWriter::close`].
+    pub fn close_interrupted(mut self) -> Result<Manifest, TraceError> {
+        self.shared.interrupted.store(true, Ordering::Relaxed);
+        self.shutdown(true)
+    }
+
+    fn shutdown(&mut self, finish: bool) -> Result<Manifest, TraceError> {
+        let deadline = Instant::now() + self.flush_timeout;
+        if finish {
+            let _ = self.queue.push(Message::CloseRun, 0, Some(deadline));
         }
+        self.queue.close();
+        let done = self.done.take();
+        let finished = done.is_some_and(|rx| {
+            rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .is_ok()
+        });
         let worker = self
             .worker
             .take()
             .ok_or_else(|| TraceError::WorkerPanicked {
                 run_id: self.run_id.clone(),
             })?;
+        if !finished && !worker.is_finished() {
+            // The thread goes on writing; its manifest says what is not yet written.
+            return Err(TraceError::FlushTimeout {
+                run_id: self.run_id.clone(),
+                seconds: self.flush_timeout.as_secs_f64(),
+            });
+        }
         worker.join().map_err(|_| TraceError::WorkerPanicked {
             run_id: self.run_id.clone(),
         })?

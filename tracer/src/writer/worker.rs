@@ -6,17 +6,21 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use shadowtrace_schemas::manifest::{Status, TableEntry};
 use shadowtrace_schemas::{MANIFEST_FILE, Manifest, TMP_SUFFIX, Table};
 
 use super::batch::{TableBuffer, is_well_formed, normalize_selection};
 use super::part::PartWriter;
+use super::queue::{ByteQueue, Popped};
 use super::{Message, Shared};
 use crate::TraceError;
 use crate::record::Record;
+
+/// While rows arrive, the manifest's sent and written counts on disk are at
+/// most this old: what a killed process lost is then known to within it.
+const MANIFEST_EVERY: Duration = Duration::from_secs(1);
 
 /// Rows buffered before they are encoded as one batch: large enough to
 /// amortise the per-batch cost, small enough to bound the worker's memory.
@@ -44,6 +48,7 @@ pub(crate) struct Worker {
     part_max_bytes: usize,
     shared: Arc<Shared>,
     tables: Vec<TableState>,
+    last_manifest: Instant,
 }
 
 impl Worker {
@@ -72,16 +77,32 @@ impl Worker {
             part_max_bytes,
             shared,
             tables,
+            last_manifest: Instant::now(),
         }
     }
 
-    /// Runs until the run is closed or the sender is gone. After the first
+    /// Runs until the run is closed or the queue is closed. After the first
     /// error, rows are drained and counted as dropped so the producer never
     /// blocks on a dead writer.
-    pub(crate) fn run(mut self, rx: &Receiver<Message>) -> Result<Manifest, TraceError> {
+    pub(crate) fn run(mut self, queue: &ByteQueue) -> Result<Manifest, TraceError> {
         let mut error = None;
         let mut close_run = false;
-        for message in rx {
+        loop {
+            let message = match queue.pop(MANIFEST_EVERY) {
+                Popped::Message(message) => message,
+                Popped::Closed => break,
+                Popped::Idle => {
+                    // Idle: the producer may be stuck or about to die; what it sent is on disk.
+                    if error.is_none()
+                        && self.sent_changed()
+                        && let Err(e) = self.write_manifest(Status::Incomplete)
+                    {
+                        self.shared.failed.store(true, Ordering::Relaxed);
+                        error = Some(e);
+                    }
+                    continue;
+                }
+            };
             if error.is_some() {
                 if let Message::Row(record) = message {
                     self.shared.dropped[record.table() as usize].fetch_add(1, Ordering::Relaxed);
@@ -96,6 +117,13 @@ impl Worker {
                     break;
                 }
             };
+            let result = result.and_then(|()| {
+                if self.last_manifest.elapsed() >= MANIFEST_EVERY {
+                    self.write_manifest(Status::Incomplete)
+                } else {
+                    Ok(())
+                }
+            });
             if let Err(e) = result {
                 self.shared.failed.store(true, Ordering::Relaxed);
                 error = Some(e);
@@ -109,7 +137,8 @@ impl Worker {
         for table in Table::ALL {
             self.finish_table(table)?;
         }
-        let status = if close_run {
+        let interrupted = self.shared.interrupted.load(Ordering::Relaxed);
+        let status = if close_run && !interrupted {
             Status::Complete
         } else {
             Status::Incomplete
@@ -195,14 +224,31 @@ impl Worker {
         self.write_manifest(Status::Incomplete)
     }
 
+    /// Whether rows were sent since the manifest on disk counted them.
+    fn sent_changed(&self) -> bool {
+        self.tables.iter().any(|state| {
+            let sent = self.shared.sent[state.table as usize].load(Ordering::Relaxed);
+            self.manifest
+                .tables
+                .get(state.table.name())
+                .and_then(|e| e.sent_rows)
+                != Some(sent)
+        })
+    }
+
     fn write_manifest(&mut self, status: Status) -> Result<(), TraceError> {
+        self.last_manifest = Instant::now();
         let mut dropped_total = 0;
         let mut invalid_total = 0;
+        let mut unflushed = 0;
         let mut tables = BTreeMap::new();
         for state in &self.tables {
-            let dropped_rows = self.shared.dropped[state.table as usize].load(Ordering::Relaxed);
+            let t = state.table as usize;
+            let dropped_rows = self.shared.dropped[t].load(Ordering::Relaxed);
+            let sent_rows = self.shared.sent[t].load(Ordering::Relaxed);
             dropped_total += dropped_rows;
             invalid_total += state.invalid_rows;
+            unflushed += sent_rows.saturating_sub(dropped_rows + state.invalid_rows + state.rows);
             let table_status = if state.closed {
                 Status::Complete
             } else {
@@ -214,17 +260,32 @@ impl Worker {
                     status: table_status,
                     rows: state.rows,
                     dropped_rows,
+                    sent_rows: Some(sent_rows),
                     files: state.files.clone(),
                 },
             );
         }
         self.manifest.tables = tables;
-        self.manifest
-            .counters
-            .insert("dropped_rows".to_owned(), dropped_total);
-        self.manifest
-            .counters
-            .insert("invalid_rows".to_owned(), invalid_total);
+        let counters = &mut self.manifest.counters;
+        counters.insert("dropped_rows".to_owned(), dropped_total);
+        counters.insert("invalid_rows".to_owned(), invalid_total);
+        for (name, value) in [
+            ("unflushed_rows", unflushed),
+            (
+                "queue_wait_timeouts",
+                self.shared.queue_wait_timeouts.load(Ordering::Relaxed),
+            ),
+            (
+                "interrupted",
+                u64::from(self.shared.interrupted.load(Ordering::Relaxed)),
+            ),
+        ] {
+            if value > 0 {
+                counters.insert(name.to_owned(), value);
+            } else {
+                counters.remove(name);
+            }
+        }
         self.manifest.status = status;
         if status == Status::Complete {
             self.manifest.closed_unix_ms = Some(unix_ms());
