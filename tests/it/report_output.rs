@@ -20,6 +20,7 @@ fn grid() -> (tempfile::TempDir, shadowtrace_analyzer::Analysis) {
         &[
             SynthSpec {
                 planted_nan: Some((1, "attn_out", 40)),
+                failed_sentinel: Some((1, "kv_slot0_finite")),
                 ..clean("glm-tool")
             },
             SynthSpec {

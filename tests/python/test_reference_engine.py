@@ -166,6 +166,33 @@ def trace_with_fault(tmp_path: Path, fault: dict, length: int = 300) -> dict:
     return analysis
 
 
+def test_off_cuda_every_production_linear_is_counted_as_emulated_and_none_as_tensor_cores(
+    tmp_path: Path,
+) -> None:
+    """The manifest says how production's FP8 linears were computed, and counts every
+    fallback (it said `emulated` while CUDA ran _scaled_mm, and fell back silently)."""
+    model = tiny_models.glm(layers=2)
+    model.save_pretrained(tmp_path / "glm")
+    (tmp_path / "p.json").write_text(json.dumps(tiny_models.prompt(64)[0].tolist()))
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp_path / "glm", tmp_path / "p.json",
+         "--out", tmp_path / "runs"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    counters = manifest["counters"]
+    # 2 layers: q_a, q_b, kv_a, kv_b, o (5), indexer wq_b and wk (2); dense MLP then MoE
+    # (gate/up/down of the shared expert and each routed expert used): at least 7 per layer.
+    assert counters["fp8_linears_emulated"] >= 14
+    assert "fp8_linears_tensor_cores" not in counters
+    for fallback in ("fp8_scaled_mm_fallbacks", "fp8_quantize_fallbacks", "fp8_indexer_fallbacks"):
+        assert fallback not in counters
+    assert "_scaled_mm" in manifest["settings"]["prod_linears"]
+    assert "emulation" in manifest["settings"]["prod_linears"]
+
+
 def test_a_traced_run_locates_a_nan_planted_in_production(tmp_path: Path) -> None:
     fault = {"kind": "non_finite", "layer": 1, "site": "mlp_out", "token": 123, "channel": 5, "value": "nan"}
     analysis = trace_with_fault(tmp_path, fault)
@@ -180,6 +207,10 @@ def test_a_traced_run_locates_a_nan_planted_in_production(tmp_path: Path) -> Non
 
 def test_a_nan_in_a_padding_kv_slot_poisons_the_layer_with_the_shadow_finite(tmp_path: Path) -> None:
     analysis = trace_with_fault(tmp_path, {"kind": "kv_slot", "layer": 2, "token": 0})
+    # The KV sentinel watch names the poisoned slot where it was written.
+    first = analysis["failed_sentinels"][0]
+    assert (first["step"], first["layer"], first["check"]) == (0, 2, "kv_slot0_finite")
+    assert "first non-finite at slot 0" in first["detail"]
     onset = analysis["onset"]
     assert (onset["layer"], onset["site"], onset["shadow_finite"]) == (2, "attn_out", True)
     assert (

@@ -181,6 +181,7 @@ fn main() {
                     numerics: *numerics,
                     fp8_indexer: Some(indexer),
                     faults: &[],
+                    fallbacks: None,
                 };
                 // One warm-up pass, then the median of three timed passes.
                 let _ = layer.forward(&x, &rope, None);

@@ -64,6 +64,9 @@ pub struct SynthSpec {
     /// A NaN planted in prod at (layer, site, token); it spreads to every
     /// later site of that token, as a NaN does through a residual stream.
     pub planted_nan: Option<(i32, &'static str, i32)>,
+    /// A failed KV sentinel check (check name) at the start of this layer:
+    /// the poisoned slot an onset may come from.
+    pub failed_sentinel: Option<(i32, &'static str)>,
     /// Prompt kind tag.
     pub prompt_kind: String,
     /// Seed of every random choice.
@@ -91,6 +94,7 @@ impl SynthSpec {
             logits_positions: 16,
             logits_top_n: 20,
             planted_nan: Some((3, "mlp_out", 2500)),
+            failed_sentinel: None,
             prompt_kind: "tool".to_owned(),
             seed: 7,
         }
@@ -171,6 +175,25 @@ impl SynthSpec {
         let mut out = Vec::new();
         let mut seq = 0_i64;
         for layer in 0..self.layers {
+            if let Some((_, check)) = self.failed_sentinel.filter(|(l, _)| *l == layer) {
+                out.push(Record::Event(EventRow {
+                    seq,
+                    step: 0,
+                    layer,
+                    site: "layer_in".to_owned(),
+                    path: "prod".to_owned(),
+                    kind: "sentinel".to_owned(),
+                    token: Some(0),
+                    channel: None,
+                    count: 1,
+                    shadow_finite: None,
+                    check: Some(check.to_owned()),
+                    passed: Some(false),
+                    value: Some(1.0),
+                    detail: Some("slot 0: first non-finite at slot 0".to_owned()),
+                }));
+                seq += 1;
+            }
             for (site_rank, site) in HIDDEN_SITES.iter().enumerate() {
                 // The indexer runs inside attention, before its output.
                 if *site == "attn_out" {

@@ -97,6 +97,9 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 "**incomplete**"
             }
         );
+        for line in super::sentinel_lines(&run.failed_sentinels) {
+            let _ = writeln!(out, "- failed sentinel: {line}");
+        }
         if let Some(o) = &run.onset {
             let _ = writeln!(
                 out,

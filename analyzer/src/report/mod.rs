@@ -221,3 +221,35 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
         .collect();
     Some((c.by, header, rows))
 }
+
+/// Failed sentinel checks as report lines, in execution order: the first
+/// [`SENTINEL_LINES`] in full, then how many more (a poisoned slot fails the
+/// same check in every later layer and step).
+pub(crate) fn sentinel_lines(failed: &[crate::metrics::nonfinite::FailedSentinel]) -> Vec<String> {
+    let mut lines: Vec<String> = failed
+        .iter()
+        .take(SENTINEL_LINES)
+        .map(|s| {
+            format!(
+                "{} at step {}, layer {}{}",
+                s.check,
+                s.step,
+                s.layer,
+                s.detail
+                    .as_ref()
+                    .map(|d| format!(" ({d})"))
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
+    if failed.len() > SENTINEL_LINES {
+        lines.push(format!(
+            "and {} more failed checks",
+            failed.len() - SENTINEL_LINES
+        ));
+    }
+    lines
+}
+
+/// Failed sentinel checks a report lists in full.
+pub(crate) const SENTINEL_LINES: usize = 3;

@@ -140,6 +140,10 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         ),
         None => "none".to_owned(),
     };
+    // A failed sentinel (a poisoned KV slot) explains the onset it causes: it comes first.
+    for line in super::sentinel_lines(&run.failed_sentinels) {
+        let _ = writeln!(out, "  failed sentinel:   {line}");
+    }
     let _ = writeln!(out, "  non-finite onset:  {onset}");
     if let Some(worst) = run
         .topk_dequant
@@ -151,19 +155,6 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             out,
             "  top-k vs dequantized FP8 operands (kernel error alone): worst layer {} mean J no churn {:.4}",
             worst.0, worst.1
-        );
-    }
-    for s in &run.failed_sentinels {
-        let _ = writeln!(
-            out,
-            "  failed sentinel:   {} at step {}, layer {}{}",
-            s.check,
-            s.step,
-            s.layer,
-            s.detail
-                .as_ref()
-                .map(|d| format!(" ({d})"))
-                .unwrap_or_default()
         );
     }
     let _ = writeln!(

@@ -10,6 +10,7 @@
 //! reference (`tests/golden/numerics_v1.json`, from `tests/golden/make_golden.py`).
 
 mod format;
+pub mod gemm;
 pub mod quant;
 pub mod reference;
 

@@ -5,14 +5,14 @@
 //! which precision each matmul runs.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Kind, Tensor};
 
 use super::config::{Architecture, ModelConfig};
 use super::fault::Fault;
 use super::rope::Rope;
-use crate::fp8::quant::{dequantize_blocks, quantize_blocks};
-use crate::fp8::{Fp8Format, QuantSpec, ScaleFormat};
+use crate::fp8::gemm;
 use crate::indexer::{Fp8Indexer, Precision, index_scores};
 
 /// How a path computes.
@@ -57,6 +57,10 @@ pub struct LayerOutput {
     pub layer_out: Tensor,
     /// The indexer's top-k `[S, min(k, S)]` (int64), own or shared.
     pub topk: Tensor,
+    /// What an MLA KV cache holds for each token `[S, kv_lora_rank + rope]`:
+    /// the normalized compressed latent, then the rotated key part (empty for
+    /// a `qk_rope_head_dim = 0` model). The KV sentinel watch reads it.
+    pub kv_latent: Tensor,
     /// The indexer's scores `[S, S]` (fp32, -inf where masked), when this
     /// layer ran its own indexer.
     pub index_scores: Option<Tensor>,
@@ -80,73 +84,49 @@ pub struct Layer<'a> {
     pub fp8_indexer: Option<Fp8Indexer>,
     /// Faults planted in this pass (production only).
     pub faults: &'a [Fault],
+    /// Where production's fallbacks are counted (`None`: not counted).
+    pub fallbacks: Option<&'a Fallbacks>,
 }
 
-fn fp8_spec() -> QuantSpec {
-    QuantSpec {
-        format: Fp8Format::E4m3fn,
-        scale: ScaleFormat::Ue8m0,
-        amax_clamp: 1e-4,
+/// What production computed instead of what it was asked to, per linear or
+/// indexer call, for the manifest (`counters`): a path that falls back must
+/// say so, or a broken one looks healthy. Shared by every layer of a pass.
+#[derive(Debug, Default)]
+pub struct Fallbacks {
+    /// FP8 linears computed on the tensor cores (`_scaled_mm`).
+    pub linears_tensor_cores: AtomicU64,
+    /// FP8 linears computed by the exact fp32 emulation (the CPU, or
+    /// [`Numerics::Fp8Emulated`]).
+    pub linears_emulated: AtomicU64,
+    /// FP8 linears asked for on the tensor cores whose `_scaled_mm` failed,
+    /// emulated instead.
+    pub scaled_mm_failed: AtomicU64,
+    /// FP8 linears whose quantization failed, computed in fp32 unquantized.
+    pub quantize_failed: AtomicU64,
+    /// Indexer calls whose production FP8 variant failed, or could not run
+    /// (an index_head_dim other than 128), scored in fp32.
+    pub fp8_indexer_failed: AtomicU64,
+}
+
+impl Fallbacks {
+    fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
     }
-}
 
-/// `x` `[M, K]` times `weight.T` (`[N, K]`) through `torch._scaled_mm` with
-/// 1x128 activation and 128x128 weight block scales (ue8m0); `None` when the
-/// device or shapes refuse, and the caller emulates. The weight's block
-/// scale is repeated over its 128 output rows: the 1x128-by-1x128 scaling
-/// `_scaled_mm` takes, with the same numbers.
-fn scaled_mm(x: &Tensor, weight: &Tensor) -> Option<Tensor> {
-    let (m, k, n) = (x.size()[0], x.size()[1], weight.size()[0]);
-    let up = |v: i64, to: i64| (v + to - 1) / to * to;
-    let (mp, kp, np) = (up(m, 16), up(k, 128), up(n, 128));
-    let xp = x
-        .to_kind(Kind::Float)
-        .constant_pad_nd([0, kp - k, 0, mp - m]);
-    let wp = weight
-        .to_kind(Kind::Float)
-        .constant_pad_nd([0, kp - k, 0, np - n]);
-    let a = quantize_blocks(&xp, (1, 128), fp8_spec()).ok()?;
-    let b = quantize_blocks(&wp, (128, 128), fp8_spec()).ok()?;
-    // scale_a (M, K/128) M-major; scale_b (K/128, N) row-major.
-    let scale_a = a.scales.f_tr().ok()?.f_contiguous().ok()?.f_tr().ok()?;
-    let scale_b = b
-        .scales
-        .f_repeat_interleave_self_int(128, Some(0), None)
-        .ok()?
-        .f_tr()
-        .ok()?
-        .f_contiguous()
-        .ok()?;
-    let out = a
-        .values
-        .f_internal_scaled_mm(
-            &b.values.f_tr().ok()?,
-            &scale_a,
-            &scale_b,
-            None::<Tensor>,
-            None::<Tensor>,
-            Kind::Float,
-            false,
-        )
-        .ok()?;
-    Some(out.narrow(0, 0, m).narrow(1, 0, n))
-}
-
-/// `x` quantized per block and back: what an FP8 GEMM multiplies. Sides
-/// that do not divide by the block are zero-padded first and cut after.
-fn fp8_round(x: &Tensor, block: (i64, i64)) -> Tensor {
-    let (rows, cols) = (x.size()[0], x.size()[1]);
-    let (pr, pc) = (
-        (block.0 - rows % block.0) % block.0,
-        (block.1 - cols % block.1) % block.1,
-    );
-    let padded = x.to_kind(Kind::Float).constant_pad_nd([0, pc, 0, pr]);
-    let q = quantize_blocks(&padded, (block.0 as usize, block.1 as usize), fp8_spec())
-        .and_then(|q| dequantize_blocks(&q));
-    match q {
-        Ok(t) => t.narrow(0, 0, rows).narrow(1, 0, cols),
-        // Unreachable for the fp32 2-D input built here; fall back to no rounding.
-        Err(_) => x.to_kind(Kind::Float),
+    /// The counts as manifest counters (non-zero ones).
+    #[must_use]
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        [
+            ("fp8_linears_tensor_cores", &self.linears_tensor_cores),
+            ("fp8_linears_emulated", &self.linears_emulated),
+            ("fp8_scaled_mm_fallbacks", &self.scaled_mm_failed),
+            ("fp8_quantize_fallbacks", &self.quantize_failed),
+            ("fp8_indexer_fallbacks", &self.fp8_indexer_failed),
+        ]
+        .into_iter()
+        .map(|(name, c)| (name, c.load(Ordering::Relaxed)))
+        .filter(|&(_, n)| n > 0)
+        .collect()
     }
 }
 
@@ -208,19 +188,42 @@ impl Layer<'_> {
             Numerics::Fp8 | Numerics::Fp8Emulated => {
                 let shape = x.size();
                 let x2 = x.reshape([-1, shape[shape.len() - 1]]);
-                let on_cuda = self.numerics == Numerics::Fp8 && x2.device().is_cuda();
-                let y = on_cuda
-                    .then(|| scaled_mm(&x2, weight))
-                    .flatten()
-                    .unwrap_or_else(|| {
-                        fp8_round(&x2, (1, 128)).matmul(&fp8_round(weight, (128, 128)).tr())
-                    });
+                let y = self.fp8_linear(&x2, weight);
                 let mut out = shape.clone();
                 let last = out.len() - 1;
                 out[last] = weight.size()[0];
                 y.view(out.as_slice()).to_kind(Kind::BFloat16)
             }
         }
+    }
+
+    /// An FP8 linear: on the tensor cores when the path is [`Numerics::Fp8`]
+    /// on CUDA, emulated otherwise; every fallback counted.
+    fn fp8_linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        let count = |f: fn(&Fallbacks) -> &AtomicU64| {
+            if let Some(fallbacks) = self.fallbacks {
+                Fallbacks::add(f(fallbacks));
+            }
+        };
+        let Ok(operands) = gemm::quantize(x, weight) else {
+            count(|f| &f.quantize_failed);
+            return x
+                .to_kind(Kind::Float)
+                .matmul(&weight.to_kind(Kind::Float).tr());
+        };
+        if self.numerics == Numerics::Fp8 && x.device().is_cuda() {
+            if let Ok(y) = gemm::scaled_mm(&operands) {
+                count(|f| &f.linears_tensor_cores);
+                return y;
+            }
+            count(|f| &f.scaled_mm_failed);
+        }
+        count(|f| &f.linears_emulated);
+        gemm::emulate(&operands).unwrap_or_else(|_| {
+            count(|f| &f.quantize_failed);
+            x.to_kind(Kind::Float)
+                .matmul(&weight.to_kind(Kind::Float).tr())
+        })
     }
 
     /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.
@@ -249,7 +252,7 @@ impl Layer<'_> {
             }
         }
         let normed = self.rms_norm(&h, "input_layernorm", c.rms_norm_eps);
-        let (attn_out, topk, index_scores) = self.attention(&normed, rope, prev_topk);
+        let (attn_out, topk, index_scores, kv_latent) = self.attention(&normed, rope, prev_topk);
         let attn_out = self.plant("attn_out", attn_out);
         let h = &h + &attn_out;
         let normed = self.rms_norm(&h, "post_attention_layernorm", c.rms_norm_eps);
@@ -265,6 +268,7 @@ impl Layer<'_> {
             mlp_out,
             layer_out,
             topk,
+            kv_latent,
             index_scores,
         }
     }
@@ -274,7 +278,7 @@ impl Layer<'_> {
         x: &Tensor,
         rope: &Rope,
         prev_topk: Option<&Tensor>,
-    ) -> (Tensor, Tensor, Option<Tensor>) {
+    ) -> (Tensor, Tensor, Option<Tensor>, Tensor) {
         let c = self.config;
         let s = x.size()[0];
         let heads = c.num_attention_heads;
@@ -307,6 +311,7 @@ impl Layer<'_> {
         }
         let q_rot = rope.apply(&q_rot, 0, true);
         let k_rot = rope.apply(&k_rot.unsqueeze(1), 0, true);
+        let kv_latent = Tensor::cat(&[k_pass.shallow_clone(), k_rot.squeeze_dim(1)], -1);
         let query = Tensor::cat(&[q_pass, q_rot], -1).transpose(0, 1); // [H, S, qk]
         let kv = self
             .linear(&k_pass, "self_attn.kv_b_proj")
@@ -348,7 +353,12 @@ impl Layer<'_> {
             .matmul(&value)
             .transpose(0, 1)
             .reshape([s, heads * v_dim]);
-        (self.linear(&attn, "self_attn.o_proj"), topk, index_scores)
+        (
+            self.linear(&attn, "self_attn.o_proj"),
+            topk,
+            index_scores,
+            kv_latent,
+        )
     }
 
     fn softmax_scale(&self) -> f64 {
@@ -411,14 +421,27 @@ impl Layer<'_> {
         let positions = Tensor::arange(s, (Kind::Int64, x.device()));
         let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
         // Production's FP8 indexer, as the chosen engine variant computes it.
+        let fp8_path = matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated);
+        if fp8_path
+            && self.fp8_indexer.is_some()
+            && dim != 128
+            && let Some(fallbacks) = self.fallbacks
+        {
+            // The FP8 indexer variants quantize one 128-wide block per head.
+            Fallbacks::add(&fallbacks.fp8_indexer_failed);
+        }
         let fp8 = self
             .fp8_indexer
-            .filter(|_| {
-                matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated) && dim == 128
-            })
+            .filter(|_| fp8_path && dim == 128)
             .and_then(|variant| {
                 let (q, k) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
-                index_scores(&q, &k, &w, &positions, Precision::Fp8(variant)).ok()
+                let scores = index_scores(&q, &k, &w, &positions, Precision::Fp8(variant)).ok();
+                if scores.is_none()
+                    && let Some(fallbacks) = self.fallbacks
+                {
+                    Fallbacks::add(&fallbacks.fp8_indexer_failed);
+                }
+                scores
             });
         let scores = fp8.unwrap_or_else(|| {
             let dots = q

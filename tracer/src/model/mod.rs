@@ -198,6 +198,7 @@ impl Model {
                 numerics,
                 fp8_indexer: None,
                 faults: &[],
+                fallbacks: None,
             };
             let prev = layers.last().map(|l| &l.topk);
             let out = layer.forward(&h, &rope, prev);

@@ -23,6 +23,7 @@ use shadowtrace_schemas::manifest::{
 
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
+use crate::model::layer::Fallbacks;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
 use crate::{RunWriter, TraceError};
@@ -78,6 +79,7 @@ pub fn trace(
     let tokens = opts.token_rows(s);
     let tokens_t = Tensor::from_slice(&tokens).to_device(model.device);
     let mut seq = 0_i64;
+    let fallbacks = Fallbacks::default();
     let (mut prev_prod, mut prev_free): (Option<Tensor>, Option<Tensor>) = (None, None);
     for i in 0..c.num_hidden_layers {
         if opts
@@ -85,11 +87,12 @@ pub fn trace(
             .as_ref()
             .is_some_and(|s| s.load(Ordering::Relaxed))
         {
+            writer.add_counters(&fallbacks.counters());
             writer.close_interrupted()?;
             return Err(TraceRunError::Interrupted { layer: i });
         }
         let weights = model.load(&format!("model.layers.{i}."))?;
-        let layer = |numerics, faults| Layer {
+        let layer = |numerics, faults, fallbacks| Layer {
             config: c,
             arch: model.arch,
             index: i,
@@ -97,13 +100,19 @@ pub fn trace(
             numerics,
             fp8_indexer: Some(opts.fp8_indexer),
             faults,
+            fallbacks,
         };
-        let prod = layer(Numerics::Fp8, &opts.faults).forward(&h_prod, &rope, prev_prod.as_ref());
+        let prod = layer(Numerics::Fp8, &opts.faults, Some(&fallbacks)).forward(
+            &h_prod,
+            &rope,
+            prev_prod.as_ref(),
+        );
         let shadow = Numerics::Plain(kind);
-        let local = (opts.modes.contains(&Mode::Local))
-            .then(|| layer(shadow, &[]).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref()));
+        let local = (opts.modes.contains(&Mode::Local)).then(|| {
+            layer(shadow, &[], None).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref())
+        });
         let free = (opts.modes.contains(&Mode::Free))
-            .then(|| layer(shadow, &[]).forward(&h_free, &rope, prev_free.as_ref()));
+            .then(|| layer(shadow, &[], None).forward(&h_free, &rope, prev_free.as_ref()));
         if opts.layer(i) {
             // layer_in has no shadow: it is the local shadow's own input.
             type Pick = Option<fn(&LayerOutput) -> &Tensor>;
@@ -139,6 +148,10 @@ pub fn trace(
                 record_site(&writer, seq, i, site, tensor, &shadows, &tokens_t, &tokens);
                 seq += 1;
             }
+        }
+        if opts.layer(i) {
+            record_kv_sentinels(&writer, seq, i, &prod.kv_latent, c.kv_lora_rank);
+            seq += 1;
         }
         prev_prod = Some(prod.topk.shallow_clone());
         h_prod = prod.layer_out;
@@ -176,7 +189,72 @@ pub fn trace(
             });
         }
     }
+    writer.add_counters(&fallbacks.counters());
     Ok(writer.close()?)
+}
+
+/// The KV sentinel watch (contexts 000 and 001): production's cache entries
+/// of one layer, checked where engines have gone wrong. `kv_slot0_finite`:
+/// slot 0, the slot engines reserve for padding rows and a padding row's NaN
+/// poisons; `kv_slots_finite`: every slot written, the first non-finite one
+/// named; `kv_rope_part_empty` (a `qk_rope_head_dim = 0` model): the rope part
+/// holds nothing, where a zero-RoPE writer that writes anyway would put values.
+fn record_kv_sentinels(writer: &RunWriter, seq: i64, layer: i64, kv: &Tensor, kv_rank: i64) {
+    let width = kv.size()[1];
+    let nonfinite_per_slot = kv
+        .isfinite()
+        .logical_not()
+        .sum_dim_intlist(1, false, Kind::Int64);
+    let slots: Vec<i64> = Vec::try_from(&nonfinite_per_slot).unwrap_or_default();
+    let first_bad = slots.iter().position(|&n| n > 0);
+    let total: i64 = slots.iter().sum();
+    let mut checks = vec![
+        (
+            "kv_slot0_finite",
+            slots.first().copied().unwrap_or(0),
+            (slots.first().copied().unwrap_or(0) > 0).then_some(0),
+            "slot 0 (reserved for padding rows in paged engines)".to_owned(),
+        ),
+        (
+            "kv_slots_finite",
+            total,
+            first_bad,
+            format!(
+                "slots 0..{} of the latent cache",
+                slots.len().saturating_sub(1)
+            ),
+        ),
+    ];
+    if width == kv_rank {
+        checks.push((
+            "kv_rope_part_empty",
+            0,
+            None,
+            "qk_rope_head_dim = 0: the rope part of the cache holds nothing".to_owned(),
+        ));
+    }
+    for (check, bad, slot, detail) in checks {
+        let detail = match slot {
+            Some(slot) => format!("{detail}: first non-finite at slot {slot}"),
+            None => detail,
+        };
+        let _ = writer.send(EventRow {
+            seq,
+            step: 0,
+            layer: layer as i32,
+            site: "layer_out".to_owned(),
+            path: "prod".to_owned(),
+            kind: "sentinel".to_owned(),
+            token: slot.map(|s| s as i32),
+            channel: None,
+            count: 1,
+            shadow_finite: None,
+            check: Some(check.to_owned()),
+            passed: Some(bad == 0),
+            value: Some(bad as f32),
+            detail: Some(detail),
+        });
+    }
 }
 
 #[allow(
@@ -335,7 +413,11 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),
-        "fp8 e4m3, 1x128 activation and 128x128 weight blocks, ue8m0 scales, emulated".into(),
+        "fp8 e4m3, 1x128 activation and 128x128 weight blocks, ue8m0 scales: on CUDA the tensor \
+         cores' _scaled_mm, else the exact fp32 emulation (counters fp8_linears_tensor_cores, \
+         fp8_linears_emulated; fallbacks fp8_scaled_mm_fallbacks, fp8_quantize_fallbacks, \
+         fp8_indexer_fallbacks)"
+            .into(),
     );
     RunIdentity {
         run_id: run_id.to_owned(),

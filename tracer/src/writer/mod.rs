@@ -128,6 +128,7 @@ pub(crate) struct Shared {
     pub(crate) queue_wait_timeouts: AtomicU64,
     pub(crate) interrupted: AtomicBool,
     pub(crate) failed: AtomicBool,
+    pub(crate) counters: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Writes one run. Dropping it without [`RunWriter::close`] still completes
@@ -263,6 +264,19 @@ impl RunWriter {
         let _ = self
             .queue
             .push(Message::CloseTable(table), 0, Some(deadline));
+    }
+
+    /// Adds producer counts to the manifest's counters (what a path fell back
+    /// to, for instance); written with the next manifest.
+    pub fn add_counters(&self, counts: &[(&str, u64)]) {
+        let mut extra = self
+            .shared
+            .counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for &(name, n) in counts {
+            *extra.entry(name.to_owned()).or_insert(0) += n;
+        }
     }
 
     /// Rows dropped so far for `table`.

@@ -267,6 +267,13 @@ impl Worker {
         }
         self.manifest.tables = tables;
         let counters = &mut self.manifest.counters;
+        let extra = self
+            .shared
+            .counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        counters.extend(extra.iter().map(|(k, v)| (k.clone(), *v)));
+        drop(extra);
         counters.insert("dropped_rows".to_owned(), dropped_total);
         counters.insert("invalid_rows".to_owned(), invalid_total);
         for (name, value) in [
