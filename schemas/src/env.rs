@@ -76,10 +76,23 @@ pub fn try_env_vars() -> Result<Vec<EnvVar>, SchemaError> {
 }
 
 fn env_file() -> Result<EnvFile, SchemaError> {
-    serde_json::from_str::<EnvFile>(ENV_JSON).map_err(|source| SchemaError::Parse {
+    parse_env_file(ENV_JSON)
+}
+
+fn parse_env_file(text: &str) -> Result<EnvFile, SchemaError> {
+    serde_json::from_str::<EnvFile>(text).map_err(|source| SchemaError::Parse {
         file: "v1/env.json",
         source,
     })
+}
+
+/// Parses an environment definitions file (`env.json`'s layout): its
+/// variables, or what is wrong with it; never panics, whatever the text.
+///
+/// # Errors
+/// When the text is not a definitions file.
+pub fn parse_env_vars(text: &str) -> Result<Vec<EnvVar>, SchemaError> {
+    parse_env_file(text).map(|f| f.variables)
 }
 
 // Invariant: compiled in and parsed by `definitions_parse_with_known_types` below.

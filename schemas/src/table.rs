@@ -76,12 +76,23 @@ impl Table {
     /// When the definition file is malformed; see [`SchemaError`].
     pub fn try_spec(self) -> Result<TableSpec, SchemaError> {
         let (file, text) = self.source();
+        TableSpec::parse(self, file, text)
+    }
+}
+
+impl TableSpec {
+    /// Parses a table definition (`text`, read from `file`) for `table`,
+    /// reporting what is wrong with it; never panics, whatever the text.
+    ///
+    /// # Errors
+    /// When the definition is malformed; see [`SchemaError`].
+    pub fn parse(table: Table, file: &'static str, text: &str) -> Result<TableSpec, SchemaError> {
         let raw: RawTableSpec =
             serde_json::from_str(text).map_err(|source| SchemaError::Parse { file, source })?;
-        if raw.table != self.name() {
+        if raw.table != table.name() {
             return Err(SchemaError::WrongTable {
                 file,
-                expected: self,
+                expected: table,
                 got: raw.table,
             });
         }
@@ -105,7 +116,7 @@ impl Table {
             })
             .collect::<Result<Vec<_>, SchemaError>>()?;
         Ok(TableSpec {
-            table: self,
+            table,
             schema_version: raw.schema_version,
             doc: raw.doc,
             key: raw.key,

@@ -156,14 +156,17 @@ impl Run {
 /// neither in a complete part nor counted as dropped, invalid or rejected;
 /// `None` when there are none, or the manifest predates `sent_rows`.
 fn unaccounted(manifest: &Manifest) -> Option<u64> {
-    let mut sent = 0;
-    let mut accounted = 0;
+    // Saturating: a manifest is input, and its counts may be anything.
+    let mut sent: u64 = 0;
+    let mut accounted: u64 = 0;
     for entry in manifest.tables.values() {
-        sent += entry.sent_rows?;
-        accounted += entry.rows + entry.dropped_rows;
+        sent = sent.saturating_add(entry.sent_rows?);
+        accounted = accounted
+            .saturating_add(entry.rows)
+            .saturating_add(entry.dropped_rows);
     }
     for counter in ["invalid_rows", "rejected_rows"] {
-        accounted += manifest.counters.get(counter).copied().unwrap_or(0);
+        accounted = accounted.saturating_add(manifest.counters.get(counter).copied().unwrap_or(0));
     }
     Some(sent.saturating_sub(accounted)).filter(|&n| n > 0)
 }
