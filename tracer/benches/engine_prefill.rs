@@ -6,6 +6,11 @@
 //! and indexer) emulated in fp32 and on the tensor cores (`_scaled_mm`), and
 //! their ratio is printed: all figures from one run.
 //!
+//! On CUDA it also attributes the difference between the two production
+//! GEMMs, layer by layer from the same input: how far attention and MLP
+//! outputs move, how many query rows' indexer top-k and how many tokens'
+//! MoE routing the tiny GEMM differences flip.
+//!
 //! Run (release, without the demo's polars):
 //! `cargo bench -p shadowtrace-tracer --no-default-features --bench engine_prefill`
 //! Environment: `SHADOWTRACE_BENCH_TOKENS` (default 8192), `SHADOWTRACE_BENCH_LAYERS`
@@ -167,6 +172,8 @@ fn main() {
     let mut seconds = vec![0.0_f64; variants.len()];
     // The last layer's output of each production variant, to compare.
     let mut outputs: Vec<Option<Tensor>> = (0..variants.len()).map(|_| None).collect();
+    // Per layer, the emulated and the _scaled_mm-linears outputs, to attribute.
+    let mut attribution: Vec<Attribution> = Vec::new();
     tch::no_grad(|| {
         for i in 0..layers {
             let w = weights(&c, i, device);
@@ -196,6 +203,24 @@ fn main() {
                 }
                 times.sort_by(f64::total_cmp);
                 seconds[j] += times[1];
+                if device.is_cuda() && j <= 1 {
+                    let out = layer.forward(&x, &rope, None);
+                    if j == 0 {
+                        // The control: the emulation itself on an input moved by one GEMM's
+                        // accumulation error (per-row relative 1.3e-4, measured on the H200
+                        // by cuda_matches_cpu). If it moves the layer as far as the tensor
+                        // cores do, the layer amplifies any such error: no scale bug needed.
+                        let noise = Tensor::randn_like(&x)
+                            * (1.3e-4 / (c.hidden_size as f64).sqrt())
+                            * x.norm_scalaropt_dim(2, [-1], true);
+                        let nudged = layer.forward(&(&x + noise), &rope, None);
+                        let mut a = Attribution::new(i, out);
+                        a.control = Some(rel_l2(&nudged.layer_out, &a.emulated.layer_out));
+                        attribution.push(a);
+                    } else if let Some(a) = attribution.last_mut() {
+                        a.compare(&out);
+                    }
+                }
             }
         }
     });
@@ -228,6 +253,12 @@ fn main() {
                 per_token.max().double_value(&[]),
             )
         };
+        println!(
+            "  where the linears' difference goes (per layer, same input; _scaled_mm linears against emulation):"
+        );
+        for a in &attribution {
+            println!("    {}", a.line.as_deref().unwrap_or("-"));
+        }
         if let (Some(emulated), Some(linears), Some(all)) = (&outputs[0], &outputs[1], &outputs[2])
         {
             for (name, out) in [
@@ -240,5 +271,74 @@ fn main() {
                 );
             }
         }
+    }
+}
+
+/// Per-token relative L2 of `a` against `b` `[S, N]`: median and max.
+fn rel_l2(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    let (a, b) = (a.to_kind(Kind::Float), b.to_kind(Kind::Float));
+    let per_token =
+        (&a - &b).norm_scalaropt_dim(2, [-1], false) / b.norm_scalaropt_dim(2, [-1], false);
+    (
+        per_token.median().double_value(&[]),
+        per_token.max().double_value(&[]),
+    )
+}
+
+/// One layer's emulated outputs, then the line comparing the other path's.
+struct Attribution {
+    layer: i64,
+    emulated: shadowtrace_tracer::model::LayerOutput,
+    /// The emulation's layer_out moved by a GEMM-sized nudge of its input.
+    control: Option<(f64, f64)>,
+    line: Option<String>,
+}
+
+impl Attribution {
+    fn new(layer: i64, emulated: shadowtrace_tracer::model::LayerOutput) -> Attribution {
+        Attribution {
+            layer,
+            emulated,
+            control: None,
+            line: None,
+        }
+    }
+
+    fn compare(&mut self, other: &shadowtrace_tracer::model::LayerOutput) {
+        let e = &self.emulated;
+        let (attn, _) = rel_l2(&other.attn_out, &e.attn_out);
+        let (mlp, _) = rel_l2(&other.mlp_out, &e.mlp_out);
+        let (out, out_max) = rel_l2(&other.layer_out, &e.layer_out);
+        // Rows whose selected key set differs, and the mean share of keys kept.
+        let rows = e.topk.size()[0];
+        let sorted = |t: &Tensor| t.sort(-1, false).0;
+        let same_rows = sorted(&other.topk)
+            .eq_tensor(&sorted(&e.topk))
+            .all_dim(-1, false)
+            .to_kind(Kind::Float)
+            .mean(Kind::Float)
+            .double_value(&[]);
+        let routing = match (&other.experts, &e.experts) {
+            (Some(a), Some(b)) => {
+                let flipped = sorted(a)
+                    .eq_tensor(&sorted(b))
+                    .all_dim(-1, false)
+                    .logical_not()
+                    .to_kind(Kind::Float)
+                    .mean(Kind::Float)
+                    .double_value(&[]);
+                format!("MoE routing changed for {:.2}% of tokens", 100.0 * flipped)
+            }
+            _ => "dense MLP".to_owned(),
+        };
+        self.line = Some(format!(
+            "layer {}: attn_out {attn:.2e}, mlp_out {mlp:.2e}, layer_out {out:.2e} (max {out_max:.2e}); \
+             indexer top-k changed on {:.2}% of {rows} rows; {routing}; the emulation alone with its \
+             input nudged by 1.3e-4: layer_out {:.2e} (max {:.2e})",
+            self.layer,
+            100.0 * (1.0 - same_rows),
+            self.control.map_or(f64::NAN, |c| c.0),
+            self.control.map_or(f64::NAN, |c| c.1),
+        ));
     }
 }

@@ -57,6 +57,9 @@ pub struct LayerOutput {
     pub layer_out: Tensor,
     /// The indexer's top-k `[S, min(k, S)]` (int64), own or shared.
     pub topk: Tensor,
+    /// The routed experts each token went to `[S, num_experts_per_tok]`
+    /// (int64), for MoE layers: comparing two paths' routing.
+    pub experts: Option<Tensor>,
     /// What an MLA KV cache holds for each token `[S, kv_lora_rank + rope]`:
     /// the normalized compressed latent, then the rotated key part (empty for
     /// a `qk_rope_head_dim = 0` model). The KV sentinel watch reads it.
@@ -256,10 +259,11 @@ impl Layer<'_> {
         let attn_out = self.plant("attn_out", attn_out);
         let h = &h + &attn_out;
         let normed = self.rms_norm(&h, "post_attention_layernorm", c.rms_norm_eps);
-        let mlp_out = if c.is_moe(self.index) {
-            self.moe(&normed)
+        let (mlp_out, experts) = if c.is_moe(self.index) {
+            let (out, experts) = self.moe(&normed);
+            (out, Some(experts))
         } else {
-            self.mlp(&normed, "mlp")
+            (self.mlp(&normed, "mlp"), None)
         };
         let mlp_out = self.plant("mlp_out", mlp_out);
         let layer_out = self.plant("layer_out", &h + &mlp_out);
@@ -268,6 +272,7 @@ impl Layer<'_> {
             mlp_out,
             layer_out,
             topk,
+            experts,
             kv_latent,
             index_scores,
         }
@@ -464,7 +469,8 @@ impl Layer<'_> {
     }
 
     /// transformers' GlmMoeDsaMoE: routing in fp32, experts in the path's numerics.
-    fn moe(&self, x: &Tensor) -> Tensor {
+    /// The MoE block's output and the experts each token was routed to.
+    fn moe(&self, x: &Tensor) -> (Tensor, Tensor) {
         let c = self.config;
         let (s, e, groups) = (x.size()[0], c.n_routed_experts, c.n_group);
         let logits = x
@@ -510,6 +516,6 @@ impl Layer<'_> {
             let ye = (ye.to_kind(Kind::Float) * w).to_kind(out.kind());
             out = out.index_add(0, &tokens, &ye);
         }
-        out + self.mlp(x, "mlp.shared_experts")
+        (out + self.mlp(x, "mlp.shared_experts"), top)
     }
 }
