@@ -22,7 +22,7 @@ mod table;
 mod vocabulary;
 
 pub use error::SchemaError;
-pub use manifest::Manifest;
+pub use manifest::{Convention, Manifest};
 pub use table::{ColumnSpec, ColumnType, Encoding, Table, TableSpec};
 pub use vocabulary::{Vocabulary, vocabulary};
 

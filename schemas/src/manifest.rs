@@ -108,6 +108,38 @@ pub struct RunIdentity {
     pub tags: BTreeMap<String, String>,
     /// Faults planted on purpose.
     pub injections: Vec<serde_json::Value>,
+    /// Numerics choices with the engine's value beside the model's (format
+    /// v2; a v1 manifest has none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conventions: Vec<Convention>,
+    /// Engine behaviours run on purpose by the reference engine (format v2).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deviations: Vec<serde_json::Value>,
+}
+
+/// One numerics choice the model defines and an engine may get wrong
+/// (DESIGN.md, convention): the engine's value beside the model's, and where
+/// each was read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Convention {
+    /// For example `indexer_rope_layout`.
+    pub name: String,
+    /// The engine's value; null when it could not be read.
+    pub engine: serde_json::Value,
+    /// The model's value (`config.json` and the family's reference code).
+    pub model: serde_json::Value,
+    /// Where the engine's value was read.
+    pub engine_source: String,
+    /// Where the model's value was read.
+    pub model_source: String,
+}
+
+impl Convention {
+    /// Whether the engine's value is known and differs from the model's.
+    #[must_use]
+    pub fn mismatch(&self) -> bool {
+        !self.engine.is_null() && self.engine != self.model
+    }
 }
 
 /// The producer that wrote a run.

@@ -165,6 +165,8 @@ impl SynthSpec {
             settings,
             tags: BTreeMap::from([("synthetic".to_owned(), "true".to_owned())]),
             injections,
+            conventions: Vec::new(),
+            deviations: Vec::new(),
         }
     }
 

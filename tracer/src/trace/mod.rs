@@ -459,5 +459,7 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
             .iter()
             .filter_map(|f| serde_json::to_value(f).ok())
             .collect(),
+        conventions: Vec::new(),
+        deviations: Vec::new(),
     }
 }
