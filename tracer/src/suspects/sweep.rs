@@ -195,6 +195,8 @@ pub fn plan(
             .deviations
             .iter()
             .filter_map(|d| match d.effect(&model.config, base, &path.deviations) {
+                // The path's name is the deviation's when it runs alone.
+                Effect::None(why) if path.deviations.len() == 1 => Some(why),
                 Effect::None(why) => Some(format!("{d}: {why}")),
                 Effect::Changes => None,
             })
