@@ -186,6 +186,19 @@ fn every_deviation_shows_at_its_layer_on_glm_or_is_stated_to_have_no_effect() {
         run(&a, "clean").convention_mismatches.is_empty(),
         "a clean run takes every convention from the model"
     );
+    let inspected = shadowtrace_analyzer::inspect::render_run(
+        &shadowtrace_analyzer::Run::open(&neox.dir).unwrap(),
+    );
+    for line in [
+        "- indexer_rope_neox (layers [1]): changes production",
+        "- indexer_rope MISMATCH: neox | interleaved",
+        "- rope_theta: 1000000.0 | 1000000.0",
+    ] {
+        assert!(
+            inspected.contains(line),
+            "inspect lists {line:?}:\n{inspected}"
+        );
+    }
     let proj = run(&a, "weights_proj_bf16");
     let lines: Vec<String> = proj
         .convention_mismatches
