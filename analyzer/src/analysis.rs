@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::Serialize;
-use shadowtrace_schemas::Table;
 use shadowtrace_schemas::manifest::Status;
+use shadowtrace_schemas::{Convention, Table};
 
 use crate::AnalyzeError;
 use crate::grid::{Grid, group_runs};
@@ -17,7 +17,10 @@ use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
 use crate::ranks::{self, RankAgreement};
-use crate::verdict::{LayerVerdict, NoiseFloor, Thresholds, hidden_verdict, topk_verdict};
+use crate::verdict::{
+    CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
+    hidden_verdict, topk_verdict,
+};
 
 /// How to analyse.
 #[derive(Debug, Clone, Default)]
@@ -64,6 +67,17 @@ pub struct RunAnalysis {
     pub hidden: Vec<SiteError>,
     /// Prod against shadow logits.
     pub logits: Option<Agreement>,
+    /// The numerics conventions the producer recorded: the engine's value
+    /// beside the model's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub conventions: Vec<Convention>,
+    /// Conventions the engine ran differently from the model: a verdict of
+    /// its own, named before any metric.
+    pub convention_mismatches: Vec<ConventionMismatch>,
+    /// Engine behaviours the reference engine ran on purpose (the manifest's
+    /// `deviations`, by name).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deviations: Vec<String>,
     /// First non-finite value of prod.
     pub onset: Option<Onset>,
     /// Sentinel checks that failed.
@@ -101,7 +115,8 @@ impl RunAnalysis {
     /// Whether any verdict fired.
     #[must_use]
     pub fn has_verdict(&self) -> bool {
-        self.onset.is_some()
+        !self.convention_mismatches.is_empty()
+            || self.onset.is_some()
             || self.hidden_verdict.is_some()
             || self.topk_verdict.is_some()
             || !self.failed_sentinels.is_empty()
@@ -260,6 +275,8 @@ pub fn analyze_run(
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
     let m = &run.manifest;
+    let conventions = recorded_conventions(m);
+    let convention_mismatches = convention_verdict(&conventions);
     let mut counters = m.counters.clone();
     for (table, entry) in &m.tables {
         if entry.dropped_rows > 0 {
@@ -282,16 +299,51 @@ pub fn analyze_run(
         topk_dequant,
         hidden,
         logits,
+        conventions,
+        convention_mismatches,
+        deviations: m
+            .identity
+            .deviations
+            .iter()
+            .map(|d| {
+                let name = d.get("name").and_then(|n| n.as_str()).unwrap_or("unnamed");
+                match d.get("layers").and_then(|l| l.as_array()) {
+                    Some(layers) => format!(
+                        "{name}@{}",
+                        layers
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                    None => name.to_owned(),
+                }
+            })
+            .collect(),
         onset,
         failed_sentinels,
         hidden_verdict,
         topk_verdict,
-        rules: vec![hidden_rule.text, topk_rule.text],
+        rules: vec![hidden_rule.text, topk_rule.text, CONVENTION_RULE.to_owned()],
         ranks: None,
         topk_rows,
         hidden_tokens,
         prod_top_n,
     })
+}
+
+/// The conventions a run recorded: the manifest's (format v2, and v1
+/// documents that carry them), else the `settings.conventions` the engine
+/// hooks wrote before conventions moved to the top level.
+fn recorded_conventions(m: &shadowtrace_schemas::Manifest) -> Vec<Convention> {
+    if !m.identity.conventions.is_empty() {
+        return m.identity.conventions.clone();
+    }
+    m.identity
+        .settings
+        .get("conventions")
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default()
 }
 
 /// The prefix under which an identity value a user tag displaced is kept.

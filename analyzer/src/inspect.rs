@@ -146,6 +146,46 @@ pub fn render_run(run: &Run) -> String {
     for injection in &id.injections {
         line("", format!("- {injection}"));
     }
+    line(
+        "deviations",
+        if id.deviations.is_empty() {
+            "none".to_owned()
+        } else {
+            format!("{}", id.deviations.len())
+        },
+    );
+    for d in &id.deviations {
+        let field = |k: &str| d.get(k).map(crate::verdict::convention_value);
+        line(
+            "",
+            format!(
+                "- {} (layers {}): {}",
+                field("name").unwrap_or_default(),
+                field("layers").unwrap_or_else(|| "all".to_owned()),
+                field("effect").unwrap_or_else(|| "effect not recorded".to_owned())
+            ),
+        );
+    }
+    line(
+        "convention",
+        if id.conventions.is_empty() {
+            "none recorded".to_owned()
+        } else {
+            format!("{} recorded (engine | model)", id.conventions.len())
+        },
+    );
+    for c in &id.conventions {
+        line(
+            "",
+            format!(
+                "- {}{}: {} | {}",
+                c.name,
+                if c.mismatch() { " MISMATCH" } else { "" },
+                crate::verdict::convention_value(&c.engine),
+                crate::verdict::convention_value(&c.model),
+            ),
+        );
+    }
 
     let _ = writeln!(out);
     let _ = writeln!(

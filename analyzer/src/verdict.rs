@@ -1,5 +1,6 @@
-//! Verdicts: the first layer where prod departs from the shadow, in hidden
-//! states and in top-k selection, each with the threshold that produced it.
+//! Verdicts: a convention the engine runs differently from the model, then
+//! the first layer where prod departs from the shadow, in hidden states and
+//! in top-k selection, each with the threshold that produced it.
 //!
 //! A threshold is either fixed (a flag with a documented default) or
 //! calibrated from baseline runs the user marks healthy: per layer, the
@@ -9,6 +10,7 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+use shadowtrace_schemas::Convention;
 
 use crate::metrics::hidden_error::SiteError;
 use crate::metrics::topk_overlap::LayerOverlap;
@@ -244,4 +246,66 @@ pub fn topk_verdict(
         ),
     };
     (verdict, Rule { text })
+}
+
+/// A numerics convention the engine ran differently from the model
+/// (DESIGN.md, convention): its own verdict, named before any metric,
+/// because a shadow that takes the model's convention diverges from such an
+/// engine everywhere the convention acts, and no threshold is needed to say
+/// why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConventionMismatch {
+    /// The convention, for example `indexer_rope`.
+    pub name: String,
+    /// The engine's value.
+    pub engine: serde_json::Value,
+    /// The model's value.
+    pub model: serde_json::Value,
+    /// Where the engine's value was read.
+    pub engine_source: String,
+    /// Where the model's value was read.
+    pub model_source: String,
+}
+
+impl ConventionMismatch {
+    /// The verdict's line, for example `convention mismatch: indexer rope:
+    /// engine neox, model interleaved`.
+    #[must_use]
+    pub fn line(&self) -> String {
+        format!(
+            "convention mismatch: {}: engine {}, model {}",
+            self.name.replace('_', " "),
+            convention_value(&self.engine),
+            convention_value(&self.model)
+        )
+    }
+}
+
+/// A convention's value as a person reads it: strings bare, the rest as JSON.
+#[must_use]
+pub fn convention_value(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "unknown".to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// The rule of the convention verdict, printed with it.
+pub const CONVENTION_RULE: &str = "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code)";
+
+/// The conventions whose engine value is known and differs from the model's.
+#[must_use]
+pub fn convention_verdict(conventions: &[Convention]) -> Vec<ConventionMismatch> {
+    conventions
+        .iter()
+        .filter(|c| c.mismatch())
+        .map(|c| ConventionMismatch {
+            name: c.name.clone(),
+            engine: c.engine.clone(),
+            model: c.model.clone(),
+            engine_source: c.engine_source.clone(),
+            model_source: c.model_source.clone(),
+        })
+        .collect()
 }

@@ -18,6 +18,7 @@ pub mod env;
 mod error;
 pub mod manifest;
 pub mod selection;
+pub mod stats;
 mod table;
 mod vocabulary;
 

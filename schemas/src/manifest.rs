@@ -108,11 +108,12 @@ pub struct RunIdentity {
     pub tags: BTreeMap<String, String>,
     /// Faults planted on purpose.
     pub injections: Vec<serde_json::Value>,
-    /// Numerics choices with the engine's value beside the model's (format
-    /// v2; a v1 manifest has none).
+    /// Numerics choices with the engine's value beside the model's (required
+    /// in format v2, optional in v1: the reference engine writes them there).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conventions: Vec<Convention>,
-    /// Engine behaviours run on purpose by the reference engine (format v2).
+    /// Engine behaviours run on purpose by the reference engine (format v2;
+    /// optional in v1).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deviations: Vec<serde_json::Value>,
 }
@@ -135,10 +136,11 @@ pub struct Convention {
 }
 
 impl Convention {
-    /// Whether the engine's value is known and differs from the model's.
+    /// Whether both values are known and differ: a model that defines no
+    /// value (null) has nothing an engine could get wrong.
     #[must_use]
     pub fn mismatch(&self) -> bool {
-        !self.engine.is_null() && self.engine != self.model
+        !self.engine.is_null() && !self.model.is_null() && self.engine != self.model
     }
 }
 

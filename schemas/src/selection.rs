@@ -127,6 +127,47 @@ pub fn churn_keys(
     keys
 }
 
+/// One path's side of a query row, as the analyzer reads it from a `topk`
+/// row: the selection (ascending), the k-th score, and the boundary keys the
+/// producer listed within its band, with their scores (`None`: not listed).
+#[derive(Debug, Clone, Copy)]
+pub struct RowSide<'a> {
+    /// Selected keys, ascending; negative entries are padding.
+    pub indices: &'a [i32],
+    /// The k-th score; `None` for a dense row.
+    pub kth_score: Option<f32>,
+    /// Boundary keys and their scores.
+    pub boundary: Option<(&'a [i32], &'a [f32])>,
+}
+
+/// One row's overlap of `prod` with the reference `shadow`, churn included
+/// and excluded: churn is the keys of either side's boundary list within
+/// `margin` of that side's k-th score (a side without a k-th score has none).
+/// The analyzer's per-row definition (`metrics::topk_overlap`), for a
+/// producer that holds both selections in memory. `excluded` is scratch,
+/// left holding the churn keys.
+#[must_use]
+pub fn row_overlap(
+    prod: RowSide<'_>,
+    shadow: RowSide<'_>,
+    margin: f32,
+    excluded: &mut Vec<i32>,
+) -> (Overlap, Overlap) {
+    excluded.clear();
+    for side in [prod, shadow] {
+        let (keys, scores) = side.boundary.unwrap_or((&[], &[]));
+        excluded.extend(churn(
+            keys,
+            scores,
+            side.kth_score.unwrap_or(f32::NAN),
+            margin,
+        ));
+    }
+    excluded.sort_unstable();
+    excluded.dedup();
+    overlap_with_and_without(prod.indices, shadow.indices, excluded)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +267,37 @@ mod tests {
             }
         );
         assert_eq!(all, overlap(&[1, 2, 3, 9], &[2, 3, 4, 9]));
+    }
+
+    #[test]
+    fn a_rows_overlap_removes_either_sides_churn_within_the_margin() {
+        // prod {0, 1, 8}, shadow {0, 1, 9}: 8 and 9 sit at the k-th score of
+        // their own side; 1 is far from it.
+        let prod = RowSide {
+            indices: &[0, 1, 8],
+            kth_score: Some(0.5),
+            boundary: Some((&[8, 1], &[0.5, 0.9])),
+        };
+        let shadow = RowSide {
+            indices: &[0, 1, 9],
+            kth_score: Some(0.25),
+            boundary: Some((&[9], &[0.2500001])),
+        };
+        let mut scratch = Vec::new();
+        let (all, clean) = row_overlap(prod, shadow, 1e-3, &mut scratch);
+        assert_eq!((all.intersection, all.union), (2, 4));
+        assert_eq!((clean.intersection, clean.union), (2, 2));
+        assert_eq!(scratch, [8, 9]);
+        let dense = RowSide {
+            indices: &[0, 1, 8],
+            kth_score: None,
+            boundary: None,
+        };
+        let (_, no_churn) = row_overlap(dense, shadow, 1e-3, &mut scratch);
+        assert_eq!(
+            no_churn.union, 3,
+            "only the shadow's churn key 9 is removed"
+        );
     }
 
     #[test]

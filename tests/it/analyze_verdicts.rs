@@ -1,12 +1,14 @@
 //! Every metric and verdict on synthetic runs whose answer is known by
 //! construction: a planted NaN, hidden-state divergence from a layer on, a
 //! selection collapse at a layer, churn only among tied scores at the
-//! boundary, and a clean run.
+//! boundary, a convention the engine runs differently from the model, and a
+//! clean run.
 
 use std::path::{Path, PathBuf};
 
 use shadowtrace_analyzer::verdict::Thresholds;
 use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
+use shadowtrace_schemas::Convention;
 use shadowtrace_tracer::WriterOptions;
 use shadowtrace_tracer::record::Record;
 use shadowtrace_tracer::synth::SynthSpec;
@@ -163,6 +165,7 @@ fn every_rule_is_printed_with_its_threshold() {
         [
             "hidden: first layer whose p95 relative L2 error at layer_out exceeds 0.1",
             "top-k: first layer whose mean Jaccard (churn within the recorded band excluded) falls below 0.8",
+            "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code)",
         ]
     );
 }
@@ -562,4 +565,77 @@ fn a_user_model_tag_is_kept_and_the_grid_says_it_grouped_by_it() {
         ),
         "{text}"
     );
+}
+
+fn convention(name: &str, engine: serde_json::Value, model: serde_json::Value) -> Convention {
+    Convention {
+        name: name.to_owned(),
+        engine,
+        model,
+        engine_source: "engine module".to_owned(),
+        model_source: "config.json".to_owned(),
+    }
+}
+
+#[test]
+fn a_convention_the_engine_runs_differently_is_its_own_verdict() {
+    let run = analyze_one(SynthSpec {
+        conventions: vec![
+            convention("indexer_rope", "neox".into(), "interleaved".into()),
+            convention("rope_theta", 1e6.into(), 1e6.into()),
+        ],
+        ..clean("neox-on-glm")
+    });
+    assert_eq!(run.convention_mismatches.len(), 1, "{run:#?}");
+    assert_eq!(
+        run.convention_mismatches[0].line(),
+        "convention mismatch: indexer rope: engine neox, model interleaved"
+    );
+    assert!(
+        run.has_verdict(),
+        "a mismatch is a verdict with no metric needed"
+    );
+    assert!(
+        run.topk_verdict.is_none() && run.hidden_verdict.is_none(),
+        "the metrics of this synthetic run are clean: the verdict stands alone"
+    );
+    let text = render_terminal_of(&run);
+    let mismatch = text.find("convention mismatch").unwrap();
+    let first_metric = text.find("non-finite onset").unwrap();
+    assert!(mismatch < first_metric, "named before any metric:\n{text}");
+}
+
+#[test]
+fn agreeing_and_unknown_conventions_are_no_verdict() {
+    let run = analyze_one(SynthSpec {
+        conventions: vec![
+            convention("indexer_rope", "interleaved".into(), "interleaved".into()),
+            // An engine value nobody could read, and a model that defines none.
+            convention("indexer_rope", serde_json::Value::Null, "neox".into()),
+            convention("indexer_hadamard", false.into(), serde_json::Value::Null),
+        ],
+        ..clean("agree")
+    });
+    assert!(run.convention_mismatches.is_empty(), "{run:#?}");
+    assert!(!run.has_verdict());
+    assert_eq!(
+        run.conventions.len(),
+        3,
+        "all of them are kept for the report"
+    );
+}
+
+fn render_terminal_of(run: &RunAnalysis) -> String {
+    let analysis = Analysis {
+        thresholds: Thresholds::default(),
+        floors: std::collections::BTreeMap::new(),
+        runs: vec![run.clone()],
+        skipped: Vec::new(),
+        grid: shadowtrace_analyzer::grid::group_runs(
+            std::slice::from_ref(run),
+            &["model".to_owned()],
+        ),
+        determinism: Vec::new(),
+    };
+    shadowtrace_analyzer::report::render_terminal(&analysis)
 }

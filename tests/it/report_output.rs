@@ -30,6 +30,15 @@ fn grid() -> (tempfile::TempDir, shadowtrace_analyzer::Analysis) {
             },
             SynthSpec {
                 divergence_from_layer: Some(2),
+                // TensorRT-LLM's FP8 indexer on DeepSeek-V3.2: no Hadamard
+                // where the reference rotates (PR #11899).
+                conventions: vec![shadowtrace_schemas::Convention {
+                    name: "indexer_hadamard".to_owned(),
+                    engine: false.into(),
+                    model: true.into(),
+                    engine_source: "tensorrt_llm Indexer (fused_cat_fp8)".to_owned(),
+                    model_source: "DeepSeek-V3.2 inference/model.py rotate_activation".to_owned(),
+                }],
                 ..deepseek("ds-tool")
             },
             SynthSpec {

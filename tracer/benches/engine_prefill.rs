@@ -188,6 +188,7 @@ fn main() {
                     numerics: *numerics,
                     fp8_indexer: Some(indexer),
                     faults: &[],
+                    deviations: &[],
                     fallbacks: None,
                 };
                 // One warm-up pass, then the median of three timed passes.

@@ -9,6 +9,10 @@
 //! - [`fp8`]: FP8 formats, block quantization (tch, and an ndarray reference);
 //! - [`identity`]: hashes and device facts that identify a run;
 //! - [`indexer`]: the DSA indexer score in fp32, bf16 and engine FP8 variants, top-k with margins;
+//! - [`model`]: the reference GLM-5 / DeepSeek-V3.2 engine, its deviations
+//!   and conventions;
+//! - [`suspects`]: the clean path and every deviation side by side, ranked
+//!   against observed runs;
 //! - [`synth`]: synthetic runs with known contents, for the demo, tests and
 //!   benchmarks.
 
@@ -20,6 +24,7 @@ pub mod identity;
 pub mod indexer;
 pub mod model;
 pub mod record;
+pub mod suspects;
 pub mod synth;
 pub mod trace;
 pub mod writer;

@@ -71,6 +71,8 @@ pub struct SynthSpec {
     pub prompt_kind: String,
     /// Seed of every random choice.
     pub seed: u64,
+    /// Numerics conventions recorded in the manifest, engine beside model.
+    pub conventions: Vec<shadowtrace_schemas::Convention>,
 }
 
 impl SynthSpec {
@@ -97,6 +99,7 @@ impl SynthSpec {
             failed_sentinel: None,
             prompt_kind: "tool".to_owned(),
             seed: 7,
+            conventions: Vec::new(),
         }
     }
 
@@ -165,7 +168,7 @@ impl SynthSpec {
             settings,
             tags: BTreeMap::from([("synthetic".to_owned(), "true".to_owned())]),
             injections,
-            conventions: Vec::new(),
+            conventions: self.conventions.clone(),
             deviations: Vec::new(),
         }
     }

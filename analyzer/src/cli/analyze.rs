@@ -78,6 +78,8 @@ pub(crate) struct AnalyzeArgs {
 enum FailOn {
     /// Any verdict below.
     Any,
+    /// A convention the engine ran differently from the model.
+    Convention,
     /// A non-finite onset in prod, or a failed sentinel check.
     Nonfinite,
     /// A hidden-state divergence.
@@ -196,6 +198,7 @@ fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {
     a.runs.iter().any(|r| {
         fail_on.iter().any(|f| match f {
             FailOn::Any => r.has_verdict(),
+            FailOn::Convention => !r.convention_mismatches.is_empty(),
             FailOn::Nonfinite => r.onset.is_some() || !r.failed_sentinels.is_empty(),
             FailOn::Hidden => r.hidden_verdict.is_some(),
             FailOn::Topk => r.topk_verdict.is_some(),

@@ -97,6 +97,22 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 "**incomplete**"
             }
         );
+        for m in &run.convention_mismatches {
+            let _ = writeln!(
+                out,
+                "- **{}** (engine: {}; model: {})",
+                m.line(),
+                m.engine_source,
+                m.model_source
+            );
+        }
+        if !run.deviations.is_empty() {
+            let _ = writeln!(
+                out,
+                "- deviations run on purpose: {}",
+                run.deviations.join(", ")
+            );
+        }
         for line in super::sentinel_lines(&run.failed_sentinels) {
             let _ = writeln!(out, "- failed sentinel: {line}");
         }

@@ -118,6 +118,17 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             );
         }
     }
+    // A convention the engine got wrong explains every metric below: it comes first.
+    for m in &run.convention_mismatches {
+        let _ = writeln!(out, "  {}", m.line());
+    }
+    if !run.deviations.is_empty() {
+        let _ = writeln!(
+            out,
+            "  deviations run on purpose: {}",
+            run.deviations.join(", ")
+        );
+    }
     for (k, v) in run.counters.iter().filter(|(_, v)| **v > 0) {
         let _ = writeln!(out, "  counted: {k} = {v}");
     }

@@ -15,8 +15,10 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
 use shadowtrace_tracer::indexer::Fp8Indexer;
+use shadowtrace_tracer::model::deviation::{Deviation, Effect};
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::{Model, Numerics};
+use shadowtrace_tracer::suspects::prompts::read_prompt;
 use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace};
 use tch::{Device, Kind, Tensor};
 
@@ -33,13 +35,14 @@ enum Path {
 /// Run the reference GLM-5 / DeepSeek-V3.2 engine on prompts, traced or not.
 ///
 /// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8
-/// path (FP8 linears, the --fp8-indexer variant, any --fault) against the
+/// path (FP8 linears, the --fp8-indexer variant, any --deviation and --fault) against the
 /// shadow the SHADOWTRACE_* variables ask for, one run per prompt under
 /// SHADOWTRACE_DIR (or --out). Without, one untraced pass per prompt in
 /// --path numerics. See `shadowtrace env` for the variables.
 ///
-/// Exit codes: 0 success, 2 bad input (a prompt, a variable, a --fault whose
-/// layer, site, channel, token or linear does not fit the model or prompt)
+/// Exit codes: 0 success, 2 bad input (a prompt, a variable, an unknown
+/// --deviation or one outside the model's layers, a --fault whose layer, site,
+/// channel, token or linear does not fit the model or prompt)
 /// or error, 143 stopped by SIGTERM (the run being traced is closed
 /// incomplete with counters.interrupted; every row it sent is written or
 /// counted).
@@ -58,9 +61,15 @@ struct Args {
     /// The model's name in the manifests (default: the directory name).
     #[arg(long)]
     name: Option<String>,
-    /// Production FP8 indexer: trtllm, sglang, vllm or deepseek_reference.
+    /// Production FP8 indexer: trtllm, sglang, vllm, deepseek_reference, or none (no FP8 in
+    /// the indexer: q and k in bf16, scores in fp32, as transformers computes it).
     #[arg(long, default_value = "trtllm")]
     fp8_indexer: String,
+    /// Engine behaviours production runs on purpose, comma-separated; NAME@LAYER acts in that
+    /// layer alone. Repeatable; traced passes only. Each is listed in the manifest's
+    /// deviations with its source; `shadowtrace suspects --list` describes them.
+    #[arg(long, value_delimiter = ',', value_name = "NAME[,NAME]")]
+    deviation: Vec<String>,
     /// A fault planted in production, as JSON, for example
     /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'
     /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable; traced
@@ -74,32 +83,6 @@ struct Args {
     /// untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
     dump: Option<PathBuf>,
-}
-
-fn read_prompt(path: &std::path::Path, vocab: i64) -> Result<Vec<i64>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let ids: Vec<i64> = if path.extension().is_some_and(|e| e == "json") {
-        serde_json::from_str(&text)
-            .with_context(|| format!("{}: expected a JSON list of token ids", path.display()))?
-    } else if vocab >= 256 {
-        text.bytes().map(i64::from).collect()
-    } else {
-        bail!(
-            "{}: text needs a vocabulary of at least 256 byte ids, the model has {vocab}",
-            path.display()
-        );
-    };
-    if ids.is_empty() {
-        bail!("{}: the prompt has no tokens", path.display());
-    }
-    if let Some(bad) = ids.iter().find(|&&id| id < 0 || id >= vocab) {
-        bail!(
-            "{}: token id {bad} is outside the vocabulary [0, {vocab})",
-            path.display()
-        );
-    }
-    Ok(ids)
 }
 
 fn main() -> ExitCode {
@@ -133,14 +116,27 @@ fn run(args: &Args) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    let Some(indexer) = Fp8Indexer::named(&args.fp8_indexer) else {
-        bail!(
-            "--fp8-indexer {}: expected trtllm, sglang, vllm or deepseek_reference",
-            args.fp8_indexer
-        );
+    opts.fp8_indexer = match args.fp8_indexer.as_str() {
+        "none" => None,
+        name => Some(Fp8Indexer::named(name).with_context(|| {
+            format!(
+                "--fp8-indexer {name}: expected trtllm, sglang, vllm, deepseek_reference or none"
+            )
+        })?),
     };
-    opts.fp8_indexer = indexer;
     opts.fp8_indexer_name.clone_from(&args.fp8_indexer);
+    for text in &args.deviation {
+        let deviation = Deviation::parse(text).with_context(|| format!("--deviation {text}"))?;
+        deviation
+            .check(model.config.num_hidden_layers)
+            .with_context(|| format!("--deviation {text}"))?;
+        opts.deviations.push(deviation);
+    }
+    for d in &opts.deviations {
+        if let Effect::None(why) = d.effect(&model.config, opts.fp8_indexer, &opts.deviations) {
+            eprintln!("deviation {d}: changes nothing on this model: {why}");
+        }
+    }
     for f in &args.fault {
         let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
         fault
@@ -151,6 +147,9 @@ fn run(args: &Args) -> Result<()> {
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
     if out.is_none() && !args.fault.is_empty() {
         bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
+    }
+    if out.is_none() && !args.deviation.is_empty() {
+        bail!("--deviation runs in traced passes only: set SHADOWTRACE=1 or give --out");
     }
     if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
         bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");

@@ -98,6 +98,20 @@ pub fn topk_with_margin(
 }
 
 impl TopkSelection {
+    /// The selection with its sparse rows' keys replaced by the keys a layer
+    /// attended to (`topk` `[T, k]`): the same set as `torch.topk` of the
+    /// same scores except among exact ties, which a deviation may break its
+    /// own way. A `topk` of another shape (every row dense) changes nothing.
+    #[must_use]
+    pub fn attended(mut self, topk: &Tensor) -> TopkSelection {
+        if topk.size() == self.indices.size() {
+            self.indices = self
+                .indices
+                .where_self(&self.dense.unsqueeze(1), &topk.to_kind(Kind::Int64));
+        }
+        self
+    }
+
     /// Row `t` in the stored form: valid indices ascending; with `band`, the
     /// keys whose score in `scores` lies within `band` of the k-th score.
     ///

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tch::{Kind, Tensor};
 
 use super::config::{Architecture, ModelConfig};
+use super::deviation::{self, AtLayer, Deviation, IndexerQuant};
 use super::fault::Fault;
 use super::rope::Rope;
 use crate::fp8::gemm;
@@ -87,6 +88,8 @@ pub struct Layer<'a> {
     pub fp8_indexer: Option<Fp8Indexer>,
     /// Faults planted in this pass (production only).
     pub faults: &'a [Fault],
+    /// Engine behaviours production runs on purpose (production only).
+    pub deviations: &'a [Deviation],
     /// Where production's fallbacks are counted (`None`: not counted).
     pub fallbacks: Option<&'a Fallbacks>,
 }
@@ -278,6 +281,29 @@ impl Layer<'_> {
         }
     }
 
+    /// The layer's indexer alone on the residual stream `x` `[S, hidden]`:
+    /// top-k and fp32 scores exactly as [`Layer::forward`] computes them
+    /// (no planted fault), for a shadow that needs the selection and not the
+    /// rest of the layer. `None` where the layer reuses the previous top-k.
+    #[must_use]
+    pub fn indexer_on(&self, x: &Tensor, rope: &Rope) -> Option<(Tensor, Tensor)> {
+        let c = self.config;
+        if !c.runs_indexer(self.index) {
+            return None;
+        }
+        let normed = self.rms_norm(
+            &x.to_kind(self.act_kind()),
+            "input_layernorm",
+            c.rms_norm_eps,
+        );
+        let q_resid = self.rms_norm(
+            &self.linear(&normed, "self_attn.q_a_proj"),
+            "self_attn.q_a_layernorm",
+            1e-6,
+        );
+        Some(self.indexer(&normed, &q_resid, rope))
+    }
+
     fn attention(
         &self,
         x: &Tensor,
@@ -352,18 +378,43 @@ impl Layer<'_> {
         let mask =
             Tensor::zeros([s, s], (kind, x.device())).masked_fill(&allowed.logical_not(), min);
         let scaling = self.softmax_scale();
-        let scores = query.matmul(&key.transpose(1, 2)) * scaling + mask.unsqueeze(0);
-        let probs = scores.softmax(-1, Kind::Float).to_kind(kind);
-        let attn = probs
-            .matmul(&value)
-            .transpose(0, 1)
-            .reshape([s, heads * v_dim]);
+        let attend = |key: &Tensor, value: &Tensor| {
+            let scores = query.matmul(&key.transpose(1, 2)) * scaling + mask.unsqueeze(0);
+            let probs = scores.softmax(-1, Kind::Float).to_kind(kind);
+            probs
+                .matmul(value)
+                .transpose(0, 1)
+                .reshape([s, heads * v_dim])
+        };
+        let mut attn = attend(&key, &value);
+        let dev = self.at_layer();
+        if dev.stale_prefix
+            && let Some(p) = deviation::reuse_prefix(s)
+        {
+            // The queries past the hit read the stale block; those before it
+            // were computed by the earlier request.
+            let index = deviation::stale_index(s, p, x.device());
+            let stale = attend(&key.index_select(1, &index), &value.index_select(1, &index));
+            attn = deviation::splice_tail(&attn, &stale, p);
+        }
+        if dev.pad_slot_nan {
+            // A query whose index list has unused entries reads the reserved
+            // slot: its score against a NaN key is NaN whatever the mask adds,
+            // and so is its softmax.
+            let reads_pad = positions.lt(c.index_topk - 1).view([s, 1]);
+            attn = attn.masked_fill(&reads_pad, f64::NAN);
+        }
         (
             self.linear(&attn, "self_attn.o_proj"),
             topk,
             index_scores,
             kv_latent,
         )
+    }
+
+    /// The deviations acting in this layer.
+    fn at_layer(&self) -> AtLayer {
+        AtLayer::of(self.deviations, self.index, self.config)
     }
 
     fn softmax_scale(&self) -> f64 {
@@ -403,7 +454,8 @@ impl Layer<'_> {
                 k = &k + (noise * (k.to_kind(Kind::Float).std(true) * *scale)).to_kind(k.kind());
             }
         }
-        let interleaved = self.arch == Architecture::Glm;
+        let dev = self.at_layer();
+        let interleaved = dev.indexer_rope_interleaved(self.arch);
         let q = Tensor::cat(
             &[
                 rope.apply(&q.narrow(-1, 0, rot), 0, interleaved),
@@ -418,48 +470,96 @@ impl Layer<'_> {
             ],
             -1,
         );
-        // weights_proj is kept in fp32 by transformers (_keep_in_fp32_modules).
-        let w = x
-            .to_kind(Kind::Float)
-            .matmul(&self.w("self_attn.indexer.weights_proj.weight").tr())
-            * (heads as f64).powf(-0.5);
-        let positions = Tensor::arange(s, (Kind::Int64, x.device()));
-        let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
-        // Production's FP8 indexer, as the chosen engine variant computes it.
-        let fp8_path = matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated);
-        if fp8_path
-            && self.fp8_indexer.is_some()
-            && dim != 128
-            && let Some(fallbacks) = self.fallbacks
-        {
-            // The FP8 indexer variants quantize one 128-wide block per head.
-            Fallbacks::add(&fallbacks.fp8_indexer_failed);
-        }
-        let fp8 = self
-            .fp8_indexer
-            .filter(|_| fp8_path && dim == 128)
-            .and_then(|variant| {
-                let (q, k) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
-                let scores = index_scores(&q, &k, &w, &positions, Precision::Fp8(variant)).ok();
-                if scores.is_none()
-                    && let Some(fallbacks) = self.fallbacks
-                {
-                    Fallbacks::add(&fallbacks.fp8_indexer_failed);
-                }
-                scores
-            });
-        let scores = fp8.unwrap_or_else(|| {
-            let dots = q
+        let weights_proj = self.w("self_attn.indexer.weights_proj.weight");
+        let w = if dev.weights_proj_bf16 {
+            // A bf16 GEMM: bf16 operands, fp32 accumulation, bf16 output.
+            x.to_kind(Kind::BFloat16)
+                .matmul(&weights_proj.to_kind(Kind::BFloat16).tr())
                 .to_kind(Kind::Float)
-                .transpose(0, 1)
-                .matmul(&k.to_kind(Kind::Float).tr().unsqueeze(0));
+        } else {
+            // weights_proj is kept in fp32 by transformers (_keep_in_fp32_modules).
+            x.to_kind(Kind::Float).matmul(&weights_proj.tr())
+        } * (heads as f64).powf(-0.5);
+        let positions = Tensor::arange(s, (Kind::Int64, x.device()));
+        // Production's FP8 indexer, as the chosen engine variant and the
+        // deviations make it.
+        let fp8_path = matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated);
+        let quant = if fp8_path {
+            dev.indexer_quant(self.fp8_indexer)
+        } else {
+            IndexerQuant::None
+        };
+        let score = |k: &Tensor| self.index_scores(&q, k, &w, &positions, quant);
+        let mut scores = score(&k);
+        if dev.reuses_prefix()
+            && let Some(p) = deviation::reuse_prefix(s)
+        {
+            // The queries past the hit score the cached keys as the cache
+            // holds and gathers them.
+            let mut cached = k.shallow_clone();
+            if dev.stale_prefix {
+                cached = cached.index_select(0, &deviation::stale_index(s, p, x.device()));
+            }
+            if dev.wrong_gather {
+                cached = cached.index_select(0, &deviation::wrong_gather_index(s, p, x.device()));
+            }
+            scores = deviation::splice_tail(&scores, &score(&cached), p);
+        }
+        if dev.logits_bf16 {
+            scores = deviation::bf16_round(&scores);
+        }
+        let take = c.index_topk.min(s);
+        let topk = if dev.ties_reversed {
+            deviation::topk_ties_reversed(&scores, take)
+        } else {
+            scores.topk(take, -1, true, true).1
+        };
+        (topk, scores)
+    }
+
+    /// Indexer scores `[S, T]` (fp32, -inf where masked) of q `[S, H, D]` and
+    /// k `[T, D]` after RoPE, with head weights `w` `[S, H]` (H^-1/2 folded
+    /// in), quantized as `quant` says; a quantization that cannot run (an
+    /// index_head_dim other than 128) or fails is scored in fp32 and counted.
+    fn index_scores(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        w: &Tensor,
+        positions: &Tensor,
+        quant: IndexerQuant,
+    ) -> Tensor {
+        let dim = q.size()[2];
+        let fallback = || {
+            if let Some(fallbacks) = self.fallbacks {
+                Fallbacks::add(&fallbacks.fp8_indexer_failed);
+            }
+        };
+        let (qf, kf) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
+        let quantized = match quant {
+            IndexerQuant::None => None,
+            // The FP8 indexer variants quantize one 128-wide block per head.
+            _ if dim != 128 => {
+                fallback();
+                None
+            }
+            IndexerQuant::QueriesAndKeys(variant) => {
+                index_scores(&qf, &kf, w, positions, Precision::Fp8(variant)).ok()
+            }
+            IndexerQuant::Keys(variant) => {
+                deviation::keys_fp8_scores(&qf, &kf, w, positions, variant).ok()
+            }
+        };
+        if quantized.is_none() && quant != IndexerQuant::None && dim == 128 {
+            fallback();
+        }
+        quantized.unwrap_or_else(|| {
+            let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
+            let dots = qf.transpose(0, 1).matmul(&kf.tr().unsqueeze(0));
             let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, S, T]
             let scores = w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1); // [S, T]
             scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY)
-        });
-        let take = c.index_topk.min(s);
-        let (_, topk) = scores.topk(take, -1, true, true);
-        (topk, scores)
+        })
     }
 
     fn mlp(&self, x: &Tensor, prefix: &str) -> Tensor {

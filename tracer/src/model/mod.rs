@@ -9,7 +9,10 @@
 //! architectures with identical weights.
 
 pub mod config;
+pub mod convention;
+pub mod deviation;
 pub mod fault;
+pub mod fp8_checkpoint;
 pub mod layer;
 pub mod rope;
 pub mod synthetic;
@@ -125,12 +128,17 @@ impl Model {
     /// # Errors
     /// A tensor missing from the checkpoint or unreadable.
     pub fn load(&self, prefix: &str) -> Result<layer::Weights, ModelError> {
-        let names: Vec<String> = self.checkpoint.names_with_prefix(prefix);
-        let loaded = self.checkpoint.load(&names)?;
+        let names: Vec<String> = self
+            .checkpoint
+            .names_with_prefix(prefix)
+            .into_iter()
+            // A weight's scales are read with it.
+            .filter(|name| !name.ends_with("_scale_inv"))
+            .collect();
+        let loaded = self.checkpoint.load(&names, self.device)?;
         Ok(loaded
             .into_iter()
-            .filter(|(name, _)| !name.ends_with("_scale_inv"))
-            .map(|(name, t)| (name[prefix.len()..].to_owned(), t.to_device(self.device)))
+            .map(|(name, t)| (name[prefix.len()..].to_owned(), t))
             .collect())
     }
 
@@ -198,6 +206,7 @@ impl Model {
                 numerics,
                 fp8_indexer: None,
                 faults: &[],
+                deviations: &[],
                 fallbacks: None,
             };
             let prev = layers.last().map(|l| &l.topk);

@@ -1,8 +1,12 @@
 //! Checkpoint weights from safetensors files: BF16, F16 and F32 as they are,
 //! FP8 e4m3 with their 128x128 `weight_scale_inv` blocks as real checkpoints
 //! store them. Read here rather than through tch, which knows no FP8 dtype.
-//! A sharded checkpoint (`model.safetensors.index.json`) is read shard by
-//! shard, and only the tensors asked for are kept.
+//! A sharded checkpoint is read through its `model.safetensors.index.json`
+//! (every shard it names must be there), shard by shard, and only the
+//! tensors asked for are kept; tensors of layers past `num_hidden_layers`
+//! (the MTP layers of `num_nextn_predict_layers`) are never asked for. FP8
+//! codes are moved to the device before they are multiplied out, so a
+//! full-width layer is dequantized where it runs.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -34,6 +38,10 @@ impl Checkpoint {
     /// # Errors
     /// No safetensors file, or an unreadable index.
     pub fn open(dir: &Path) -> Result<Checkpoint, ModelError> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.is_file() {
+            return Checkpoint::from_index(dir, &index);
+        }
         let mut files = BTreeMap::new();
         let mut shards: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|source| ModelError::Io {
@@ -59,6 +67,36 @@ impl Checkpoint {
         Ok(Checkpoint { files })
     }
 
+    /// The shards a `model.safetensors.index.json` names (`weight_map`).
+    fn from_index(dir: &Path, index: &Path) -> Result<Checkpoint, ModelError> {
+        let bad = |what: String| ModelError::Weights {
+            path: index.to_owned(),
+            what,
+        };
+        let text = std::fs::read(index).map_err(|source| ModelError::Io {
+            path: index.to_owned(),
+            source,
+        })?;
+        let doc: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let map = doc
+            .get("weight_map")
+            .and_then(serde_json::Value::as_object)
+            .ok_or_else(|| bad("no weight_map object".to_owned()))?;
+        let mut files = BTreeMap::new();
+        for (name, shard) in map {
+            let shard = shard
+                .as_str()
+                .ok_or_else(|| bad(format!("{name}: the shard is not a file name")))?;
+            let path = dir.join(shard);
+            if !path.is_file() {
+                return Err(bad(format!("{name}: shard {shard} is missing")));
+            }
+            files.insert(name.clone(), path);
+        }
+        Ok(Checkpoint { files })
+    }
+
     /// The names that start with `prefix`.
     #[must_use]
     pub fn names_with_prefix(&self, prefix: &str) -> Vec<String> {
@@ -69,12 +107,16 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The tensors named, as fp32 (FP8 weights multiplied out by their
-    /// `<name>_scale_inv` blocks).
+    /// The tensors named, as fp32 on `device` (FP8 weights multiplied out by
+    /// their `<name>_scale_inv` blocks there).
     ///
     /// # Errors
     /// A missing tensor, an unsupported dtype, or a truncated file.
-    pub fn load(&self, names: &[String]) -> Result<BTreeMap<String, Tensor>, ModelError> {
+    pub fn load(
+        &self,
+        names: &[String],
+        device: tch::Device,
+    ) -> Result<BTreeMap<String, Tensor>, ModelError> {
         let mut by_file: BTreeMap<&PathBuf, Vec<&String>> = BTreeMap::new();
         for name in names {
             let file = self.files.get(name).ok_or_else(|| ModelError::Weights {
@@ -100,7 +142,10 @@ impl Checkpoint {
                     .seek(SeekFrom::Start((data_start + a) as u64))
                     .and_then(|_| handle.read_exact(&mut data))
                     .map_err(io)?;
-                out.insert(name.clone(), decode(file, name, entry, &data)?);
+                out.insert(
+                    name.clone(),
+                    decode(file, name, entry, &data)?.to_device(device),
+                );
             }
         }
         let fp8: Vec<String> = out
@@ -110,7 +155,7 @@ impl Checkpoint {
             .collect();
         for name in fp8 {
             let scale_name = format!("{name}_scale_inv");
-            let scale = self.load(std::slice::from_ref(&scale_name))?;
+            let scale = self.load(std::slice::from_ref(&scale_name), device)?;
             let codes = &out[&name];
             let values = dequantize(codes, &scale[&scale_name]);
             out.insert(name, values);
@@ -183,8 +228,9 @@ fn decode(path: &Path, name: &str, entry: &Entry, data: &[u8]) -> Result<Tensor,
 /// exact, each product being an e4m3 value times an fp32 scale.
 fn dequantize(codes: &Tensor, scale_inv: &Tensor) -> Tensor {
     let table: Vec<f32> = (0..=255_u8).map(|c| Fp8Format::E4m3fn.decode(c)).collect();
-    let values =
-        Tensor::from_slice(&table).index_select(0, &codes.to_kind(Kind::Int64).flatten(0, -1));
+    let values = Tensor::from_slice(&table)
+        .to_device(codes.device())
+        .index_select(0, &codes.to_kind(Kind::Int64).flatten(0, -1));
     let size = codes.size();
     let (rows, cols) = (size[0], size[1]);
     let scale = scale_inv

@@ -23,6 +23,7 @@ use shadowtrace_schemas::manifest::{
 
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
+use crate::model::convention::reference_conventions;
 use crate::model::layer::Fallbacks;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
@@ -92,27 +93,30 @@ pub fn trace(
             return Err(TraceRunError::Interrupted { layer: i });
         }
         let weights = model.load(&format!("model.layers.{i}."))?;
-        let layer = |numerics, faults, fallbacks| Layer {
+        let layer = |numerics, faults, deviations, fallbacks| Layer {
             config: c,
             arch: model.arch,
             index: i,
             weights: &weights,
             numerics,
-            fp8_indexer: Some(opts.fp8_indexer),
+            fp8_indexer: opts.fp8_indexer,
             faults,
+            deviations,
             fallbacks,
         };
-        let prod = layer(Numerics::Fp8, &opts.faults, Some(&fallbacks)).forward(
-            &h_prod,
-            &rope,
-            prev_prod.as_ref(),
-        );
+        let prod = layer(
+            Numerics::Fp8,
+            &opts.faults,
+            &opts.deviations,
+            Some(&fallbacks),
+        )
+        .forward(&h_prod, &rope, prev_prod.as_ref());
         let shadow = Numerics::Plain(kind);
         let local = (opts.modes.contains(&Mode::Local)).then(|| {
-            layer(shadow, &[], None).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref())
+            layer(shadow, &[], &[], None).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref())
         });
         let free = (opts.modes.contains(&Mode::Free))
-            .then(|| layer(shadow, &[], None).forward(&h_free, &rope, prev_free.as_ref()));
+            .then(|| layer(shadow, &[], &[], None).forward(&h_free, &rope, prev_free.as_ref()));
         if opts.layer(i) {
             // layer_in has no shadow: it is the local shadow's own input.
             type Pick = Option<fn(&LayerOutput) -> &Tensor>;
@@ -129,10 +133,13 @@ pub fn trace(
                     && opts.site("indexer")
                     && let Some(prod_scores) = prod.index_scores.as_ref()
                 {
-                    let shadow_scores = local.as_ref().and_then(|o| o.index_scores.as_ref());
+                    let shadow = local
+                        .as_ref()
+                        .and_then(|o| o.index_scores.as_ref().map(|s| (s, &o.topk)));
                     let scores = IndexerScores {
                         prod: prod_scores,
-                        shadow: shadow_scores,
+                        prod_topk: &prod.topk,
+                        shadow,
                     };
                     record_topk(&writer, seq, i, c.index_topk, &scores, opts.band)?;
                     seq += 1;
@@ -327,10 +334,12 @@ fn record_site(
 }
 
 /// One layer's indexer scores `[S, S]` (query t sees keys s <= t, the rest
-/// -inf): production's, and the local shadow's where it ran.
+/// -inf) and the top-k the layer attended to: production's, and the local
+/// shadow's where it ran.
 struct IndexerScores<'a> {
     prod: &'a Tensor,
-    shadow: Option<&'a Tensor>,
+    prod_topk: &'a Tensor,
+    shadow: Option<(&'a Tensor, &'a Tensor)>,
 }
 
 /// The `indexer` capture `seq` of one layer: a `topk` row per query, and an
@@ -345,7 +354,7 @@ fn record_topk(
     scores: &IndexerScores<'_>,
     band: f32,
 ) -> Result<(), TraceError> {
-    let (prod_scores, shadow_scores) = (scores.prod, scores.shadow);
+    let (prod_scores, shadow_scores) = (scores.prod, scores.shadow.map(|(s, _)| s));
     for (kind, token, key, count) in stats::indexer_nonfinite(prod_scores) {
         let shadow_finite = shadow_scores.map(|s| {
             s.get(token)
@@ -374,9 +383,10 @@ fn record_topk(
     }
     let s = prod_scores.size()[0];
     let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, prod_scores.device()));
-    let prod = topk_with_margin(prod_scores, k, &visible)?;
-    let shadow = shadow_scores
-        .map(|sc| topk_with_margin(sc, k, &visible))
+    let prod = topk_with_margin(prod_scores, k, &visible)?.attended(scores.prod_topk);
+    let shadow = scores
+        .shadow
+        .map(|(sc, topk)| topk_with_margin(sc, k, &visible).map(|sel| sel.attended(topk)))
         .transpose()?;
     let prod_rows = prod.rows(prod_scores, Some(band))?;
     let mut shadow_rows = match (&shadow, shadow_scores) {
@@ -459,7 +469,11 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
             .iter()
             .filter_map(|f| serde_json::to_value(f).ok())
             .collect(),
-        conventions: Vec::new(),
-        deviations: Vec::new(),
+        conventions: reference_conventions(c, model.arch, opts.fp8_indexer, &opts.deviations),
+        deviations: opts
+            .deviations
+            .iter()
+            .map(|d| d.manifest_entry(&d.effect(c, opts.fp8_indexer, &opts.deviations)))
+            .collect(),
     }
 }

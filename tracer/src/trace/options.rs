@@ -11,6 +11,7 @@ use shadowtrace_schemas::env::{EnvError, resolve};
 use tch::Kind;
 
 use crate::indexer::Fp8Indexer;
+use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
 use crate::{QueueMode, WriterOptions};
 
@@ -51,12 +52,15 @@ pub struct TraceOptions {
     pub band: f32,
     /// Top-N of each logits row.
     pub top_n: i64,
-    /// The production FP8 indexer.
-    pub fp8_indexer: Fp8Indexer,
-    /// Its name (trtllm, sglang, vllm, deepseek_reference).
+    /// The production FP8 indexer; `None`: no FP8 in the indexer (q and k
+    /// in bf16, scores in fp32, as transformers computes it).
+    pub fp8_indexer: Option<Fp8Indexer>,
+    /// Its name (trtllm, sglang, vllm, deepseek_reference, none).
     pub fp8_indexer_name: String,
     /// Faults planted in production.
     pub faults: Vec<Fault>,
+    /// Engine behaviours production runs on purpose.
+    pub deviations: Vec<Deviation>,
     /// Run tags.
     pub tags: BTreeMap<String, String>,
     /// `tool`, `no_tool` or a user word.
@@ -83,9 +87,10 @@ impl TraceOptions {
             tokens_setting: serde_json::json!({"kind": "all"}),
             band: 1e-3,
             top_n: 20,
-            fp8_indexer: Fp8Indexer::trtllm(),
+            fp8_indexer: Some(Fp8Indexer::trtllm()),
             fp8_indexer_name: "trtllm".to_owned(),
             faults: Vec::new(),
+            deviations: Vec::new(),
             tags: BTreeMap::new(),
             prompt_kind: None,
             model_name: model_name.to_owned(),

@@ -1,0 +1,71 @@
+"""The convention-mismatch verdict on runs an engine wrote: the SGLang stand-in
+(hooks/tests/standins/sglang.py) serving GLM-5 with NeoX indexer RoPE where the model's
+reference is interleaved, and with the model's own layout, traced in-process by the hooks and
+read back by `shadowtrace analyze`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, binary
+
+# The hooks' own test helpers and the engine stand-ins beside them.
+sys.path.insert(0, str(REPO / "hooks" / "tests"))
+import traced
+from standins import sglang as sg
+
+TOKENS = sg.TOPK + 40  # rows that see more keys than index_topk
+
+
+def analysed(out: Path) -> dict:
+    """`shadowtrace analyze --format json` of the one run under `out`."""
+    (run,) = sorted(p.parent for p in out.glob("*/manifest.json"))
+    result = subprocess.run(
+        [binary("shadowtrace"), "analyze", run, "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    (analysis,) = json.loads(result.stdout)["runs"]
+    return analysis
+
+
+@pytest.mark.parametrize(
+    ("interleave", "mismatches"),
+    [
+        # No indexer_rope_interleave in config.json: SGLang 0.5.22 rotates NeoX pairs.
+        (None, ["neox"]),
+        (True, []),
+    ],
+)
+def test_the_verdict_names_an_engine_rope_layout_other_than_the_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interleave: bool | None, mismatches: list[str]
+) -> None:
+    for name in ("SGLANG_DSA_FUSE_TOPK", "SGLANG_NSA_FUSE_TOPK"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.delenv("SGLANG_DISABLE_DSA_INDEXER_FUSION", raising=False)
+    installed = sg.install(monkeypatch, "0.5.22")
+    traced.start(tmp_path, SHADOWTRACE_SHADOW="fp32")
+    try:
+        config = sg.glm5_config(index_k_norm_type="rms")
+        if interleave is None:
+            del config.indexer_rope_interleave
+        else:
+            config.indexer_rope_interleave = interleave
+        model = installed.models.GlmMoeDsaForCausalLM(config)
+        engine = sg.Engine(installed, model)
+        request = engine.request("A", TOKENS, seed=3)
+        engine.extend([(request, TOKENS)])
+    finally:
+        traced.stop()
+    analysis = analysed(tmp_path)
+    found = analysis["convention_mismatches"]
+    assert [m["engine"] for m in found] == mismatches, found
+    if mismatches:
+        (mismatch,) = found
+        assert (mismatch["name"], mismatch["model"]) == ("indexer_rope", "interleaved")
+        assert "is_neox_style" in mismatch["engine_source"]
+    assert len(analysis["conventions"]) == 1, "the correct one is recorded too, and is no verdict"

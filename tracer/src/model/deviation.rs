@@ -1,0 +1,731 @@
+//! Deviations: known engine behaviours that depart from the model's reference
+//! numerics (DESIGN.md, deviation), run on purpose in the reference engine's
+//! production path. Each is named after the behaviour, cites the upstream
+//! code or report it comes from, and is listed in the run's manifest
+//! (`deviations`) as a planted fault is (`injections`).
+//!
+//! The production path a deviation departs from is the reference engine's:
+//! FP8 block-scaled linears and the indexer of `--fp8-indexer` (`none`: no
+//! FP8 in the indexer, as transformers computes it; the `suspects` sweep
+//! starts there). A deviation changes one thing; several compose
+//! (`indexer_rope_neox,hadamard_dropped`). `NAME@L` applies it at layer L
+//! alone (a positive control whose layer is known); plain `NAME` at every
+//! layer, as an engine does.
+//!
+//! Whether a deviation changes anything for a model is settled before
+//! anything runs ([`Deviation::effect`]): NeoX RoPE on DeepSeek-V3.2, whose
+//! indexer RoPE is NeoX already, changes nothing, and the sweep says so
+//! instead of reporting noise.
+//!
+//! The prefix-reuse deviations act on a prefill whose first
+//! [`reuse_prefix`] tokens were a cache hit: queries past the prefix read
+//! the cached entries of the prefix (those before it were computed by the
+//! earlier request, correctly). The prefix is a named parameter
+//! ([`PREFIX_REUSE_FRACTION`], [`KV_BLOCK_TOKENS`]) so a report can say what
+//! it assumed.
+
+use std::fmt;
+
+use serde_json::{Value, json};
+use tch::{Kind, Tensor};
+
+use super::config::{Architecture, ModelConfig};
+use crate::TraceError;
+use crate::fp8::ACTIVATION_BLOCK;
+use crate::fp8::quant::{dequantize_blocks, quantize_blocks};
+use crate::indexer::{Fp8Indexer, Precision, hadamard_matrix, index_scores};
+
+/// Tokens per KV-cache block (page) of the prefix-reuse deviations: the page
+/// size of SGLang's and vLLM's DSA caches and of DeepGEMM's paged logits on
+/// SM90 (`block_kv = 64`, `../shared/reference/dsa_numerics.md` 2.3).
+pub const KV_BLOCK_TOKENS: i64 = 64;
+
+/// The share of a prompt taken as a cache hit by the prefix-reuse
+/// deviations: the prefix is the largest whole number of blocks within this
+/// share of the prompt.
+pub const PREFIX_REUSE_FRACTION: f64 = 0.5;
+
+/// The stride by which the wrong indexer K-cache gather walks pages
+/// ([`DeviationKind::KCacheWrongBlocks`]): TensorRT-LLM #16223 describes flat
+/// offsets inflated by the compress ratio; DeepSeek-V4's indexer compresses
+/// by 4.
+pub const GATHER_STRIDE: i64 = 4;
+
+/// One known engine behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum DeviationKind {
+    /// The indexer's RoPE rotates half-split pairs (i, i + R/2), "NeoX".
+    IndexerRopeNeox,
+    /// The indexer's RoPE rotates adjacent pairs (2i, 2i + 1), "interleaved".
+    IndexerRopeInterleaved,
+    /// The indexer in FP8 as DeepSeek's reference inference code computes
+    /// it: Hadamard rotation, q and k quantized (e4m3, 1x128, ue8m0).
+    IndexerFp8,
+    /// The FP8 indexer without the Hadamard rotation before quantization.
+    HadamardDropped,
+    /// Only the indexer's keys quantized to FP8, as its key cache stores them.
+    IndexerKCacheFp8,
+    /// The head weights `weights_proj(x)` rounded to bf16.
+    WeightsProjBf16,
+    /// The indexer's logits rounded to bf16 before top-k.
+    IndexerLogitsBf16,
+    /// Exact ties at the k-th score broken the other way.
+    TieOrder,
+    /// A NaN in the KV slot reserved for padding rows, read by every query
+    /// whose index list has unused entries.
+    KvSlotNan,
+    /// The zero-RoPE KV writer (`qk_rope_head_dim = 0`) writing padding rows
+    /// into the reserved slot: [`DeviationKind::KvSlotNan`] on those models.
+    ZeroRopeWriter,
+    /// Under prefix reuse, the indexer's cached keys gathered from the wrong
+    /// blocks.
+    KCacheWrongBlocks,
+    /// Under prefix reuse, the last reused block holds the state of the block
+    /// before it.
+    StalePrefixState,
+}
+
+impl DeviationKind {
+    /// Every deviation, in the order reports list them.
+    pub const ALL: [DeviationKind; 12] = [
+        DeviationKind::IndexerRopeNeox,
+        DeviationKind::IndexerRopeInterleaved,
+        DeviationKind::IndexerFp8,
+        DeviationKind::HadamardDropped,
+        DeviationKind::IndexerKCacheFp8,
+        DeviationKind::WeightsProjBf16,
+        DeviationKind::IndexerLogitsBf16,
+        DeviationKind::TieOrder,
+        DeviationKind::KvSlotNan,
+        DeviationKind::ZeroRopeWriter,
+        DeviationKind::KCacheWrongBlocks,
+        DeviationKind::StalePrefixState,
+    ];
+
+    /// The name on the command line and in manifests.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviationKind::IndexerRopeNeox => "indexer_rope_neox",
+            DeviationKind::IndexerRopeInterleaved => "indexer_rope_interleaved",
+            DeviationKind::IndexerFp8 => "indexer_fp8",
+            DeviationKind::HadamardDropped => "hadamard_dropped",
+            DeviationKind::IndexerKCacheFp8 => "indexer_k_cache_fp8",
+            DeviationKind::WeightsProjBf16 => "weights_proj_bf16",
+            DeviationKind::IndexerLogitsBf16 => "indexer_logits_bf16",
+            DeviationKind::TieOrder => "tie_order",
+            DeviationKind::KvSlotNan => "kv_slot_nan",
+            DeviationKind::ZeroRopeWriter => "zero_rope_writer",
+            DeviationKind::KCacheWrongBlocks => "kcache_wrong_blocks",
+            DeviationKind::StalePrefixState => "stale_prefix_state",
+        }
+    }
+
+    /// The kind a name stands for.
+    #[must_use]
+    pub fn named(name: &str) -> Option<DeviationKind> {
+        DeviationKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// What production does, in one line.
+    #[must_use]
+    pub fn behaviour(self) -> &'static str {
+        match self {
+            DeviationKind::IndexerRopeNeox => {
+                "indexer RoPE on half-split pairs (i, i+R/2), NeoX style"
+            }
+            DeviationKind::IndexerRopeInterleaved => {
+                "indexer RoPE on adjacent pairs (2i, 2i+1), interleaved"
+            }
+            DeviationKind::IndexerFp8 => {
+                "indexer q and k in FP8 (Hadamard, e4m3 1x128, ue8m0 scales, clamp 1e-4)"
+            }
+            DeviationKind::HadamardDropped => {
+                "indexer q and k in FP8 without the Hadamard rotation before quantization"
+            }
+            DeviationKind::IndexerKCacheFp8 => {
+                "indexer keys quantized to FP8 as the key cache stores them, queries not"
+            }
+            DeviationKind::WeightsProjBf16 => {
+                "indexer head weights weights_proj(x) rounded to bf16"
+            }
+            DeviationKind::IndexerLogitsBf16 => "indexer logits rounded to bf16 before top-k",
+            DeviationKind::TieOrder => "exact ties at the k-th score broken toward later keys",
+            DeviationKind::KvSlotNan => {
+                "NaN in the KV slot reserved for padding rows, read by queries whose index list has unused entries"
+            }
+            DeviationKind::ZeroRopeWriter => {
+                "the zero-RoPE KV writer stores padding rows' NaN in the reserved slot (qk_rope_head_dim = 0)"
+            }
+            DeviationKind::KCacheWrongBlocks => {
+                "prefix hit: the indexer's cached keys gathered from pages at GATHER_STRIDE x their offset"
+            }
+            DeviationKind::StalePrefixState => {
+                "prefix hit: the last reused block holds the state of the block before it"
+            }
+        }
+    }
+
+    /// Where the behaviour comes from: upstream file and commit, PR or report.
+    #[must_use]
+    pub fn source(self) -> &'static str {
+        match self {
+            DeviationKind::IndexerRopeNeox => {
+                "TensorRT-LLM sparse/dsa/params.py @36449222 DSAParams.indexer_rope_interleave = False and \
+                 sparse/dsa/indexer.py @047098b7 RotaryEmbedding(is_neox=not indexer_rope_interleave); \
+                 PR #12010 (\"hard requirement for GLM5 or it generates garbage after a while\"); \
+                 1.3.0rc3/rc4 served GLM-5 through the DeepseekV32 remap with no such knob; \
+                 vLLM deepseek_v2.py and SGLang 0.5.23 models/deepseek_v2.py:2118 default the key to False"
+            }
+            DeviationKind::IndexerRopeInterleaved => {
+                "DeepSeek-V3.2-Exp inference/model.py before its fix \"rope in indexer is not \
+                 interleaved\" (transformers deepseek_v32/deepseek_files/inference/model.py @220c122b \
+                 apply_rotary_emb(..., interleaved=False)); the main MLA RoPE is interleaved, so a \
+                 shared rotary module carries the wrong layout into the indexer"
+            }
+            DeviationKind::IndexerFp8 => {
+                "DeepSeek-V3.2 reference Indexer.forward (transformers deepseek_v32/deepseek_files/\
+                 inference/model.py @220c122b: rotate_activation, act_quant(q, 128, ue8m0), k_cache fp8, \
+                 fp8_index); SGLang nsa/dsa_indexer act_quant"
+            }
+            DeviationKind::HadamardDropped => {
+                "TensorRT-LLM PR #11899 (fused_cat_fp8 replaced rotate_activation + \
+                 fp8_quantize_1x128_sf_transpose; issue #13061 open, #15158 closed); vLLM \
+                 deepseek_v2.py Indexer (no Hadamard on the fused or unfused path)"
+            }
+            DeviationKind::IndexerKCacheFp8 => {
+                "the indexer K cache of every engine holds FP8 keys with per-token ue8m0 scales: \
+                 DeepSeek reference k_cache, vLLM csrc/cache_kernels.cu indexer_k_quant_and_cache_kernel, \
+                 TensorRT-LLM fusedCatFp8Scatter.cu; the suspect of TensorRT-LLM #15295 (context 003)"
+            }
+            DeviationKind::WeightsProjBf16 => {
+                "axolotl PR #3832 (bf16 rounding of weights_proj perturbs near-tied index scores enough \
+                 to flip top-k); SGLang 0.5.23 dsa_indexer.py weights_proj params_dtype bfloat16 and \
+                 _weights_proj_bf16_in_fp32_out returning bf16 on HIP; vLLM deepseek_v2.py bf16 GEMM output"
+            }
+            DeviationKind::IndexerLogitsBf16 => {
+                "DeepGEMM fp8_fp4_mqa_logits (@54e22612, the newer API) with bf16 logits, the Blackwell \
+                 path of vLLM's sparse indexer"
+            }
+            DeviationKind::TieOrder => {
+                "TensorRT-LLM cpp/tensorrt_llm/kernels/indexerTopK.cu @36449222 (radix select; exact ties \
+                 admitted first-come by atomicAdd); vLLM top_k_per_row_prefill on exact ties, 156-200 \
+                 distinct outputs over 200 calls (context 002, topk_ties.py)"
+            }
+            DeviationKind::KvSlotNan => {
+                "SGLang #36207 and PR #36003 (reserved padding slot 0 of the MLA writers), AITER PR #5010 \
+                 (context 000); the FP8 TileLang sparse decode maps unused top-k entries to row 0 and a \
+                 masked NaN still poisons the softmax (context 001, SGLang #42689, #45988)"
+            }
+            DeviationKind::ZeroRopeWriter => {
+                "SGLang sglang/kernels/ops/kvcache/mla_buffer.py set_mla_kv_buffer_kernel_norope before \
+                 the fix of context 001 (GLM-5.3-Flash, qk_rope_head_dim = 0: GSM8K 50% -> 98%); the RoPE \
+                 writers skip slot 0 since PR #36003 (0.5.23 mla_buffer.py reserved_skip_index)"
+            }
+            DeviationKind::KCacheWrongBlocks => {
+                "TensorRT-LLM #16223 (context 003, later comments): _compute_slot_mappings in \
+                 _torch/attention_backend/sparse/dsa.py walks flat offsets inflated by the compress ratio \
+                 under block reuse, and indexerKCacheGatherUnifiedKernel gathers other blocks' keys \
+                 without a bounds check"
+            }
+            DeviationKind::StalePrefixState => {
+                "context 004 (SGLang mamba radix cache, state restored at 64-token checkpoints on a \
+                 prefix hit) and vLLM #54076 (a hit restores the state from before the hit point while \
+                 the attention KV is complete); a DSA model has no recurrent state, so here the cached \
+                 state is the KV (latent and indexer keys) of the last reused block"
+            }
+        }
+    }
+}
+
+/// A deviation as given: a kind, at every layer or at one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deviation {
+    /// The behaviour.
+    pub kind: DeviationKind,
+    /// The one layer it acts in; `None`: every layer.
+    pub layer: Option<i64>,
+}
+
+/// A deviation name that is not known, or a layer that does not read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviationError {
+    /// An unknown name.
+    #[error("unknown deviation {got:?}: expected one of {}", known())]
+    Unknown {
+        /// The name given.
+        got: String,
+    },
+    /// `NAME@L` whose L is not a layer index.
+    #[error("deviation {got:?}: expected NAME or NAME@LAYER with LAYER a non-negative integer")]
+    Layer {
+        /// The text given.
+        got: String,
+    },
+    /// A layer the model does not have.
+    #[error("deviation {got}: layer {layer} outside the model's {layers} layers")]
+    OutsideModel {
+        /// The deviation.
+        got: String,
+        /// Its layer.
+        layer: i64,
+        /// The model's layers.
+        layers: i64,
+    },
+}
+
+fn known() -> String {
+    DeviationKind::ALL
+        .iter()
+        .map(|k| k.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether a deviation changes anything for a model, settled before it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// It changes production.
+    Changes,
+    /// The mathematics says it changes nothing here, and why.
+    None(String),
+}
+
+impl Deviation {
+    /// Parses `NAME` or `NAME@LAYER`.
+    ///
+    /// # Errors
+    /// An unknown name (the error lists the known ones) or a layer that is not
+    /// a non-negative integer.
+    pub fn parse(text: &str) -> Result<Deviation, DeviationError> {
+        let (name, layer) = match text.split_once('@') {
+            Some((name, layer)) => {
+                let layer = layer
+                    .parse::<i64>()
+                    .ok()
+                    .filter(|l| *l >= 0 && layer.bytes().all(|b| b.is_ascii_digit()))
+                    .ok_or_else(|| DeviationError::Layer {
+                        got: text.to_owned(),
+                    })?;
+                (name, Some(layer))
+            }
+            None => (text, None),
+        };
+        let kind = DeviationKind::named(name.trim()).ok_or_else(|| DeviationError::Unknown {
+            got: name.to_owned(),
+        })?;
+        Ok(Deviation { kind, layer })
+    }
+
+    /// Parses a comma-separated list (`a,b@2`); an empty list is no deviation.
+    ///
+    /// # Errors
+    /// The first entry that does not parse.
+    pub fn parse_list(text: &str) -> Result<Vec<Deviation>, DeviationError> {
+        text.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(Deviation::parse)
+            .collect()
+    }
+
+    /// Checks the deviation's layer against a model of `layers` layers.
+    ///
+    /// # Errors
+    /// A layer outside the model.
+    pub fn check(&self, layers: i64) -> Result<(), DeviationError> {
+        match self.layer {
+            Some(layer) if layer >= layers => Err(DeviationError::OutsideModel {
+                got: self.to_string(),
+                layer,
+                layers,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether it acts in layer `i`.
+    #[must_use]
+    pub fn at(&self, i: i64) -> bool {
+        self.layer.is_none_or(|l| l == i)
+    }
+
+    /// Whether it changes production of `config` whose FP8 indexer is `base`
+    /// (`None`: no FP8 in the indexer), given the other deviations run with it.
+    #[must_use]
+    pub fn effect(
+        &self,
+        config: &ModelConfig,
+        base: Option<Fp8Indexer>,
+        with: &[Deviation],
+    ) -> Effect {
+        let arch = config.architecture().ok();
+        let reference_interleaved = arch == Some(Architecture::Glm);
+        let quantized = base.is_some()
+            || with.iter().any(|d| {
+                matches!(
+                    d.kind,
+                    DeviationKind::IndexerFp8 | DeviationKind::HadamardDropped
+                )
+            });
+        let none = |why: &str| Effect::None(why.to_owned());
+        match self.kind {
+            DeviationKind::IndexerRopeNeox if !reference_interleaved => {
+                none("the model's indexer RoPE is NeoX already")
+            }
+            DeviationKind::IndexerRopeInterleaved if reference_interleaved => {
+                none("the model's indexer RoPE is interleaved already")
+            }
+            DeviationKind::IndexerRopeNeox | DeviationKind::IndexerRopeInterleaved
+                if config.qk_rope_head_dim == 0 =>
+            {
+                none("qk_rope_head_dim = 0: the indexer rotates nothing")
+            }
+            DeviationKind::IndexerFp8 if base.is_some_and(|b| b.hadamard) => {
+                none("the production indexer is this FP8 indexer already")
+            }
+            DeviationKind::HadamardDropped if base.is_some_and(|b| !b.hadamard) => {
+                none("the production FP8 indexer drops the Hadamard already")
+            }
+            DeviationKind::IndexerKCacheFp8 if quantized => {
+                none("the production indexer quantizes its keys to FP8 already")
+            }
+            DeviationKind::ZeroRopeWriter if config.qk_rope_head_dim > 0 => none(
+                "qk_rope_head_dim > 0: the RoPE KV writers skip the reserved slot (SGLang #36003)",
+            ),
+            _ => Effect::Changes,
+        }
+    }
+
+    /// The manifest's entry: name, layers, behaviour, source, and its
+    /// [`Effect`] on the run's model.
+    #[must_use]
+    pub fn manifest_entry(&self, effect: &Effect) -> Value {
+        json!({
+            "name": self.kind.name(),
+            "layers": self.layer.map_or_else(|| Value::from("all"), |l| json!([l])),
+            "behaviour": self.kind.behaviour(),
+            "source": self.kind.source(),
+            "effect": match effect {
+                Effect::Changes => "changes production".to_owned(),
+                Effect::None(why) => format!("none: {why}"),
+            },
+        })
+    }
+}
+
+impl fmt::Display for Deviation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.layer {
+            Some(l) => write!(f, "{}@{l}", self.kind.name()),
+            None => f.write_str(self.kind.name()),
+        }
+    }
+}
+
+/// The first `P` tokens of an `s`-token prompt taken as a cache hit by the
+/// prefix-reuse deviations: the largest multiple of [`KV_BLOCK_TOKENS`]
+/// within [`PREFIX_REUSE_FRACTION`] of it; `None` below two blocks (one
+/// block has no wrong block to gather and no block before it).
+#[must_use]
+pub fn reuse_prefix(s: i64) -> Option<i64> {
+    let blocks = ((s as f64 * PREFIX_REUSE_FRACTION) as i64) / KV_BLOCK_TOKENS;
+    (blocks >= 2).then_some(blocks * KV_BLOCK_TOKENS)
+}
+
+/// How the indexer quantizes, after the deviations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum IndexerQuant {
+    /// No FP8: q and k in the activation dtype, scores in fp32.
+    None,
+    /// Keys alone (the key cache), with this quantization.
+    Keys(Fp8Indexer),
+    /// Queries and keys, with this quantization.
+    QueriesAndKeys(Fp8Indexer),
+}
+
+/// What production does differently in one layer, from the deviations that
+/// act there.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AtLayer {
+    /// The indexer RoPE's layout, where a deviation sets it.
+    pub rope_interleaved: Option<bool>,
+    /// [`DeviationKind::IndexerFp8`].
+    pub indexer_fp8: bool,
+    /// [`DeviationKind::HadamardDropped`].
+    pub hadamard_dropped: bool,
+    /// [`DeviationKind::IndexerKCacheFp8`].
+    pub k_cache_fp8: bool,
+    /// [`DeviationKind::WeightsProjBf16`].
+    pub weights_proj_bf16: bool,
+    /// [`DeviationKind::IndexerLogitsBf16`].
+    pub logits_bf16: bool,
+    /// [`DeviationKind::TieOrder`].
+    pub ties_reversed: bool,
+    /// [`DeviationKind::KvSlotNan`], or [`DeviationKind::ZeroRopeWriter`]
+    /// on a zero-RoPE model.
+    pub pad_slot_nan: bool,
+    /// [`DeviationKind::KCacheWrongBlocks`].
+    pub wrong_gather: bool,
+    /// [`DeviationKind::StalePrefixState`].
+    pub stale_prefix: bool,
+}
+
+impl AtLayer {
+    /// The deviations of `devs` acting in layer `i` of `config`.
+    #[must_use]
+    pub fn of(devs: &[Deviation], i: i64, config: &ModelConfig) -> AtLayer {
+        let mut at = AtLayer::default();
+        for d in devs.iter().filter(|d| d.at(i)) {
+            match d.kind {
+                DeviationKind::IndexerRopeNeox => at.rope_interleaved = Some(false),
+                DeviationKind::IndexerRopeInterleaved => at.rope_interleaved = Some(true),
+                DeviationKind::IndexerFp8 => at.indexer_fp8 = true,
+                DeviationKind::HadamardDropped => at.hadamard_dropped = true,
+                DeviationKind::IndexerKCacheFp8 => at.k_cache_fp8 = true,
+                DeviationKind::WeightsProjBf16 => at.weights_proj_bf16 = true,
+                DeviationKind::IndexerLogitsBf16 => at.logits_bf16 = true,
+                DeviationKind::TieOrder => at.ties_reversed = true,
+                DeviationKind::KvSlotNan => at.pad_slot_nan = true,
+                DeviationKind::ZeroRopeWriter => {
+                    at.pad_slot_nan |= config.qk_rope_head_dim == 0;
+                }
+                DeviationKind::KCacheWrongBlocks => at.wrong_gather = true,
+                DeviationKind::StalePrefixState => at.stale_prefix = true,
+            }
+        }
+        at
+    }
+
+    /// Whether the indexer RoPE rotates interleaved pairs: the deviation's
+    /// layout, else the model's (GLM interleaved, DeepSeek-V3.2 NeoX).
+    #[must_use]
+    pub fn indexer_rope_interleaved(&self, arch: Architecture) -> bool {
+        self.rope_interleaved.unwrap_or(arch == Architecture::Glm)
+    }
+
+    /// The indexer's quantization given production's FP8 indexer `base`.
+    #[must_use]
+    pub fn indexer_quant(&self, base: Option<Fp8Indexer>) -> IndexerQuant {
+        let reference = Fp8Indexer::deepseek_reference();
+        let mut quant = match base {
+            Some(b) => IndexerQuant::QueriesAndKeys(b),
+            None => IndexerQuant::None,
+        };
+        if self.indexer_fp8 && !matches!(quant, IndexerQuant::QueriesAndKeys(b) if b.hadamard) {
+            quant = IndexerQuant::QueriesAndKeys(reference);
+        }
+        if self.k_cache_fp8 && quant == IndexerQuant::None {
+            quant = IndexerQuant::Keys(reference);
+        }
+        if self.hadamard_dropped {
+            let without = |v: Fp8Indexer| Fp8Indexer {
+                hadamard: false,
+                ..v
+            };
+            quant = match quant {
+                IndexerQuant::None => IndexerQuant::QueriesAndKeys(without(reference)),
+                IndexerQuant::Keys(v) => IndexerQuant::Keys(without(v)),
+                IndexerQuant::QueriesAndKeys(v) => IndexerQuant::QueriesAndKeys(without(v)),
+            };
+        }
+        quant
+    }
+
+    /// Whether any prefix-reuse deviation acts here.
+    #[must_use]
+    pub fn reuses_prefix(&self) -> bool {
+        self.wrong_gather || self.stale_prefix
+    }
+}
+
+/// `[S]` int64: where each cached key of the prefix `[0, p)` is gathered from
+/// by the wrong K-cache gather ([`DeviationKind::KCacheWrongBlocks`]): page
+/// `b` of the prefix read from page `b * GATHER_STRIDE` (wrapping within
+/// the prefix's pages: the other requests' pages an out-of-range gather
+/// reads are, here, other pages of the same prompt); keys from `p` on in
+/// place.
+pub fn wrong_gather_index(s: i64, p: i64, device: tch::Device) -> Tensor {
+    let pages = p / KV_BLOCK_TOKENS;
+    let index: Vec<i64> = (0..s)
+        .map(|key| {
+            if key >= p {
+                return key;
+            }
+            let (page, offset) = (key / KV_BLOCK_TOKENS, key % KV_BLOCK_TOKENS);
+            (page * GATHER_STRIDE % pages) * KV_BLOCK_TOKENS + offset
+        })
+        .collect();
+    Tensor::from_slice(&index).to_device(device)
+}
+
+/// `[S]` int64: the cache entry each key of an `s`-token prompt is read from
+/// under a stale prefix ([`DeviationKind::StalePrefixState`]): keys of the
+/// last reused block `[p - B, p)` from the block before it, the rest in place.
+pub fn stale_index(s: i64, p: i64, device: tch::Device) -> Tensor {
+    let block = KV_BLOCK_TOKENS;
+    let index: Vec<i64> = (0..s)
+        .map(|key| {
+            if (p - block..p).contains(&key) {
+                key - block
+            } else {
+                key
+            }
+        })
+        .collect();
+    Tensor::from_slice(&index).to_device(device)
+}
+
+/// `scores` `[S, T]` with the rows of queries from `p` on taken from
+/// `tail`: the rows the cache hit left to compute.
+pub fn splice_tail(scores: &Tensor, tail: &Tensor, p: i64) -> Tensor {
+    let s = scores.size()[0];
+    let rows = Tensor::arange(s, (Kind::Int64, scores.device()))
+        .ge(p)
+        .view([s, 1]);
+    tail.where_self(&rows, scores)
+}
+
+/// Top-`k` key indices `[S, k]` of `scores` `[S, T]` with exact ties broken
+/// toward later keys, deterministically (a stable sort over the reversed
+/// keys). `torch.topk` leaves its own tie order unspecified, so this differs
+/// from production exactly where it breaks a tie the other way, and nowhere
+/// else.
+pub fn topk_ties_reversed(scores: &Tensor, k: i64) -> Tensor {
+    let t = scores.size()[1];
+    let (_, reversed) = scores.flip([-1]).sort_stable(true, -1, true);
+    -reversed.narrow(1, 0, k) + (t - 1)
+}
+
+/// Indexer scores `[T, S]` with the keys alone quantized to FP8 as the key
+/// cache stores them ([`DeviationKind::IndexerKCacheFp8`]): q `[T, H, D]`,
+/// k `[S, D]` (fp32, after RoPE), w `[T, H]`. With `variant.hadamard` both
+/// are rotated first (exact in fp32, so q.k is unchanged but for the keys'
+/// quantization); the dequantized keys are scored in fp32.
+///
+/// # Errors
+/// Shapes the quantization or the score do not take; a libtorch failure.
+pub fn keys_fp8_scores(
+    q: &Tensor,
+    k: &Tensor,
+    w: &Tensor,
+    query_positions: &Tensor,
+    variant: Fp8Indexer,
+) -> Result<Tensor, TraceError> {
+    let torch = |source| TraceError::Torch {
+        op: "keys_fp8_scores",
+        source,
+    };
+    let d = k.size()[1];
+    let (q, k) = if variant.hadamard {
+        let had = hadamard_matrix(d, k.device())?;
+        (
+            q.f_matmul(&had).map_err(torch)?,
+            k.f_matmul(&had).map_err(torch)?,
+        )
+    } else {
+        (q.shallow_clone(), k.shallow_clone())
+    };
+    let k8 = quantize_blocks(&k, ACTIVATION_BLOCK, variant.quant)?;
+    let keys = dequantize_blocks(&k8)?;
+    index_scores(&q, &keys, w, query_positions, Precision::Fp32)
+}
+
+/// `x` rounded to bf16 and back to fp32.
+pub fn bf16_round(x: &Tensor) -> Tensor {
+    x.to_kind(Kind::BFloat16).to_kind(Kind::Float)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_to_their_kinds() {
+        for kind in DeviationKind::ALL {
+            assert_eq!(DeviationKind::named(kind.name()), Some(kind));
+            let d = Deviation::parse(&format!("{}@3", kind.name())).unwrap();
+            assert_eq!((d.kind, d.layer), (kind, Some(3)));
+            assert_eq!(d.to_string(), format!("{}@3", kind.name()));
+        }
+    }
+
+    #[test]
+    fn an_unknown_name_is_refused_with_the_known_ones() {
+        let err = Deviation::parse("rope_neox").unwrap_err().to_string();
+        assert!(err.contains("\"rope_neox\""), "{err}");
+        for kind in DeviationKind::ALL {
+            assert!(err.contains(kind.name()), "{err} lacks {}", kind.name());
+        }
+        for bad in ["tie_order@", "tie_order@-1", "tie_order@+2", "tie_order@x"] {
+            assert!(
+                matches!(Deviation::parse(bad), Err(DeviationError::Layer { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_list_parses_every_entry_and_empty_is_none() {
+        let list = Deviation::parse_list("indexer_rope_neox, tie_order@2").unwrap();
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[1].layer, Some(2));
+        assert!(Deviation::parse_list("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_prefix_is_whole_blocks_within_half_the_prompt() {
+        assert_eq!(reuse_prefix(3072), Some(1536));
+        assert_eq!(
+            reuse_prefix(1000),
+            Some(448),
+            "500 tokens hold 7 whole blocks"
+        );
+        assert_eq!(
+            reuse_prefix(200),
+            None,
+            "one block is no prefix to get wrong"
+        );
+    }
+
+    #[test]
+    fn the_wrong_gather_reads_strided_pages_of_the_prefix_and_leaves_the_tail() {
+        let idx: Vec<i64> = Vec::try_from(wrong_gather_index(640, 320, tch::Device::Cpu)).unwrap();
+        // 5 pages: page b reads page 4b mod 5.
+        assert_eq!(&idx[0..3], &[0, 1, 2], "page 0 stays");
+        assert_eq!(idx[64], 4 * 64, "page 1 reads page 4");
+        assert_eq!(idx[128 + 5], 3 * 64 + 5, "page 2 reads page 8 mod 5 = 3");
+        assert_eq!(
+            &idx[320..323],
+            &[320, 321, 322],
+            "keys past the prefix in place"
+        );
+    }
+
+    #[test]
+    fn the_stale_index_shifts_the_last_reused_block_alone() {
+        let idx: Vec<i64> = Vec::try_from(stale_index(512, 256, tch::Device::Cpu)).unwrap();
+        assert_eq!(idx[191], 191);
+        assert_eq!(idx[192], 128);
+        assert_eq!(idx[255], 191);
+        assert_eq!(idx[256], 256);
+    }
+
+    #[test]
+    fn reversed_ties_keep_the_latest_of_equal_scores_and_change_nothing_else() {
+        let scores = Tensor::from_slice(&[3.0_f32, 1.0, 1.0, 0.0, 1.0, 2.0]).view([1, 6]);
+        let picked = |k: i64| -> Vec<i64> {
+            let mut v = Vec::try_from(topk_ties_reversed(&scores, k).view([-1])).unwrap();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(picked(3), [0, 4, 5], "of the keys tied at 1.0, the last");
+        assert_eq!(picked(4), [0, 2, 4, 5], "the last two");
+        assert_eq!(
+            picked(2),
+            [0, 5],
+            "no tie at the k-th score: the top-k itself"
+        );
+    }
+}

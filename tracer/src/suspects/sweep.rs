@@ -1,0 +1,411 @@
+//! The sweep: every path (the clean production path and each deviation) on
+//! every prompt, layer by layer in lockstep. Each layer's weights are loaded
+//! once and applied to every path's hidden state and to the fp32 reference
+//! chain of every prompt, so a sweep costs about one read of the weights plus
+//! compute, whatever the number of deviations.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use shadowtrace_schemas::stats::{TopN, agreement};
+use tch::{Kind, Tensor};
+
+use super::profile::{
+    Cell, LayerMetrics, Onset, first_nonfinite, hidden_p95, mean_jaccard, selection_rows,
+};
+use crate::indexer::Fp8Indexer;
+use crate::model::deviation::{Deviation, Effect};
+use crate::model::rope::Rope;
+use crate::model::{Layer, LayerOutput, Model, Numerics};
+use crate::record::Selection;
+use crate::trace::{TraceRunError, stats};
+
+/// Tokens at the end of each prompt whose logits are compared: every logits
+/// row of a real vocabulary is 0.6 MB, and the last tokens are those the
+/// corruption reports read (the first generated token follows the last).
+pub const LOGITS_TOKENS: i64 = 256;
+
+/// One production path: the clean one (no deviation) or deviations run together.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathSpec {
+    /// `clean`, a deviation's name, or names joined by `+`.
+    pub name: String,
+    /// The deviations it runs.
+    #[serde(skip)]
+    pub deviations: Vec<Deviation>,
+}
+
+impl PathSpec {
+    /// The clean production path.
+    #[must_use]
+    pub fn clean() -> PathSpec {
+        PathSpec {
+            name: "clean".to_owned(),
+            deviations: Vec::new(),
+        }
+    }
+
+    /// Deviations run together as one path.
+    #[must_use]
+    pub fn of(deviations: Vec<Deviation>) -> PathSpec {
+        PathSpec {
+            name: deviations
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("+"),
+            deviations,
+        }
+    }
+}
+
+/// One prompt at one length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweepPrompt {
+    /// `tool`, `no_tool`, or a user word.
+    pub kind: String,
+    /// Token ids.
+    pub ids: Vec<i64>,
+}
+
+/// How to sweep.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// Production's FP8 indexer; `None`: no FP8 in the indexer.
+    pub base: Option<Fp8Indexer>,
+    /// Its name, for the report.
+    pub base_name: String,
+    /// Boundary band around the k-th score: churn within it is excluded.
+    pub band: f32,
+    /// Top-N of each logits row.
+    pub top_n: i64,
+}
+
+impl Default for SweepOptions {
+    fn default() -> SweepOptions {
+        SweepOptions {
+            base: None,
+            base_name: "none".to_owned(),
+            band: 1e-3,
+            top_n: 20,
+        }
+    }
+}
+
+/// What one layer of the sweep took.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LayerTiming {
+    /// Layer.
+    pub layer: i64,
+    /// Seconds reading its weights.
+    pub load_s: f64,
+    /// Seconds of compute: every path, the reference chain and the metrics.
+    pub compute_s: f64,
+}
+
+/// Progress of a sweep, after each layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Layers done.
+    pub done: i64,
+    /// Layers in all.
+    pub layers: i64,
+    /// Seconds since the sweep began.
+    pub elapsed_s: f64,
+    /// The last layer's timing.
+    pub last: LayerTiming,
+}
+
+impl Progress {
+    /// Seconds left at the pace so far.
+    #[must_use]
+    pub fn remaining_s(&self) -> f64 {
+        if self.done == 0 {
+            return f64::NAN;
+        }
+        self.elapsed_s / self.done as f64 * (self.layers - self.done) as f64
+    }
+}
+
+/// A deviation the sweep did not run because it changes nothing here.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NotRun {
+    /// The path's name.
+    pub path: String,
+    /// Why the mathematics says it changes nothing.
+    pub reason: String,
+}
+
+/// Everything a sweep measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sweep {
+    /// The model's `model_type`.
+    pub architecture: String,
+    /// index_topk.
+    pub index_topk: i64,
+    /// Decoder layers.
+    pub layers: i64,
+    /// Production's FP8 indexer.
+    pub base: String,
+    /// The band churn was excluded within.
+    pub band: f32,
+    /// Paths run, clean first.
+    pub paths: Vec<String>,
+    /// Paths not run, and why.
+    pub not_run: Vec<NotRun>,
+    /// One per (path, prompt).
+    pub cells: Vec<Cell>,
+    /// Per layer.
+    pub timings: Vec<LayerTiming>,
+    /// Tokens swept per layer, summed over prompts.
+    pub tokens: i64,
+    /// Device the sweep ran on.
+    pub device: String,
+}
+
+impl Sweep {
+    /// Seconds of compute per layer per 1k tokens per path (the paths run,
+    /// the reference chain's cost spread over them).
+    #[must_use]
+    pub fn seconds_per_layer_per_1k_tokens_per_path(&self) -> f64 {
+        let compute: f64 = self.timings.iter().map(|t| t.compute_s).sum();
+        let layers = self.timings.len().max(1) as f64;
+        compute / layers / (self.tokens as f64 / 1000.0) / self.paths.len().max(1) as f64
+    }
+
+    /// Seconds per layer spent reading weights.
+    #[must_use]
+    pub fn load_seconds_per_layer(&self) -> f64 {
+        self.timings.iter().map(|t| t.load_s).sum::<f64>() / self.timings.len().max(1) as f64
+    }
+}
+
+/// The paths of `requested` that change production of `model` (clean first),
+/// and those that do not, with the reason.
+#[must_use]
+pub fn plan(
+    model: &Model,
+    base: Option<Fp8Indexer>,
+    requested: &[PathSpec],
+) -> (Vec<PathSpec>, Vec<NotRun>) {
+    let mut run = vec![PathSpec::clean()];
+    let mut not_run = Vec::new();
+    for path in requested {
+        let reasons: Vec<String> = path
+            .deviations
+            .iter()
+            .filter_map(|d| match d.effect(&model.config, base, &path.deviations) {
+                // The path's name is the deviation's when it runs alone.
+                Effect::None(why) if path.deviations.len() == 1 => Some(why),
+                Effect::None(why) => Some(format!("{d}: {why}")),
+                Effect::Changes => None,
+            })
+            .collect();
+        if !path.deviations.is_empty() && reasons.len() == path.deviations.len() {
+            not_run.push(NotRun {
+                path: path.name.clone(),
+                reason: reasons.join("; "),
+            });
+        } else if !run.iter().any(|p| p.name == path.name) {
+            run.push(path.clone());
+        }
+    }
+    (run, not_run)
+}
+
+struct PathState {
+    h: Tensor,
+    prev: Option<Tensor>,
+    cell: Cell,
+}
+
+struct PromptState {
+    ids: Vec<i64>,
+    rope: Rope,
+    h: Tensor,
+    prev: Option<Tensor>,
+    paths: Vec<PathState>,
+}
+
+/// Runs `paths` (clean first, as [`plan`] returns them) on every prompt,
+/// layer by layer; `progress` is called after each layer.
+///
+/// # Errors
+/// A weight that cannot be loaded, or a libtorch failure in the metrics.
+pub fn sweep(
+    model: &Model,
+    prompts: &[SweepPrompt],
+    paths: &[PathSpec],
+    opts: &SweepOptions,
+    mut progress: impl FnMut(Progress),
+) -> Result<Sweep, TraceRunError> {
+    let c = &model.config;
+    let k = c.index_topk;
+    let started = Instant::now();
+    let mut states: Vec<PromptState> = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let emb = model.embed(&p.ids)?;
+        let s = p.ids.len() as i64;
+        states.push(PromptState {
+            ids: p.ids.clone(),
+            rope: model.rope(s),
+            h: emb.to_kind(Kind::Float),
+            prev: None,
+            paths: paths
+                .iter()
+                .map(|path| PathState {
+                    h: emb.to_kind(Kind::BFloat16),
+                    prev: None,
+                    cell: Cell {
+                        path: path.name.clone(),
+                        kind: p.kind.clone(),
+                        length: s,
+                        layers: Vec::new(),
+                        onset: None,
+                        logits: None,
+                        logits_vs_clean: None,
+                    },
+                })
+                .collect(),
+        });
+    }
+    let mut timings = Vec::new();
+    for i in 0..c.num_hidden_layers {
+        let load = Instant::now();
+        let weights = model.load(&format!("model.layers.{i}."))?;
+        let load_s = load.elapsed().as_secs_f64();
+        let compute = Instant::now();
+        let layer = |numerics, deviations| Layer {
+            config: c,
+            arch: model.arch,
+            index: i,
+            weights: &weights,
+            numerics,
+            fp8_indexer: opts.base,
+            faults: &[],
+            deviations,
+            fallbacks: None,
+        };
+        let reference = layer(Numerics::Plain(Kind::Float), &[]);
+        for state in &mut states {
+            let shadow = reference.forward(&state.h, &state.rope, state.prev.as_ref());
+            let mut clean: Option<(LayerOutput, Option<Vec<Selection>>)> = None;
+            for (path, p) in paths.iter().zip(state.paths.iter_mut()) {
+                let out = layer(Numerics::Fp8, &path.deviations).forward(
+                    &p.h,
+                    &state.rope,
+                    p.prev.as_ref(),
+                );
+                let mut metrics = LayerMetrics {
+                    layer: i,
+                    topk_jaccard: None,
+                    topk_jaccard_with_churn: None,
+                    informative_rows: 0,
+                    dense_rows: 0,
+                    topk_jaccard_vs_clean: None,
+                    hidden_p95: None,
+                    hidden_nonfinite_tokens: 0,
+                    hidden_p95_vs_clean: None,
+                };
+                let mut rows = None;
+                if let (Some(scores), Some((ref_topk, ref_scores))) = (
+                    out.index_scores.as_ref(),
+                    reference.indexer_on(&p.h.to_kind(Kind::Float), &state.rope),
+                ) {
+                    let prod_rows = selection_rows(scores, &out.topk, k, opts.band)?;
+                    let ref_rows = selection_rows(&ref_scores, &ref_topk, k, opts.band)?;
+                    let (j, j_all, informative, dense) =
+                        mean_jaccard(&prod_rows, &ref_rows, k, opts.band);
+                    metrics.topk_jaccard = j;
+                    metrics.topk_jaccard_with_churn = j_all;
+                    metrics.informative_rows = informative;
+                    metrics.dense_rows = dense;
+                    if let Some((_, Some(clean_rows))) = &clean {
+                        metrics.topk_jaccard_vs_clean =
+                            mean_jaccard(&prod_rows, clean_rows, k, opts.band).0;
+                    }
+                    rows = Some(prod_rows);
+                }
+                let (p95, nonfinite) = hidden_p95(&out.layer_out, &shadow.layer_out);
+                metrics.hidden_p95 = p95;
+                metrics.hidden_nonfinite_tokens = nonfinite;
+                if let Some((clean_out, _)) = &clean {
+                    metrics.hidden_p95_vs_clean =
+                        hidden_p95(&out.layer_out, &clean_out.layer_out).0;
+                }
+                if p.cell.onset.is_none() {
+                    let mut sites: Vec<(&str, &Tensor)> = Vec::new();
+                    if let Some(scores) = out.index_scores.as_ref() {
+                        sites.push(("indexer", scores));
+                    }
+                    sites.extend([
+                        ("attn_out", &out.attn_out),
+                        ("mlp_out", &out.mlp_out),
+                        ("layer_out", &out.layer_out),
+                    ]);
+                    p.cell.onset = first_nonfinite(&sites).map(|(site, token)| Onset {
+                        layer: i,
+                        site,
+                        token,
+                    });
+                }
+                p.cell.layers.push(metrics);
+                p.h = out.layer_out.shallow_clone();
+                p.prev = Some(out.topk.shallow_clone());
+                if clean.is_none() {
+                    clean = Some((out, rows));
+                }
+            }
+            state.h = shadow.layer_out;
+            state.prev = Some(shadow.topk);
+        }
+        let last = LayerTiming {
+            layer: i,
+            load_s,
+            compute_s: compute.elapsed().as_secs_f64(),
+        };
+        timings.push(last);
+        progress(Progress {
+            done: i + 1,
+            layers: c.num_hidden_layers,
+            elapsed_s: started.elapsed().as_secs_f64(),
+            last,
+        });
+    }
+    let head = model.head()?;
+    let mut cells = Vec::new();
+    for state in states {
+        let s = state.ids.len() as i64;
+        let rows = Tensor::arange_start((s - LOGITS_TOKENS).max(0), s, (Kind::Int64, model.device));
+        let first = (s - LOGITS_TOKENS).max(0) as i32;
+        let top = |h: &Tensor, kind: Kind| -> TopN {
+            stats::top_logits(&head.logits(&h.index_select(0, &rows), kind), opts.top_n)
+                .into_iter()
+                .enumerate()
+                .map(|(j, t)| ((0, first + j as i32), (t.ids, t.logprobs)))
+                .collect()
+        };
+        let reference = top(&state.h, Kind::Float);
+        let clean = state.paths.first().map(|p| top(&p.h, Kind::BFloat16));
+        for p in state.paths {
+            let prod = top(&p.h, Kind::BFloat16);
+            let mut cell = p.cell;
+            cell.logits = agreement(&prod, &reference);
+            cell.logits_vs_clean = clean.as_ref().and_then(|c| agreement(&prod, c));
+            cells.push(cell);
+        }
+    }
+    Ok(Sweep {
+        architecture: c.model_type.clone(),
+        index_topk: k,
+        layers: c.num_hidden_layers,
+        base: opts.base_name.clone(),
+        band: opts.band,
+        paths: paths.iter().map(|p| p.name.clone()).collect(),
+        not_run: Vec::new(),
+        cells,
+        timings,
+        tokens: prompts.iter().map(|p| p.ids.len() as i64).sum(),
+        device: format!("{:?}", model.device),
+    })
+}

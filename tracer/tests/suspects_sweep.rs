@@ -1,0 +1,130 @@
+//! The suspects sweep on a small GLM-shaped checkpoint: the paths run in
+//! lockstep from the same embeddings, so a deviation planted at one layer
+//! leaves every earlier layer bit-identical to the clean path and departs
+//! from it at that layer; a deviation the model's reference already runs is
+//! not run, with the reason; the report and its files are written.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind};
+use shadowtrace_tracer::model::{Model, synthetic};
+use shadowtrace_tracer::suspects::prompts::demo_prompt;
+use shadowtrace_tracer::suspects::report::{Report, Thresholds, render_terminal};
+use shadowtrace_tracer::suspects::sweep::{PathSpec, SweepOptions, SweepPrompt, plan, sweep};
+use shadowtrace_tracer::suspects::write_report;
+use tch::Device;
+
+fn at(kind: DeviationKind, layer: i64) -> PathSpec {
+    PathSpec::of(vec![Deviation {
+        kind,
+        layer: Some(layer),
+    }])
+}
+
+#[test]
+fn a_deviation_planted_at_a_layer_departs_from_the_clean_path_there_and_not_before() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config = synthetic::glm51_config(3);
+    // k = 64: 256-token prompts reach the sparse regime.
+    config["index_topk"] = 64.into();
+    synthetic::write(tmp.path(), &config, 5).unwrap();
+    let model = Model::open(tmp.path(), Device::Cpu).unwrap();
+    let requested = [
+        at(DeviationKind::IndexerRopeNeox, 1),
+        at(DeviationKind::KvSlotNan, 2),
+        PathSpec::of(vec![Deviation {
+            kind: DeviationKind::IndexerRopeInterleaved,
+            layer: None,
+        }]),
+    ];
+    let (paths, not_run) = plan(&model, None, &requested);
+    let names: Vec<&str> = paths.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["clean", "indexer_rope_neox@1", "kv_slot_nan@2"]);
+    assert_eq!(not_run.len(), 1);
+    assert_eq!(
+        (not_run[0].path.as_str(), not_run[0].reason.as_str()),
+        (
+            "indexer_rope_interleaved",
+            "the model's indexer RoPE is interleaved already"
+        )
+    );
+    let prompts: Vec<SweepPrompt> = [("tool", true), ("no_tool", false)]
+        .into_iter()
+        .map(|(kind, tool)| SweepPrompt {
+            kind: kind.to_owned(),
+            ids: demo_prompt(tool, 256),
+        })
+        .collect();
+    let mut progress = Vec::new();
+    let mut result = tch::no_grad(|| {
+        sweep(&model, &prompts, &paths, &SweepOptions::default(), |p| {
+            progress.push((p.done, p.layers));
+        })
+    })
+    .unwrap();
+    assert_eq!(progress, [(1, 3), (2, 3), (3, 3)], "one report per layer");
+    assert_eq!(result.cells.len(), 6, "3 paths x 2 prompts");
+
+    for cell in &result.cells {
+        let l = &cell.layers;
+        assert_eq!(l.len(), 3, "{}", cell.path);
+        assert!(
+            l.iter()
+                .all(|m| m.informative_rows == 256 - 64 && m.dense_rows == 64),
+            "{}: rows past k are informative",
+            cell.path
+        );
+        match cell.path.as_str() {
+            "clean" => {
+                assert!(cell.onset.is_none());
+                let logits = cell.logits.as_ref().expect("logits against the reference");
+                assert!((0.0..=1.0).contains(&logits.argmax_agreement.unwrap()));
+            }
+            "indexer_rope_neox@1" => {
+                assert_eq!(l[0].topk_jaccard_vs_clean, Some(1.0));
+                assert_eq!(l[0].hidden_p95_vs_clean, Some(0.0));
+                let j = l[1].topk_jaccard_vs_clean.unwrap();
+                assert!(j < 0.9, "{}: NeoX pairs on GLM move top-k: {j}", cell.kind);
+                assert!(l[1].hidden_p95_vs_clean.unwrap() > 0.0);
+                assert!(cell.onset.is_none());
+            }
+            "kv_slot_nan@2" => {
+                for m in &l[..2] {
+                    assert_eq!(m.topk_jaccard_vs_clean, Some(1.0));
+                    assert_eq!(m.hidden_p95_vs_clean, Some(0.0));
+                }
+                let onset = cell.onset.as_ref().expect("the NaN is an onset");
+                assert_eq!(
+                    (onset.layer, onset.site.as_str(), onset.token),
+                    (2, "attn_out", 0)
+                );
+                assert!(l[2].hidden_nonfinite_tokens > 0);
+            }
+            other => panic!("unexpected path {other}"),
+        }
+    }
+
+    result.not_run = not_run;
+    let report = Report::new("tiny-glm", None, Thresholds::default(), result, None);
+    let text = render_terminal(&report);
+    assert!(
+        text.contains("falls below 0.8"),
+        "the threshold is printed:\n{text}"
+    );
+    assert!(
+        text.contains("the model's indexer RoPE is interleaved already"),
+        "{text}"
+    );
+    let out = tmp.path().join("report");
+    let files = write_report(&out, &report).unwrap();
+    for name in [
+        "suspects.md",
+        "suspects.json",
+        "plots/topk_jaccard_vs_length_tool.svg",
+    ] {
+        assert!(out.join(name).is_file(), "{name} in {files:?}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("suspects.json")).unwrap()).unwrap();
+    assert_eq!(json["sweep"]["paths"].as_array().unwrap().len(), 3);
+}
