@@ -10,6 +10,7 @@ use shadowtrace_schemas::Table;
 use shadowtrace_schemas::manifest::Status;
 
 use crate::AnalyzeError;
+use crate::cache_pair::{self, CachePairs, FirstPosition};
 use crate::grid::{Grid, group_runs};
 use crate::load::{Dataset, Run};
 use crate::metrics::hidden_error::{self, SiteError};
@@ -87,6 +88,10 @@ pub struct RunAnalysis {
     /// Prod top-N logits, for determinism pairs.
     #[serde(skip)]
     pub prod_top_n: TopN,
+    /// What a run tagged `cache=hit|miss` recorded at its first generated
+    /// position, for prefix-cache pairs.
+    #[serde(skip)]
+    pub first_position: Option<FirstPosition>,
 }
 
 impl RunAnalysis {
@@ -134,6 +139,10 @@ pub struct Analysis {
     pub grid: Grid,
     /// Determinism pairs among the runs.
     pub determinism: Vec<DeterminismPair>,
+    /// Prefix-cache hits against misses of the same prompt, when any run is
+    /// a hit ([`crate::cache_pair`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CachePairs>,
 }
 
 impl Analysis {
@@ -147,6 +156,9 @@ impl Analysis {
             if !lines.contains(rule) {
                 lines.push(rule.clone());
             }
+        }
+        if let Some(cache) = &self.cache {
+            lines.push(cache.rule.clone());
         }
         lines.extend(
             self.floors
@@ -203,6 +215,7 @@ pub fn analyze(
     };
     let grid = group_runs(&runs, &group_by);
     let determinism = determinism_pairs(&runs);
+    let cache = cache_pair::pairs(&runs, t);
     Ok(Analysis {
         thresholds: t.clone(),
         floors,
@@ -210,6 +223,7 @@ pub fn analyze(
         skipped,
         grid,
         determinism,
+        cache,
     })
 }
 
@@ -251,11 +265,18 @@ pub fn analyze_run(
     let hidden_tokens = hidden_error::tokens_at_verdict_site(&hidden_frame, &hidden, t)?;
     let events_frame = run.read_table(Table::Events, Some(&nonfinite::EVENT_COLUMNS))?;
     let (onset, failed_sentinels) = nonfinite::onset(&hidden_frame, &events_frame)?;
-    drop(hidden_frame);
 
     let logits_frame = run.read_table(Table::Logits, Some(&logits::COLUMNS))?;
     let (prod_top_n, shadow_top_n) = logits::top_n(&logits_frame)?;
     let logits = logits::agreement(&prod_top_n, &shadow_top_n);
+    let tags = run_tags(run);
+    let first_position = if tags.contains_key(cache_pair::CACHE_TAG) {
+        let length = run.manifest.identity.prompt.length;
+        Some(FirstPosition::of(&hidden_frame, &prod_top_n, length)?)
+    } else {
+        None
+    };
+    drop(hidden_frame);
 
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
@@ -270,7 +291,7 @@ pub fn analyze_run(
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
         complete: m.status == Status::Complete,
-        tags: run_tags(run),
+        tags,
         counters,
         notes: run
             .notes
@@ -291,6 +312,7 @@ pub fn analyze_run(
         topk_rows,
         hidden_tokens,
         prod_top_n,
+        first_position,
     })
 }
 

@@ -13,13 +13,14 @@ greedy generation of N tokens from the same prompt.
 With --prefix M (context 004's prefix-cache hit): the prompt computed from scratch
 (generate, a cache miss), then a forward over its first M tokens that fills a cache, a
 copy of which serves the same prompt again (generate with that cache: a hit that computes
-only the last LENGTH - M tokens). --stale-layer J plants stale state in the reused cache:
-layer J's recurrent state (and convolution window) as they were D tokens earlier
-(--stale-by, default 8), the checkpoint an engine restores when its bookkeeping is off.
+only the last LENGTH - M tokens). --stale-layer J then serves it once more from a copy
+with stale state planted: layer J's recurrent state (and convolution window) as they were
+D tokens earlier (--stale-by, default 8), the checkpoint an engine restores when its
+bookkeeping is off.
 
 OUT.pt holds a dict: `version`, `logits` (the forward's, or per generated token), `ids`
-(generated), `cache` (every tensor of the forward's cache), and with --prefix `miss` and
-`hit`: each run's first-token logits and generated ids.
+(generated), `cache` (every tensor of the forward's cache), and with --prefix `miss`,
+`hit` (and `stale_hit`): each generation's logits per token and its ids.
 """
 
 import argparse
@@ -96,15 +97,16 @@ def main() -> None:
                 gen = generate(model, ids, args.generate)
                 saved["gen_logits"], saved["ids"] = torch.stack(gen.logits), gen.sequences
         else:
-            miss = generate(model, ids, args.generate)
+            runs = {"miss": generate(model, ids, args.generate)}
             warm = model(ids[:, : args.prefix], use_cache=True).cache
-            cache = copy.deepcopy(warm)
+            runs["hit"] = generate(model, ids, args.generate, cache=copy.deepcopy(warm))
             if args.stale_layer is not None:
                 earlier = model(ids[:, : args.prefix - args.stale_by], use_cache=True).cache
+                cache = copy.deepcopy(warm)
                 stale(cache, earlier, args.stale_layer)
-            hit = generate(model, ids, args.generate, cache=cache)
-            for name, run in (("miss", miss), ("hit", hit)):
-                saved[name] = {"logits": run.logits[0], "ids": run.sequences}
+                runs["stale_hit"] = generate(model, ids, args.generate, cache=cache)
+            for name, run in runs.items():
+                saved[name] = {"logits": torch.stack(run.logits), "ids": run.sequences}
     torch.save(saved, args.out)
 
 

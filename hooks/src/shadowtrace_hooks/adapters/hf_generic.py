@@ -126,7 +126,7 @@ class GenericTracer(hf._Tracer):
             return None
         _, layers = self._found
         shadow = self.settings.shadow_dtype
-        for name, p in layers.named_parameters():
+        for name, p in layers.named_parameters(prefix="layers"):
             if p.dtype not in _UPCASTABLE:
                 return (
                     f"{kind}: decoder weight {name} is {str(p.dtype).removeprefix('torch.')}: the shadow "
@@ -154,8 +154,17 @@ class GenericTracer(hf._Tracer):
         run = super()._open(ids, device)
         if self.shadow_refused is not None:
             run.writer.manifest["settings"]["shadow_refused"] = self.shadow_refused
+            run.writer.manifest["shadow"] = {"precision": None, "modes": []}
+            run.writer.manifest["dtypes"]["shadow"] = None
             run.count("shadow_refused")
         return run
+
+    def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # A refused shadow must leave no row claiming one: re-running the layer in
+        # production's own precision would record a shadow equal to production.
+        if self.dtype is None:
+            return {}
+        return super()._shadow_layer(layer, module)
 
     def _decoder(self) -> torch.nn.Module:
         return self._found[0]
