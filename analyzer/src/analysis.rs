@@ -16,6 +16,7 @@ use crate::load::{Dataset, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
+use crate::metrics::selection_unit;
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{LayerVerdict, NoiseFloor, Thresholds, hidden_verdict, topk_verdict};
@@ -240,10 +241,13 @@ pub fn analyze_run(
     // one part file at a time bounds memory by the writer's part size.
     let mut topk_rows = Vec::new();
     let mut skipped_rows = topk_overlap::Skipped::default();
+    let mut units = BTreeMap::new();
     for part in run.files.get(&Table::Topk).into_iter().flatten() {
         let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
+            // A layer's rows are summarised together: one selection unit each.
+            selection_unit::merge(&mut units, selection_unit::per_layer(&chunk)?)?;
             let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
             topk_rows.extend(rows);
             skipped_rows.add(&skipped);
