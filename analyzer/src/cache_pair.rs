@@ -257,7 +257,7 @@ pub fn pairs(runs: &[RunAnalysis], t: &Thresholds) -> Option<CachePairs> {
                 if prompt_known {
                     ""
                 } else {
-                    "; its producer could not name the cached prefix's tokens"
+                    "; its run has no token hash (serving engines give the hooks no token ids)"
                 }
             )),
         }

@@ -206,3 +206,29 @@ fn prefix_cache_pairs_are_pinned_in_terminal_markdown_and_json() {
     }
     insta::assert_json_snapshot!("json", json);
 }
+
+#[test]
+fn hits_without_a_token_hash_are_never_paired_and_say_why() {
+    // A serving engine's runs: tagged by the adapter, no token ids to hash.
+    let tmp = tempfile::tempdir().unwrap();
+    let runs: Vec<PathBuf> = [("miss", "miss"), ("hit", "hit")]
+        .into_iter()
+        .map(|(id, cache)| {
+            let run = cache_run(tmp.path(), clean(id), cache, |_| {});
+            edit_manifest(&run, |m| m["prompt"]["token_hash"] = "".into());
+            run
+        })
+        .collect();
+    let cache = pairs_of(&runs).cache.unwrap();
+    assert!(cache.pairs.is_empty());
+    let note = &cache.unpaired;
+    assert_eq!(note.len(), 1);
+    assert!(
+        note[0].starts_with("hit: no cache=miss run of its prompt"),
+        "{note:?}"
+    );
+    assert!(
+        note[0]
+            .ends_with("its run has no token hash (serving engines give the hooks no token ids)")
+    );
+}
