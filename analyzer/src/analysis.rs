@@ -10,11 +10,13 @@ use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{Convention, Table};
 
 use crate::AnalyzeError;
+use crate::cache_pair::{self, CachePairs, FirstPosition};
 use crate::grid::{Grid, group_runs};
 use crate::load::{Dataset, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
+use crate::metrics::selection_unit;
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
@@ -101,6 +103,10 @@ pub struct RunAnalysis {
     /// Prod top-N logits, for determinism pairs.
     #[serde(skip)]
     pub prod_top_n: TopN,
+    /// What a run tagged `cache=hit|miss` recorded at its first generated
+    /// position, for prefix-cache pairs.
+    #[serde(skip)]
+    pub first_position: Option<FirstPosition>,
 }
 
 impl RunAnalysis {
@@ -149,6 +155,10 @@ pub struct Analysis {
     pub grid: Grid,
     /// Determinism pairs among the runs.
     pub determinism: Vec<DeterminismPair>,
+    /// Prefix-cache hits against misses of the same prompt, when any run is
+    /// a hit ([`crate::cache_pair`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CachePairs>,
 }
 
 impl Analysis {
@@ -162,6 +172,9 @@ impl Analysis {
             if !lines.contains(rule) {
                 lines.push(rule.clone());
             }
+        }
+        if let Some(cache) = &self.cache {
+            lines.push(cache.rule.clone());
         }
         lines.extend(
             self.floors
@@ -218,6 +231,7 @@ pub fn analyze(
     };
     let grid = group_runs(&runs, &group_by);
     let determinism = determinism_pairs(&runs);
+    let cache = cache_pair::pairs(&runs, t);
     Ok(Analysis {
         thresholds: t.clone(),
         floors,
@@ -225,6 +239,7 @@ pub fn analyze(
         skipped,
         grid,
         determinism,
+        cache,
     })
 }
 
@@ -241,10 +256,13 @@ pub fn analyze_run(
     // one part file at a time bounds memory by the writer's part size.
     let mut topk_rows = Vec::new();
     let mut skipped_rows = topk_overlap::Skipped::default();
+    let mut units = BTreeMap::new();
     for part in run.files.get(&Table::Topk).into_iter().flatten() {
         let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
+            // A layer's rows are summarised together: one selection unit each.
+            selection_unit::merge(&mut units, selection_unit::per_layer(&chunk)?)?;
             let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
             topk_rows.extend(rows);
             skipped_rows.add(&skipped);
@@ -266,11 +284,18 @@ pub fn analyze_run(
     let hidden_tokens = hidden_error::tokens_at_verdict_site(&hidden_frame, &hidden, t)?;
     let events_frame = run.read_table(Table::Events, Some(&nonfinite::EVENT_COLUMNS))?;
     let (onset, failed_sentinels) = nonfinite::onset(&hidden_frame, &events_frame)?;
-    drop(hidden_frame);
 
     let logits_frame = run.read_table(Table::Logits, Some(&logits::COLUMNS))?;
     let (prod_top_n, shadow_top_n) = logits::top_n(&logits_frame)?;
     let logits = logits::agreement(&prod_top_n, &shadow_top_n);
+    let tags = run_tags(run);
+    let first_position = if tags.contains_key(cache_pair::CACHE_TAG) {
+        let length = run.manifest.identity.prompt.length;
+        Some(FirstPosition::of(&hidden_frame, &prod_top_n, length)?)
+    } else {
+        None
+    };
+    drop(hidden_frame);
 
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
@@ -287,7 +312,7 @@ pub fn analyze_run(
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
         complete: m.status == Status::Complete,
-        tags: run_tags(run),
+        tags,
         counters,
         notes: run
             .notes
@@ -329,6 +354,7 @@ pub fn analyze_run(
         topk_rows,
         hidden_tokens,
         prod_top_n,
+        first_position,
     })
 }
 

@@ -27,6 +27,19 @@ pub enum AnalyzeError {
         /// What is off.
         detail: String,
     },
+    /// A layer's top-k rows are over different selection units
+    /// ([`crate::metrics::selection_unit`]): never compared.
+    #[error(
+        "topk layer {layer}: selections over {first} and over {other}; selections over different units are never compared"
+    )]
+    MixedUnits {
+        /// The layer.
+        layer: i32,
+        /// The unit its first rows are over.
+        first: String,
+        /// The other unit found.
+        other: String,
+    },
     /// A report file could not be written.
     #[error("{path}: {detail}")]
     Write {

@@ -8,12 +8,14 @@
 //!   non-finite onset — one per module, each with its definition;
 //! - [`verdict`]: first-divergence layers and the thresholds behind them;
 //! - [`analysis`], [`grid`], [`report`]: runs to answers, tables, files;
+//! - [`cache_pair`]: prefix-cache hits against the same prompt from scratch;
 //! - [`inspect`]: one run as a person reads it;
 //! - [`schema_doc`]: the format as text or JSON.
 
 #![warn(missing_docs)]
 
 pub mod analysis;
+pub mod cache_pair;
 mod error;
 mod frame;
 pub mod grid;

@@ -487,3 +487,27 @@ def test_a_preempted_request_continues_in_a_run_segment_of_its_own(
         (0, p) for p in range(300)
     }
     assert len(t.runs["B"]) == 1
+
+
+def test_a_request_served_from_the_prefix_cache_is_tagged_a_hit_and_a_fresh_one_a_miss(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Context 004: E's prompt starts with A's first 256 tokens, whose KV blocks it reuses;
+    its first rows start at position 256. Engines give no token ids: `analyze` cannot pair
+    the two by prompt and lists the hit as unpaired, saying why."""
+    shared = sv.prompt(300, 1)
+
+    def scenario(eng: sv.Engine) -> None:
+        eng.step({"A": 300}, new={"A": shared})
+        eng.step({"A": 1, "E": 44 + 40}, new={"E": shared[:256] + sv.prompt(84, 5)}, cached={"E": "A"})
+
+    t = trace(monkeypatch, tmp_path, scenario, force_mqa=True)
+    a, e = t.run("A")["manifest"], t.run("E")["manifest"]
+    assert a["tags"]["cache"] == "miss"
+    assert "cached_prefix_tokens" not in a["settings"]
+    assert e["tags"]["cache"] == "hit"
+    assert e["settings"]["cached_prefix_tokens"] == 256
+    assert {r["token"] for r in t.run("E")["rows"] if r["shadow_input"] is None} == set(range(256, 340))
+    # the prefix's keys live in the engine's cache: its rows are production only, counted
+    assert e["counters"]["shadow_skipped_rows_without_keys"] == 84 * LAYERS
+    assert e["prompt"]["length"] == 340

@@ -5,6 +5,7 @@
 
 mod analyze_verdicts;
 mod bad_input;
+mod cache_pairs;
 mod deviations;
 mod encodings;
 mod fuzzed_inputs;

@@ -86,6 +86,9 @@ enum FailOn {
     Hidden,
     /// A top-k selection divergence.
     Topk,
+    /// A prefix-cache hit that parts from a miss of the same prompt, or
+    /// whose first token differs from the miss's.
+    Cache,
 }
 
 pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
@@ -195,13 +198,16 @@ fn unjudged(a: &Analysis) -> String {
 }
 
 fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {
-    a.runs.iter().any(|r| {
-        fail_on.iter().any(|f| match f {
-            FailOn::Any => r.has_verdict(),
-            FailOn::Convention => !r.convention_mismatches.is_empty(),
-            FailOn::Nonfinite => r.onset.is_some() || !r.failed_sentinels.is_empty(),
-            FailOn::Hidden => r.hidden_verdict.is_some(),
-            FailOn::Topk => r.topk_verdict.is_some(),
-        })
+    let cache = a.cache.as_ref().is_some_and(|c| c.any_parted());
+    fail_on.iter().any(|f| match f {
+        FailOn::Cache => cache,
+        FailOn::Any => cache || a.runs.iter().any(|r| r.has_verdict()),
+        FailOn::Convention => a.runs.iter().any(|r| !r.convention_mismatches.is_empty()),
+        FailOn::Nonfinite => a
+            .runs
+            .iter()
+            .any(|r| r.onset.is_some() || !r.failed_sentinels.is_empty()),
+        FailOn::Hidden => a.runs.iter().any(|r| r.hidden_verdict.is_some()),
+        FailOn::Topk => a.runs.iter().any(|r| r.topk_verdict.is_some()),
     })
 }

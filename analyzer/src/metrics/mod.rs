@@ -4,5 +4,6 @@
 pub mod hidden_error;
 pub mod logits;
 pub mod nonfinite;
+pub mod selection_unit;
 pub mod summary;
 pub mod topk_overlap;

@@ -74,6 +74,21 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             &rows,
         );
     }
+    if let Some(cache) = &a.cache {
+        let _ = writeln!(out, "## Prefix-cache pairs\n");
+        let _ = writeln!(
+            out,
+            "A cache hit against a miss of the same prompt, at the first generated position.\n"
+        );
+        let (header, rows) = super::cache::cache_table(cache);
+        table(&mut out, &header, &rows);
+        for note in super::cache::cache_notes(cache) {
+            let _ = writeln!(out, "- {note}");
+        }
+        if !super::cache::cache_notes(cache).is_empty() {
+            let _ = writeln!(out);
+        }
+    }
     if !plots.is_empty() {
         let _ = writeln!(out, "## Plots\n");
         for p in plots {

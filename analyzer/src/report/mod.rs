@@ -2,6 +2,7 @@
 //! Markdown report with SVG plots, the metrics as Parquet (the notebooks'
 //! input), and JSON.
 
+mod cache;
 mod markdown;
 mod parquet;
 mod svg;

@@ -49,6 +49,18 @@ pub fn render_terminal(a: &Analysis) -> String {
         }
         let _ = writeln!(out);
     }
+    if let Some(cache) = &a.cache {
+        let _ = writeln!(
+            out,
+            "prefix-cache pairs (a hit against a miss of the same prompt, at the first generated position)"
+        );
+        let (header, rows) = super::cache::cache_table(cache);
+        table(&mut out, &header, &rows);
+        for note in super::cache::cache_notes(cache) {
+            let _ = writeln!(out, "  note: {note}");
+        }
+        let _ = writeln!(out);
+    }
     for run in &a.runs {
         run_section(&mut out, run);
     }

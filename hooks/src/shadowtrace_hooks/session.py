@@ -203,15 +203,23 @@ class Run:
         prod_indices: numerics.Lists,
         prod: numerics.Selection | None,
         shadows: dict[str, numerics.Selection],
+        unit: str = "token",
+        unit_tokens: int = 1,
+        visible: torch.Tensor | None = None,
     ) -> None:
         """Rows of one indexer call: the production selection, and one row set per shadow
-        input (raw, dequant), or prod alone."""
+        input (raw, dequant), or prod alone. A selection over pooled or compressed keys
+        names its `unit` (vocabulary `selection_units`), the tokens per key and each query
+        token's `visible` keys in that unit (default: tokens, `q_pos + 1`); `k` and the key
+        indices count that unit too."""
         band = self.settings.band
         for shadow_input, shadow in (shadows or {None: None}).items():
             cols: dict[str, Any] = {
                 "step": self.step, "layer": layer, "token": q_pos.cpu().numpy().astype(np.int32),
                 "shadow_input": shadow_input, "indexer_layer": indexer_layer, "k": k,
-                "visible": (q_pos + 1).cpu().numpy().astype(np.int32), "prod_indices": prod_indices,
+                "unit": unit, "unit_tokens": unit_tokens,
+                "visible": (q_pos + 1 if visible is None else visible).cpu().numpy().astype(np.int32),
+                "prod_indices": prod_indices,
             }  # fmt: skip
             if prod is not None:
                 cols.update(

@@ -52,7 +52,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, name: str, path: Any = None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if name not in adapters.TARGETS or name in self.searching:
+        if adapters.adapter_for(name) is None or name in self.searching:
             return None
         self.searching.add(name)
         try:
@@ -104,7 +104,7 @@ def activate(environ: dict[str, str] | None = None) -> session.Session | None:
     _exit_on_sigterm()
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
-    for name in adapters.TARGETS:
-        if name in sys.modules:
+    for name in list(sys.modules):
+        if adapters.adapter_for(name) is not None:
             _install(sys.modules[name])
     return sess

@@ -843,6 +843,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)  # a prefix-cache hit's cached blocks
 
 
 @dataclass
@@ -893,7 +894,9 @@ class _States:
             if req is not None:
                 self.free = req.blocks + self.free
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = _Request(list(new.prompt_token_ids), len(new.prompt_token_ids))
+            ids = list(new.prompt_token_ids)
+            # A prefix-cache hit starts computed up to its cached blocks, which it shares.
+            self.requests[new.req_id] = _Request(ids, len(ids), new.num_computed_tokens, list(new.block_ids))
 
     def layout(self, order: list[str], so: SchedulerOutput, pad: int) -> dict[str, Any]:
         """Rows, positions, slots and the indexer's and MLA's metadata for `order`."""
@@ -1298,11 +1301,26 @@ class Engine:
     def step(
         self, tokens: dict[str, int], new: dict[str, list[int]] | None = None,
         finished: set[str] | None = None, preempted: set[str] | None = None,
+        cached: dict[str, str] | None = None,
     ) -> Any:  # fmt: skip
-        """One engine step; records production per (request, its step, layer)."""
+        """One engine step; records production per (request, its step, layer). `cached`
+        maps a new request to a live one whose KV blocks hold its prompt's first tokens:
+        a prefix-cache hit on the full blocks they share."""
+        new_reqs = []
+        for r, ids in (new or {}).items():
+            source = (cached or {}).get(r)
+            if source is None:
+                new_reqs.append(NewRequestData(r, ids))
+                continue
+            donor = self.runner.states.requests[source]
+            shared = 0
+            while shared < min(len(ids), donor.computed) and ids[shared] == donor.tokens[shared]:
+                shared += 1
+            blocks = min(shared, len(ids) - 1) // BLOCK  # vLLM recomputes at least the last token
+            new_reqs.append(NewRequestData(r, ids, blocks * BLOCK, donor.blocks[:blocks]))
         so = SchedulerOutput(
             num_scheduled_tokens=dict(tokens),
-            scheduled_new_reqs=[NewRequestData(r, ids) for r, ids in (new or {}).items()],
+            scheduled_new_reqs=new_reqs,
             finished_req_ids=set(finished or ()), preempted_req_ids=set(preempted or ()),
         )  # fmt: skip
         for r in so.finished_req_ids | so.preempted_req_ids:

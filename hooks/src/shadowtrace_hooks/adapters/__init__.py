@@ -1,6 +1,7 @@
 """Engine adapters: each knows one engine's hook points, at the layouts it declares.
 
-`TARGETS` maps every module an adapter patches to the adapter; `startup` installs an
+`TARGETS` maps every module an adapter patches to the adapter, and any other HF transformers
+modeling module goes to the generic decoder adapter (`adapter_for`); `startup` installs an
 adapter when its module is imported (or at once when it already was), so engine code is
 never imported by shadowtrace itself. Each adapter module declares:
 
@@ -12,12 +13,15 @@ never imported by shadowtrace itself. Each adapter module declares:
 """
 
 import importlib
+import re
 from types import ModuleType
 
 # module that defines the hooked classes -> adapter module (relative to this package)
 TARGETS = {
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": "hf",
     "transformers.models.deepseek_v32.modeling_deepseek_v32": "hf",
+    "transformers.models.glm5_next.modeling_glm5_next": "hf_glm5_next",
+    "transformers.models.deepseek_v4.modeling_deepseek_v4": "hf_deepseek_v4",
     "tensorrt_llm._torch.attention_backend.sparse.dsa.indexer": "trtllm",
     "tensorrt_llm._torch.attention.backends.sparse.dsa.indexer": "trtllm",
     "tensorrt_llm._torch.models.modeling_deepseekv3": "trtllm",
@@ -32,7 +36,16 @@ TARGETS = {
     "vllm.v1.worker.gpu_model_runner": "vllm",
     "vllm.v1.worker.gpu.model_runner": "vllm",
 }
-ADAPTERS = ("hf", "trtllm", "sglang", "vllm")
+ADAPTERS = ("hf", "hf_glm5_next", "hf_deepseek_v4", "hf_generic", "trtllm", "sglang", "vllm")
+# any other `transformers.models.<name>.modeling_<name>`: the generic decoder adapter
+_GENERIC = re.compile(r"transformers\.models\.(\w+)\.modeling_\1")
+
+
+def adapter_for(name: str) -> str | None:
+    """The adapter that installs on module `name`, or None."""
+    if name in TARGETS:
+        return TARGETS[name]
+    return "hf_generic" if _GENERIC.fullmatch(name) else None
 
 
 def adapter(name: str) -> ModuleType:
@@ -41,4 +54,6 @@ def adapter(name: str) -> ModuleType:
 
 def install(module: ModuleType) -> None:
     """Installs the adapter for an engine module that was just imported."""
-    adapter(TARGETS[module.__name__]).install(module)
+    name = adapter_for(module.__name__)
+    if name is not None:
+        adapter(name).install(module)

@@ -18,6 +18,10 @@ of its own. Rows of a request whose earlier keys are not in this call (decode st
 prefill chunks, cached prefixes) are recorded for production only and counted: their keys
 live in the engine's FP8 cache, which the hooks do not read.
 
+A request first seen in its prompt is tagged `cache=miss` when its first rows start at
+position 0 and `cache=hit` when they start later (its earlier tokens came from the engine's
+prefix cache; `settings.cached_prefix_tokens`).
+
 A run stays open while its request is live: engines leave running requests out of many
 steps (prefill-only steps, chunked prefill), so absence from one step proves nothing. A run
 closes when the adapter learns that its request finished, when it has been absent for
@@ -217,6 +221,14 @@ class EngineTracer:
         )
         if segment:
             run.count("request_resumed")
+        elif req.prefill:
+            # First sight of a request in its prompt: rows past position 0 mean the engine
+            # served its first tokens from its prefix cache (context 004). Engines hand the
+            # hooks no token ids, so `analyze` cannot pair these runs by prompt: it lists
+            # the hits as unpaired, saying why.
+            run.writer.manifest["tags"]["cache"] = "hit" if req.prefix else "miss"
+            if req.prefix:
+                run.writer.manifest["settings"]["cached_prefix_tokens"] = req.prefix
         return run
 
     def _close(self, key: str, *, at_exit: bool = False, deadline: float | None = None) -> None:

@@ -26,6 +26,7 @@ run on the prefill only: a decode step would need a shadow KV cache (counted as
 `shadow_skipped_decode_steps`).
 """
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from shadowtrace_hooks import numerics, session, shadow, stats
+from shadowtrace_hooks.adapters import hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
 from shadowtrace_hooks.session import Run, Session
 
@@ -89,17 +91,24 @@ def install(module: Any) -> None:
     if getattr(cls, "_shadowtrace_patched", False):
         return
     layout = select(layouts(module.__name__), {module.__name__: module}, f"{NAME} {_version()}")
+    patch(cls, layout, _Tracer, getattr(module, rope_name))
+    module._shadowtrace_layout = layout
+
+
+def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -> None:
+    """Wraps `cls.forward` and `cls.generate` so that every instance is traced by a `tracer`
+    (this module's, or a model-specific subclass of it) attached at its first traced call."""
     cache_name = layout.name.removesuffix("=")
-    rope = getattr(module, rope_name)
     forward, generate = cls.forward, cls.generate
     inputs = _Inputs(forward, cache_name)
+    attach = tracer.attach
 
     @functools.wraps(forward)
     def traced_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         sess = session.current()
         if sess is None:
             return forward(self, *args, **kwargs)
-        tracer = sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope, inputs)
+        tracer = sess.guarded("transformers:attach", None, attach, self, sess, rope, inputs)
         if tracer is None:
             return forward(self, *args, **kwargs)
         if session.capturing():
@@ -113,7 +122,7 @@ def install(module: Any) -> None:
         tracer = (
             None
             if sess is None
-            else sess.guarded("transformers:attach", None, _Tracer.attach, self, sess, rope, inputs)
+            else sess.guarded("transformers:attach", None, attach, self, sess, rope, inputs)
         )
         if tracer is None:
             return generate(self, *args, **kwargs)
@@ -130,7 +139,7 @@ def install(module: Any) -> None:
 
     cls.forward, cls.generate = traced_forward, traced_generate
     cls._shadowtrace_patched = True
-    cls._shadowtrace_layout = module._shadowtrace_layout = layout
+    cls._shadowtrace_layout = layout
 
 
 class _Inputs:
@@ -156,6 +165,7 @@ class _Inputs:
 
 
 def _model_identity(config: Any) -> dict:
+    text = config.get_text_config()  # a multimodal model's decoder numbers are in its text config
     path = Path(str(getattr(config, "_name_or_path", "") or "")) / "config.json"
     try:
         data = path.read_bytes() if path.is_file() else config.to_json_string().encode()
@@ -166,8 +176,8 @@ def _model_identity(config: Any) -> dict:
         "architecture": config.model_type,
         "config_hash": hashlib.sha256(data).hexdigest(),
         "revision": getattr(config, "_commit_hash", None),
-        "num_layers": config.num_hidden_layers,
-        "index_topk": getattr(config, "index_topk", None),
+        "num_layers": text.num_hidden_layers,
+        "index_topk": getattr(text, "index_topk", None),
     }
 
 
@@ -184,6 +194,9 @@ class _Step:
         self.free: torch.Tensor | None = None  # the free chain's stream
         self.final_stream: torch.Tensor | None = None
         self.shadow_pe: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The first step of a request served from a cached prefix: its free chain
+        # recomputed from the embeddings over the whole prompt (hf_prefix.Scratch).
+        self.scratch: Any = None
 
 
 class _Tracer:
@@ -209,8 +222,8 @@ class _Tracer:
         self.dtype = self.sess.settings.shadow_dtype
         self.forwards = 0
         self.fired: set[str] = set()
-        inner = model.model
-        self.rotary = inner.rotary_emb
+        self.inner = inner = self._decoder()
+        self.rotary = getattr(inner, "rotary_emb", None)
         self.indexers = 0
         for i, layer in enumerate(inner.layers):
             layer.register_forward_pre_hook(
@@ -219,17 +232,35 @@ class _Tracer:
             layer.register_forward_hook(
                 functools.partial(self._hook, "layer_out", self._layer_out, i), with_kwargs=True
             )
-            layer.self_attn.register_forward_hook(
-                functools.partial(self._hook, "site", self._site, "attn_out")
-            )
-            layer.mlp.register_forward_hook(functools.partial(self._hook, "site", self._site, "mlp_out"))
-            indexer = getattr(layer.self_attn, "indexer", None)
+            for site, block in self._sites(layer).items():
+                block.register_forward_hook(functools.partial(self._hook, "site", self._site, site))
+            indexer = self._indexer_module(layer)
             if indexer is not None:
                 self.indexers += 1
                 indexer.register_forward_hook(
                     functools.partial(self._hook, "indexer", self._indexer, i), with_kwargs=True
                 )
-        inner.norm.register_forward_pre_hook(functools.partial(self._hook, "final_norm", self._final_norm))
+        self._head()[0].register_forward_pre_hook(
+            functools.partial(self._hook, "final_norm", self._final_norm)
+        )
+
+    # --- where the model keeps what is traced (model-specific adapters override) ----
+
+    def _decoder(self) -> torch.nn.Module:
+        """The decoder: its `layers` are traced."""
+        return self.model.model
+
+    def _sites(self, layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The blocks of a decoder layer whose outputs are the sites attn_out and mlp_out."""
+        return {"attn_out": layer.self_attn, "mlp_out": layer.mlp}
+
+    def _indexer_module(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        return getattr(layer.self_attn, "indexer", None)
+
+    def _head(self) -> list[torch.nn.Module]:
+        """What turns the last layer's stream into logits, in order: its first module's input
+        is the stream the logits shadow starts from."""
+        return [self.inner.norm, self.model.lm_head]
 
     def _hook(self, kind: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Every hook body runs inside the guard: a failure is counted and disables that
@@ -259,6 +290,7 @@ class _Tracer:
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
             self.sess.guarded("transformers:first_forward", None, self._check_first_forward)
+            self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, out, self.runs)
         if not self.in_generate:
             self.sess.guarded("transformers:close", None, self.close_runs)
         return out
@@ -296,14 +328,27 @@ class _Tracer:
         position_ids = given["position_ids"]
         if position_ids is None:
             position_ids = torch.arange(past_len, past_len + seq, device=device).expand(batch, seq)
+        elif position_ids.dim() == 3:  # multimodal RoPE (t, h, w, ...): the text positions lead
+            position_ids = position_ids[0]
+        hit = False
         if not self.runs or past_len == 0:
             self.close_runs()
-            for row in ids:
-                self.runs.append(self._open(row, device))
-        for run in self.runs:
+            # A request that starts on a cache holding a prefix is a prefix-cache hit: its run
+            # names the whole prompt (the prefix's ids, remembered on the cache) and says so.
+            prefixes = hf_prefix.cached_ids(cache, past_len, batch)
+            hit = past_len > 0
+            for b, row in enumerate(ids):
+                prefix = None if prefixes is None else prefixes[b]
+                run = self._open(row if prefix is None else prefix + row, device)
+                hf_prefix.tag(run, past_len, prefix)
+                self.runs.append(run)
+        for run, row in zip(self.runs, ids, strict=False):
             run.step += 1
+            run.state.setdefault("ids", run.state.pop("prompt_ids", [])).extend(row)
         self.step = _Step(position_ids.to(device), decode=past_len > 0)
-        if self.step.decode and self.settings.modes:
+        if hit:
+            self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device)
+        elif self.step.decode and self.settings.modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
 
@@ -360,6 +405,8 @@ class _Tracer:
                 self.sess.guarded(f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module)
                 or {}
             )
+        elif step.scratch is not None:
+            shadows = step.scratch.layer(layer, step)
         if self.settings.layer(layer):
             self.sess.guarded("hidden", self.runs[0], self._record_layer, layer, prod_out, shadows)
             self.sess.guarded("kv_sentinel", self.runs[0], self._record_sentinels, layer, step)
@@ -411,12 +458,7 @@ class _Tracer:
         assert step is not None
         assert step.layer_input is not None
         dtype = self.dtype
-        kwargs = {k: v for k, v in step.layer_kwargs.items() if k not in ("past_key_values", "cache")}
-        kwargs.update({self.inputs.cache_name: None, "use_cache": False})
-        kwargs["position_embeddings"] = self._shadow_pe(step)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-            kwargs["attention_mask"] = mask.to(dtype)
+        kwargs = self._shadow_kwargs(step)
         inputs = {}
         if "local" in self.settings.modes:
             inputs["local"] = step.layer_input.to(dtype)
@@ -432,7 +474,7 @@ class _Tracer:
 
             return capture
 
-        capture = {module.self_attn: site("attn_out"), module.mlp: site("mlp_out")}
+        capture = {block: site(name) for name, block in self._sites(module).items()}
         with shadow.in_precision(module, dtype), shadow.hooks_suspended(module, capture), torch.no_grad():
             for mode[0], x in inputs.items():
                 # forward, not __call__: hooks on the layer itself (ours, a user's, a
@@ -442,6 +484,17 @@ class _Tracer:
         if "free" in outputs:
             step.free = outputs["free"]
         return outputs
+
+    def _shadow_kwargs(self, step: _Step) -> dict[str, Any]:
+        """The layer's arguments for the shadow re-run: no cache, position embeddings and
+        a float mask in the shadow precision."""
+        kwargs = {k: v for k, v in step.layer_kwargs.items() if k not in ("past_key_values", "cache")}
+        kwargs.update({self.inputs.cache_name: None, "use_cache": False})
+        kwargs["position_embeddings"] = self._shadow_pe(step)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            kwargs["attention_mask"] = mask.to(self.dtype)
+        return kwargs
 
     def _shadow_pe(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this step's positions in the shadow precision, computed once per step
@@ -473,9 +526,11 @@ class _Tracer:
                     continue
                 if site in ("attn_out", "mlp_out"):
                     layer_shadows = {m: v[site] for m, v in step.shadow_sites.items() if site in v}
+                # a token's vector: [B, S, hidden], or [B, S, streams, hidden] (hyper-connections)
                 run.hidden(
-                    layer, site, prod[b], {m: v[b] for m, v in layer_shadows.items()}, tokens, positions
-                )
+                    layer, site, prod[b].flatten(1), {m: v[b].flatten(1) for m, v in layer_shadows.items()},
+                    tokens, positions,
+                )  # fmt: skip
 
     def _indexer(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.settings.layer(layer) or not self.settings.site("indexer"):
@@ -501,6 +556,8 @@ class _Tracer:
         )
         out = {}
         for b, run in enumerate(self.runs):
+            if hf_prefix.CACHED_PREFIX in run.state:  # the prefix's keys were never seen
+                continue
             keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
             keys.append(k[b])
             out[b] = shadow.indexer_selection(
@@ -520,6 +577,20 @@ class _Tracer:
         band = self.settings.band
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
+            if hf_prefix.CACHED_PREFIX in run.state:
+                # Keys of a cached prefix were computed before this request: production's
+                # selection is recorded, its scores (k-th score, margins) cannot be.
+                run.topk(
+                    layer,
+                    layer,
+                    module.index_topk,
+                    q_pos,
+                    numerics.members(prod_topk[b], q_pos + 1),
+                    None,
+                    {},
+                )
+                run.count("topk_scores_skipped_cached_prefix", len(q_pos))
+                continue
             keys = run.state.setdefault(("indexer_keys", layer), [])
             keys.append(prod_k[b])
             prod_scores = _hf_scores(prod_q[b], torch.cat(keys), prod_w[b], q_pos, module.softmax_scale)
@@ -548,22 +619,26 @@ class _Tracer:
         kept = logits.shape[1]
         mode = "free" if "free" in self.settings.modes and step.free is not None else "local"
         stream = step.free if mode == "free" else step.final_stream
-        want_shadow = self.dtype is not None and bool(self.settings.modes) and not step.decode
-        inner = self.model.model
+        want_shadow = (
+            self.dtype is not None
+            and bool(self.settings.modes)
+            and (not step.decode or step.scratch is not None)
+        )
+        head = self._head()
         for b, run in enumerate(self.runs):
             positions = step.positions[b][-kept:]
             for start in range(0, kept, _LOGITS_CHUNK):
                 rows = slice(start, start + _LOGITS_CHUNK)
                 shadow_logits = None
                 if want_shadow and stream is not None:
-                    x = stream[b, -kept:][rows]
-                    with (
-                        shadow.in_precision(inner.norm, self.dtype),
-                        shadow.in_precision(self.model.lm_head, self.dtype),
-                        shadow.hooks_suspended(inner.norm),
-                        shadow.hooks_suspended(self.model.lm_head),
-                    ):
-                        shadow_logits = self.model.lm_head(inner.norm(x.to(self.dtype)))
+                    x = stream[b : b + 1, -kept:][:, rows].to(self.dtype)
+                    with contextlib.ExitStack() as stack:
+                        for block in head:
+                            stack.enter_context(shadow.in_precision(block, self.dtype))
+                            stack.enter_context(shadow.hooks_suspended(block))
+                        for block in head:
+                            x = block(x)
+                    shadow_logits = x[0]
                 run.logits(logits[b][rows], shadow_logits, positions[rows])
             run.writer.manifest["settings"]["logits_shadow_mode"] = mode if want_shadow else None
 

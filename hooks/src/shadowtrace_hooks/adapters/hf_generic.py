@@ -1,0 +1,238 @@
+"""Any HF transformers decoder: per-layer hidden states, the shadow, the logits and the
+non-finite onset of a decoder-only model without an indexer (hybrid linear-attention and
+MoE models included: `qwen3_5_moe`'s Gated DeltaNet layers and their recurrent state).
+
+Installed on every `transformers.models.<name>.modeling_<name>` module no model-specific
+adapter claims: its classes with `generate` (causal LMs, and multimodal models generating
+text) are wrapped as the DSA adapter's are (`hf.patch`). The structure is found, not
+declared: the decoder is the module holding the `ModuleList` of `num_hidden_layers` layers
+(the shallowest), the sites are each layer's token mixer (`attn_out`: `self_attn`,
+`linear_attn`, `mixer`, ...) and feed-forward block (`mlp_out`), the logits' shadow runs the
+decoder's final norm and the LM head. Everything else is `hf._Tracer`'s: runs per request,
+steps, the local and free shadows re-running each layer in the shadow precision, the
+logits, the events.
+
+A model it cannot trace or shadow is refused at its first traced call, with one line that
+says why, counted in the process (`models_refused`, `process.models_refused` in later
+runs); the model runs untraced:
+
+- not a decoder-only model (an encoder-decoder);
+- no decoder layers it can find;
+- layers with an indexer (DSA): its selections need a model-specific adapter.
+
+A model it can trace but not shadow is traced for production alone, the reason in each
+run (`settings.shadow_refused`, counted `shadow_refused`) and one line:
+
+- decoder weights the shadow cannot upcast (FP8 or integer codes, which need their
+  quantization's scales);
+- a shadow precision below production's (a bf16 shadow of an fp32 model).
+"""
+
+import inspect
+from typing import Any
+
+import torch
+
+from shadowtrace_hooks import session
+from shadowtrace_hooks.adapters import hf
+from shadowtrace_hooks.adapters.layout import Layout, Symbol
+from shadowtrace_hooks.session import Run, Session
+
+NAME = hf.NAME
+LAYOUTS: tuple[Layout, ...] = ()  # the structure is found at the first call, not declared
+
+MIXERS = ("self_attn", "linear_attn", "mixer", "attention", "self_attention", "attn", "temporal_block")
+FEED_FORWARDS = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+_UPCASTABLE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_PRECISION = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+class Refused(Exception):
+    """A model the generic adapter does not trace; the message says why."""
+
+
+def install(module: Any) -> None:
+    """Wraps the module's generating classes (defined there, with `forward` and
+    `generate`) so every instance traces itself when called."""
+    from transformers.generation import GenerationMixin
+
+    version = hf._version()
+    for name, cls in list(vars(module).items()):
+        if not (
+            isinstance(cls, type) and issubclass(cls, GenerationMixin) and cls.__module__ == module.__name__
+        ):
+            continue
+        if getattr(cls, "_shadowtrace_patched", False) or "forward" not in vars(cls):
+            continue
+        params = list(inspect.signature(cls.forward).parameters)
+        cache = next((p for p in ("cache", "past_key_values") if p in params), None)
+        if "input_ids" not in params or cache is None:
+            continue  # not a text decoder's forward
+        symbol = Symbol(module.__name__, f"{name}.forward", ("self", "input_ids"), leading=True)
+        layout = Layout(name=f"{cache}=", source=f"transformers {version}, structure found at run time",
+                        symbols=(symbol,))  # fmt: skip
+        hf.patch(cls, layout, GenericTracer)
+        module._shadowtrace_layout = layout
+
+
+class GenericTracer(hf._Tracer):
+    """hf._Tracer on a structure found by looking, with the refusals above."""
+
+    # Model-specific subclasses that trace their indexers (hf_glm5_next, hf_deepseek_v4).
+    TRACES_INDEXERS = False
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: hf._Inputs) -> Any:
+        tracer = model.__dict__.get("_shadowtrace")
+        if tracer is not None or model.__dict__.get("_shadowtrace_refused"):
+            return tracer
+        try:
+            return super().attach(model, sess, rope, inputs)
+        except Refused as e:
+            model.__dict__["_shadowtrace_refused"] = str(e)
+            sess.count("models_refused")
+            sess.warn_once(
+                f"{NAME}:refused:{type(model).__name__}", f"{NAME} {hf._version()}: {e}; not traced"
+            )
+            return None
+
+    def __init__(self, model: torch.nn.Module, sess: Session, rope: Any, inputs: hf._Inputs) -> None:
+        config = model.config
+        kind = type(model).__name__
+        if getattr(config, "is_encoder_decoder", False):
+            raise Refused(
+                f"{kind} is an encoder-decoder model: the generic adapter traces decoder-only models"
+            )
+        self._found = _find_decoder(model)
+        if self._found is None:
+            layers = config.get_text_config().num_hidden_layers
+            raise Refused(f"{kind}: no module holds its {layers} decoder layers as a ModuleList")
+        for i, layer in enumerate([] if self.TRACES_INDEXERS else self._found[1]):
+            for name, _ in layer.named_modules():
+                if name.rsplit(".", 1)[-1] == "indexer":
+                    raise Refused(
+                        f"{kind}: layer {i} has an indexer ({name}): "
+                        "its selections need a model-specific adapter"
+                    )
+        super().__init__(model, sess, rope, inputs)
+        self.shadow_refused = self._why_no_shadow(kind)
+        if self.shadow_refused is not None:
+            self.dtype = None
+            sess.warn_once(f"{NAME}:no_shadow:{kind}", f"{NAME} {hf._version()}: {self.shadow_refused}")
+
+    def _why_no_shadow(self, kind: str) -> str | None:
+        if self.settings.precision is None:
+            return None
+        _, layers = self._found
+        shadow = self.settings.shadow_dtype
+        for name, p in layers.named_parameters(prefix="layers"):
+            if p.dtype not in _UPCASTABLE:
+                return (
+                    f"{kind}: decoder weight {name} is {str(p.dtype).removeprefix('torch.')}: the shadow "
+                    f"cannot upcast quantized codes without their scales; production is traced alone"
+                )
+        if not any(isinstance(getattr(self.inner, n, None), torch.nn.Module) for n in FINAL_NORMS):
+            return (
+                f"{kind}: no final norm found after the decoder layers: the logits' shadow cannot be computed"
+            )
+        text = self.config.get_text_config()
+        for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(text, field, None) not in (None, 1, 1.0):
+                return (
+                    f"{kind}: its logits are post-processed ({field}), which the logits' shadow does not do"
+                )
+        prod = next(layers.parameters()).dtype
+        if _PRECISION.get(shadow, 0) < _PRECISION.get(prod, 0):
+            return (
+                f"{kind}: production runs in {session.dtype_name(prod)}, above the shadow's "
+                f"{self.settings.precision}; production is traced alone"
+            )
+        return None
+
+    def _open(self, ids: list[int], device: torch.device) -> Run:
+        run = super()._open(ids, device)
+        if self.shadow_refused is not None:
+            run.writer.manifest["settings"]["shadow_refused"] = self.shadow_refused
+            run.writer.manifest["shadow"] = {"precision": None, "modes": []}
+            run.writer.manifest["dtypes"]["shadow"] = None
+            run.count("shadow_refused")
+        return run
+
+    def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # A refused shadow must leave no row claiming one: re-running the layer in
+        # production's own precision would record a shadow equal to production.
+        if self.dtype is None:
+            return {}
+        return super()._shadow_layer(layer, module)
+
+    def _decoder(self) -> torch.nn.Module:
+        return self._found[0]
+
+    def _sites(self, layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        out = {}
+        for site, names in (("attn_out", MIXERS), ("mlp_out", FEED_FORWARDS)):
+            block = next(
+                (getattr(layer, n) for n in names if isinstance(getattr(layer, n, None), torch.nn.Module)),
+                None,
+            )
+            if block is not None:
+                out[site] = block
+        return out
+
+    def _indexer_module(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        return None
+
+    def _head(self) -> list[torch.nn.Module]:
+        norm = next(
+            (
+                getattr(self.inner, n)
+                for n in FINAL_NORMS
+                if isinstance(getattr(self.inner, n, None), torch.nn.Module)
+            ),
+            None,
+        )
+        head = self.model.get_output_embeddings()
+        return [m for m in (norm, head) if m is not None]
+
+    def _shadow_kwargs(self, step: hf._Step) -> dict[str, Any]:
+        kwargs = super()._shadow_kwargs(step)
+        if "position_embeddings" not in step.layer_kwargs:
+            kwargs.pop("position_embeddings")
+        return kwargs
+
+    def _shadow_pe(self, step: hf._Step) -> Any:
+        if self.rotary is None:  # a model without a shared rotary module: production's, as given
+            return step.layer_kwargs.get("position_embeddings")
+        return super()._shadow_pe(step)
+
+    def _record_sentinels(self, layer: int, step: hf._Step) -> None:
+        """The KV sentinel watch on full-attention layers only: a sliding window's slots are
+        not positions, and recurrent states have no slots."""
+        cache = step.layer_kwargs.get(self.inputs.cache_name) or step.layer_kwargs.get("past_key_values")
+        layers = getattr(cache, "layers", None)
+        if layers is None or layer >= len(layers):
+            return
+        entry = layers[layer]
+        if getattr(entry, "sliding_window", None) or not isinstance(
+            getattr(entry, "keys", None), torch.Tensor
+        ):
+            return
+        super()._record_sentinels(layer, step)
+
+
+def _find_decoder(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList] | None:
+    """The module holding the text decoder's layers (a ModuleList named `layers` or `h` of
+    num_hidden_layers distinct modules; the shallowest such) and the list."""
+    want = model.config.get_text_config().num_hidden_layers
+    best: tuple[int, torch.nn.Module, torch.nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        for child_name, child in module.named_children():
+            if child_name not in ("layers", "h") or not isinstance(child, torch.nn.ModuleList):
+                continue
+            if len(child) != want or len({id(m) for m in child}) != want:
+                continue
+            depth = name.count(".") + (1 if name else 0)
+            if best is None or depth < best[0]:
+                best = (depth, module, child)
+    return None if best is None else (best[1], best[2])
