@@ -2,7 +2,9 @@
 //! them. The report directory also holds plots and the metrics as Parquet.
 
 use polars::prelude::{ParquetReader, SerReader};
-use shadowtrace_analyzer::report::{render_markdown, render_terminal, write_report};
+use shadowtrace_analyzer::report::{
+    NO_ROWS, TOPK_CHART, render_markdown, render_terminal, write_report,
+};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_tracer::synth::SynthSpec;
 
@@ -131,6 +133,23 @@ fn length_buckets_order_the_grid_by_length_not_by_text() {
     let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
     let buckets: Vec<&str> = a.grid.groups.iter().map(|g| g.key[2].as_str()).collect();
     assert_eq!(buckets, ["<=16", "17-32", ">32"]);
+    // The line chart's legend in the same order; the group at 16 tokens (no
+    // query sees more than k = 16 keys) is listed and says why it has no line.
+    let dir = tmp.path().join("report");
+    write_report(&dir, &a).unwrap();
+    let svg = std::fs::read_to_string(dir.join("plots").join(TOPK_CHART)).unwrap();
+    let legend: Vec<usize> = [
+        format!("&lt;=16 ({NO_ROWS})"),
+        "17-32".to_owned(),
+        "&gt;32".to_owned(),
+    ]
+    .iter()
+    .map(|bucket| {
+        svg.find(&format!(" / {bucket}\n</text>"))
+            .unwrap_or_else(|| panic!("{bucket} missing from the legend"))
+    })
+    .collect();
+    assert!(legend.windows(2).all(|w| w[0] < w[1]), "{legend:?}");
     let by_bucket = shadowtrace_analyzer::Options {
         group_by: vec!["length_bucket".to_owned(), "model".to_owned()],
         ..Options::default()

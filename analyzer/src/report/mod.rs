@@ -10,7 +10,7 @@ mod terminal;
 use std::path::{Path, PathBuf};
 
 pub use markdown::render_markdown;
-pub use plot::{HIDDEN_CHART, TOPK_CHART, heatmap_file, sizes_line};
+pub use plot::{HIDDEN_CHART, NO_ROWS, TOPK_CHART, heatmap_file, sizes_line};
 pub use terminal::render_terminal;
 
 use crate::analysis::RunAnalysis;

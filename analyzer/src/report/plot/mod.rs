@@ -27,6 +27,10 @@ pub const TOPK_CHART: &str = "topk_jaccard_vs_layer.svg";
 /// File of the hidden-error-by-layer chart.
 pub const HIDDEN_CHART: &str = "hidden_error_vs_layer.svg";
 
+/// Legend suffix of a group whose runs have no informative top-k rows (no
+/// query saw more than k keys): listed, but no line to draw.
+pub const NO_ROWS: &str = "no informative rows";
+
 /// File of a run's overlap heatmap.
 #[must_use]
 pub fn heatmap_file(run_id: &str) -> String {
@@ -174,12 +178,19 @@ pub(crate) fn topk_chart(a: &Analysis) -> LineChart {
                         entry.1 += layer.informative_rows;
                     }
                 }
+                let points: Vec<(i32, f64)> = sums
+                    .into_iter()
+                    .map(|(l, (sum, n))| (l, sum / n as f64))
+                    .collect();
+                // A group below k tokens has a legend entry but no line: say why.
+                let name = g.key.join(" / ");
                 Line {
-                    name: g.key.join(" / "),
-                    points: sums
-                        .into_iter()
-                        .map(|(l, (sum, n))| (l, sum / n as f64))
-                        .collect(),
+                    name: if points.is_empty() {
+                        format!("{name} ({NO_ROWS})")
+                    } else {
+                        name
+                    },
+                    points,
                 }
             })
             .collect();
@@ -240,9 +251,16 @@ pub(crate) fn hidden_chart(a: &Analysis) -> LineChart {
     let lines: Vec<Line> = a
         .runs
         .iter()
-        .map(|r| Line {
-            name: r.run_id.clone(),
-            points: hidden_series(&r.hidden, t),
+        .map(|r| {
+            let points = hidden_series(&r.hidden, t);
+            Line {
+                name: if points.is_empty() {
+                    format!("{} (no hidden captures)", r.run_id)
+                } else {
+                    r.run_id.clone()
+                },
+                points,
+            }
         })
         .collect();
     let mut modes: Vec<String> = a.runs.iter().map(|r| deciding_mode(&r.hidden, t)).collect();
