@@ -3,7 +3,7 @@
 
 use polars::prelude::{ParquetReader, SerReader};
 use shadowtrace_analyzer::report::{
-    NO_ROWS, TOPK_CHART, render_markdown, render_terminal, write_report,
+    NO_ROWS, TOPK_CHART, heatmap_file, render_markdown, render_terminal, write_report,
 };
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_tracer::synth::SynthSpec;
@@ -150,6 +150,17 @@ fn length_buckets_order_the_grid_by_length_not_by_text() {
     })
     .collect();
     assert!(legend.windows(2).all(|w| w[0] < w[1]), "{legend:?}");
+    // No heatmap for that run, and the report says so.
+    assert!(!dir.join("plots").join(heatmap_file("glm-16")).exists());
+    assert!(dir.join("plots").join(heatmap_file("glm-24")).exists());
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains(
+            "No overlap heatmap for 1 run(s) without informative top-k rows \
+             (no query saw more than k keys): glm-16."
+        ),
+        "{md}"
+    );
     let by_bucket = shadowtrace_analyzer::Options {
         group_by: vec!["length_bucket".to_owned(), "model".to_owned()],
         ..Options::default()

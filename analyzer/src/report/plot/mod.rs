@@ -37,6 +37,12 @@ pub fn heatmap_file(run_id: &str) -> String {
     format!("overlap_heatmap_{run_id}.png")
 }
 
+/// Whether a run gets an overlap heatmap: it has a finite informative
+/// top-k row (some query saw more than k keys).
+pub(crate) fn has_heatmap(run: &RunAnalysis) -> bool {
+    run.topk_rows.iter().any(|r| r.jaccard_no_churn.is_finite())
+}
+
 /// Writes the plots into `dir`: the two line charts, and a heatmap per run
 /// with informative top-k rows. Returns the files written.
 pub(super) fn write_plots(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, AnalyzeError> {
