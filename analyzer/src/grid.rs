@@ -2,6 +2,7 @@
 //! side-by-side comparison along the first grouping tag (for example GLM
 //! against DeepSeek at each prompt kind and length).
 
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 use serde::Serialize;
@@ -40,7 +41,7 @@ pub struct Grid {
     /// Per grouping tag that some run's user tag supplied in place of the
     /// manifest identity's value: which runs, and both values.
     pub user_tags: Vec<UserTag>,
-    /// One row per group, sorted by key.
+    /// One row per group, sorted by key ([`tag_value_order`]).
     pub groups: Vec<GroupRow>,
 }
 
@@ -54,7 +55,7 @@ impl Grid {
             .iter()
             .filter_map(|g| g.key.first().cloned())
             .collect();
-        columns.sort();
+        columns.sort_by(|a, b| tag_value_order(a, b));
         columns.dedup();
         let mut rows: BTreeMap<Vec<String>, Vec<Option<GroupRow>>> = BTreeMap::new();
         for g in &self.groups {
@@ -66,11 +67,13 @@ impl Grid {
             rows.entry(rest)
                 .or_insert_with(|| vec![None; columns.len()])[slot] = Some(g.clone());
         }
+        let mut rows: Vec<(Vec<String>, Vec<Option<GroupRow>>)> = rows.into_iter().collect();
+        rows.sort_by(|a, b| key_order(&a.0, &b.0));
         Comparison {
             by: self.group_by.first().cloned().unwrap_or_default(),
             rest: self.group_by.get(1..).unwrap_or_default().to_vec(),
             columns,
-            rows: rows.into_iter().collect(),
+            rows,
         }
     }
 }
@@ -164,7 +167,7 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
             })
         })
         .collect();
-    let rows = groups
+    let mut rows: Vec<GroupRow> = groups
         .into_iter()
         .map(|(key, runs)| {
             let mut rows_total = 0;
@@ -210,9 +213,95 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
             }
         })
         .collect();
+    rows.sort_by(|a, b| key_order(&a.key, &b.key));
     Grid {
         group_by: group_by.to_vec(),
         user_tags,
         groups: rows,
+    }
+}
+
+/// The order of tag values in the grid, its tables and plots: length
+/// buckets by the lengths they hold (`<=2048`, `2049-4096`, `>4096`; as
+/// text, `2049-4096` would come first), integers by value, then any other
+/// value as text.
+#[must_use]
+pub fn tag_value_order(a: &str, b: &str) -> Ordering {
+    match (length_span(a), length_span(b)) {
+        (Some(x), Some(y)) => x.cmp(&y).then_with(|| a.cmp(b)),
+        (Some(_), None) => Ordering::Less,
+        (None, Some(_)) => Ordering::Greater,
+        (None, None) => a.cmp(b),
+    }
+}
+
+/// Group keys compared value by value with [`tag_value_order`].
+fn key_order(a: &[String], b: &[String]) -> Ordering {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| tag_value_order(x, y))
+        .find(|o| o.is_ne())
+        .unwrap_or_else(|| a.len().cmp(&b.len()))
+}
+
+/// The lengths a value names, as (first, last): a length bucket of
+/// [`crate::analysis::length_bucket`] (`<=K`, `A-B`, `>B`) or an integer.
+fn length_span(v: &str) -> Option<(u64, u64)> {
+    if let Some(k) = v.strip_prefix("<=") {
+        return Some((0, k.parse().ok()?));
+    }
+    if let Some(b) = v.strip_prefix('>') {
+        return Some((b.parse::<u64>().ok()?.saturating_add(1), u64::MAX));
+    }
+    if let Some((a, b)) = v.split_once('-') {
+        return Some((a.parse().ok()?, b.parse().ok()?));
+    }
+    v.parse().ok().map(|n| (n, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::length_bucket;
+
+    #[test]
+    fn length_buckets_sort_by_length_not_by_text() {
+        let k = Some(2048);
+        let mut buckets: Vec<String> = [6144, 1024, 3072, 100_000, 2048, 2049]
+            .map(|n| length_bucket(n, k))
+            .to_vec();
+        buckets.push(length_bucket(10, None));
+        buckets.sort_by(|a, b| tag_value_order(a, b));
+        buckets.dedup();
+        assert_eq!(buckets, ["<=2048", "2049-4096", ">4096", "no indexer"]);
+        let mut text = buckets.clone();
+        text.sort();
+        assert_eq!(text[0], "2049-4096", "what text order would do");
+    }
+
+    #[test]
+    fn integers_sort_by_value_and_text_after_them() {
+        let mut v = ["12288", "tool", "1024", "no_tool", "3072"];
+        v.sort_by(|a, b| tag_value_order(a, b));
+        assert_eq!(v, ["1024", "3072", "12288", "no_tool", "tool"]);
+    }
+
+    #[test]
+    fn group_keys_order_by_their_first_differing_value() {
+        let key = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            key_order(
+                &key(&["glm", "tool", "<=2048"]),
+                &key(&["glm", "tool", "2049-4096"])
+            ),
+            Ordering::Less
+        );
+        assert_eq!(
+            key_order(
+                &key(&["ds", "tool", ">4096"]),
+                &key(&["glm", "no_tool", "<=2048"])
+            ),
+            Ordering::Less
+        );
     }
 }

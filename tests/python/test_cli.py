@@ -106,6 +106,18 @@ def test_the_demo_report_holds_markdown_plots_and_metrics(demo_root: Path) -> No
     text = (report / "report.md").read_text()
     assert text.startswith("# shadowtrace report")
     assert "![plots/topk_jaccard_vs_layer.svg](plots/topk_jaccard_vs_layer.svg)" in text
+    # A heatmap per run with informative rows (the 3k cells), as a PNG a screen shows whole.
+    heatmaps = sorted(p.name for p in (report / "plots").glob("overlap_heatmap_*.png"))
+    cells = [f"{m}-{k}-3k" for m in ("glm", "ds") for k in ("tool", "no-tool")]
+    assert heatmaps == sorted(f"overlap_heatmap_{c}.png" for c in cells)
+    for name in heatmaps:
+        png = (report / "plots" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        width = int.from_bytes(png[16:20], "big")
+        assert width <= 1600, (name, width)
+        assert len(png) < 150_000, (name, len(png))  # the hand-drawn SVG heatmap was 2.1 MB
+    for name in ("topk_jaccard_vs_layer.svg", "hidden_error_vs_layer.svg"):
+        assert (report / "plots" / name).stat().st_size < 100_000
     layers = pl.read_parquet(report / "metrics" / "topk_layers.parquet")
     glm = layers.filter((pl.col("run_id") == "glm-tool-3k") & (pl.col("layer") == 1))
     assert glm["jaccard_no_churn_mean"][0] < 0.8

@@ -3,7 +3,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::ValueEnum;
-use shadowtrace_analyzer::report::{render_terminal, write_report};
+use shadowtrace_analyzer::report::{render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::verdict::{
     DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
 };
@@ -55,7 +55,8 @@ pub(crate) struct AnalyzeArgs {
         value_name = "TAGS"
     )]
     group_by: Vec<String>,
-    /// Write report.md, analysis.json, plots/*.svg and metrics/*.parquet
+    /// Write report.md, analysis.json, plots (SVG line charts, a PNG heatmap
+    /// per run) and metrics/*.parquet
     /// into this directory.
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
@@ -146,10 +147,11 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &args.report {
         let files = write_report(dir, &analysis)?;
         eprintln!(
-            "report: {} ({} files)",
+            "report: {} ({} files; {})",
             dir.join(shadowtrace_analyzer::report::REPORT_FILE)
                 .display(),
-            files.len()
+            files.len(),
+            sizes_line(&files)
         );
     }
     for s in &analysis.skipped {

@@ -94,6 +94,21 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
         for p in plots {
             let _ = writeln!(out, "![{p}]({p})\n");
         }
+        let without: Vec<&str> = a
+            .runs
+            .iter()
+            .filter(|r| !super::plot::has_heatmap(r))
+            .map(|r| r.run_id.as_str())
+            .collect();
+        if !without.is_empty() {
+            let _ = writeln!(
+                out,
+                "No overlap heatmap for {} run(s) without informative top-k rows \
+                 (no query saw more than k keys): {}.\n",
+                without.len(),
+                without.join(", ")
+            );
+        }
     }
     let _ = writeln!(out, "## Runs\n");
     for run in &a.runs {

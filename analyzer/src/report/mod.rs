@@ -1,16 +1,17 @@
 //! What an analysis becomes for people and tools: terminal tables, a
-//! Markdown report with SVG plots, the metrics as Parquet (the notebooks'
-//! input), and JSON.
+//! Markdown report with plots (SVG line charts, PNG heatmaps), the metrics
+//! as Parquet (the notebooks' input), and JSON.
 
 mod cache;
 mod markdown;
 mod parquet;
-mod svg;
+mod plot;
 mod terminal;
 
 use std::path::{Path, PathBuf};
 
 pub use markdown::render_markdown;
+pub use plot::{HIDDEN_CHART, NO_ROWS, TOPK_CHART, heatmap_file, sizes_line};
 pub use terminal::render_terminal;
 
 use crate::analysis::RunAnalysis;
@@ -28,7 +29,8 @@ pub const METRICS_DIR: &str = "metrics";
 pub const PLOTS_DIR: &str = "plots";
 
 /// Writes the report directory: `report.md`, `analysis.json`,
-/// `plots/*.svg` and `metrics/*.parquet`. Returns the files written.
+/// `plots/*.svg` (line charts by layer), `plots/*.png` (a heatmap per run)
+/// and `metrics/*.parquet`. Returns the files written.
 ///
 /// # Errors
 /// When a file cannot be written.
@@ -42,7 +44,7 @@ pub fn write_report(dir: &Path, analysis: &Analysis) -> Result<Vec<PathBuf>, Ana
     mkdir(&dir.join(PLOTS_DIR))?;
     mkdir(&dir.join(METRICS_DIR))?;
     let mut written = Vec::new();
-    let plots = svg::write_plots(&dir.join(PLOTS_DIR), analysis)?;
+    let plots = plot::write_plots(&dir.join(PLOTS_DIR), analysis)?;
     let relative: Vec<String> = plots
         .iter()
         .filter_map(|p| {

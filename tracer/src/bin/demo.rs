@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, write_report};
+use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::model::fault::{Fault, NonFiniteValue};
@@ -148,8 +148,12 @@ fn main() -> anyhow::Result<()> {
         |_, _, _| {},
     )?;
     print!("{}", render_terminal(&analysis));
-    write_report(&report_dir, &analysis)?;
-    println!("report: {}", report_dir.join(REPORT_FILE).display());
+    let files = write_report(&report_dir, &analysis)?;
+    println!(
+        "report: {} ({})",
+        report_dir.join(REPORT_FILE).display(),
+        sizes_line(&files)
+    );
     println!();
     println!(
         "The weights are synthetic: seeded random checkpoints with the structure of GLM-5.1 and"
