@@ -636,6 +636,7 @@ fn render_terminal_of(run: &RunAnalysis) -> String {
             &["model".to_owned()],
         ),
         determinism: Vec::new(),
+        cache: None,
     };
     shadowtrace_analyzer::report::render_terminal(&analysis)
 }
