@@ -5,17 +5,19 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use polars::prelude::DataFrame;
 use serde::Serialize;
 use shadowtrace_schemas::Table;
 use shadowtrace_schemas::manifest::Status;
 
 use crate::AnalyzeError;
 use crate::grid::{Grid, group_runs};
-use crate::load::{Dataset, Run};
+use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
+use crate::metrics::topk_v2;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{LayerVerdict, NoiseFloor, Thresholds, hidden_verdict, topk_verdict};
 
@@ -227,10 +229,10 @@ pub fn analyze_run(
     let mut topk_rows = Vec::new();
     let mut skipped_rows = topk_overlap::Skipped::default();
     for part in run.files.get(&Table::Topk).into_iter().flatten() {
-        let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
+        let mut frame = read_topk(part, t.churn_margin)?;
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
-            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
+            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
             topk_rows.extend(rows);
             skipped_rows.add(&skipped);
         }
@@ -292,6 +294,22 @@ pub fn analyze_run(
         hidden_tokens,
         prod_top_n,
     })
+}
+
+/// The columns of a top-k part the overlap needs: v1's full selections; v2's
+/// summary, and its lists only where the summary cannot answer the churn
+/// margin (`topk_v2::needs_lists`).
+fn read_topk(part: &PartFile, churn_margin: Option<f32>) -> Result<DataFrame, AnalyzeError> {
+    if part.version < 2 {
+        return Ok(part.read(Some(&topk_overlap::COLUMNS_V1))?);
+    }
+    let summary = part.read(Some(&topk_v2::SUMMARY_COLUMNS))?;
+    if !topk_v2::needs_lists(&summary, churn_margin)? {
+        return Ok(summary);
+    }
+    let mut columns = topk_v2::SUMMARY_COLUMNS.to_vec();
+    columns.extend(topk_v2::LIST_COLUMNS);
+    Ok(part.read(Some(&columns))?)
 }
 
 /// The prefix under which an identity value a user tag displaced is kept.

@@ -69,8 +69,8 @@ pub enum LoadError {
     UnknownSchemaVersion {
         /// The manifest or Parquet file.
         path: PathBuf,
-        /// The version this analyzer reads.
-        expected: u32,
+        /// The versions this analyzer reads (`1 or 2`).
+        expected: String,
         /// The version found.
         got: String,
     },
@@ -101,6 +101,24 @@ pub enum LoadError {
         expected: String,
         /// The value found (`<absent>` when missing).
         got: String,
+    },
+    /// A footer key every part file carries is absent: not a shadowtrace
+    /// part file (`shadowtrace_schemas::footer::FOOTER_KEYS`).
+    #[error("parquet file {path}: metadata {key} is missing (a shadowtrace part file carries {})", shadowtrace_schemas::footer::FOOTER_KEYS.map(|(k, _)| k).join(", "))]
+    MissingMetadata {
+        /// The part file.
+        path: PathBuf,
+        /// The missing key.
+        key: &'static str,
+    },
+    /// Any other footer problem the schemas crate reports.
+    #[error("parquet file {path}: {source}")]
+    Footer {
+        /// The part file.
+        path: PathBuf,
+        /// What the check found.
+        #[source]
+        source: shadowtrace_schemas::footer::FooterError,
     },
     /// A column the format requires is absent.
     #[error("parquet file {path}: table {table} is missing column {column}")]
@@ -193,6 +211,8 @@ impl LoadError {
             | LoadError::MissingFile { path }
             | LoadError::TruncatedParquet { path, .. }
             | LoadError::WrongMetadata { path, .. }
+            | LoadError::MissingMetadata { path, .. }
+            | LoadError::Footer { path, .. }
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }

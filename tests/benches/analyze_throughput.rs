@@ -27,7 +27,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use shadowtrace_analyzer::{Options, analyze};
-use shadowtrace_tracer::record::{Boundary, Selection, TopkRow};
+use shadowtrace_tracer::record::{Boundary, Selection, SelectionUnit, TopkRow};
 use shadowtrace_tracer::synth::{
     SplitMix64, SynthSpec, realistic_selection_pair, symmetric_difference,
 };
@@ -75,6 +75,7 @@ fn write_trace(dir: &Path, layers: i32, tokens: i32) {
                 layer,
                 token,
                 indexer_layer: layer,
+                unit: SelectionUnit::TOKEN,
                 k: K,
                 visible,
                 prod: selection(prod),

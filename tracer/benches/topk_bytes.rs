@@ -16,7 +16,7 @@ use std::fs::File;
 
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use shadowtrace_schemas::Table;
-use shadowtrace_tracer::record::{Selection, TopkRow};
+use shadowtrace_tracer::record::{Selection, SelectionUnit, TopkRow};
 use shadowtrace_tracer::synth::{SplitMix64, SynthSpec, realistic_selection_pair};
 use shadowtrace_tracer::writer::part_path;
 use shadowtrace_tracer::{RunWriter, WriterOptions};
@@ -52,6 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             layer: 0,
             token: KEYS - 1,
             indexer_layer: 0,
+            unit: SelectionUnit::TOKEN,
             k: K,
             visible: KEYS,
             prod: selection(prod, &mut rng),

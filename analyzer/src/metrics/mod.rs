@@ -6,3 +6,4 @@ pub mod logits;
 pub mod nonfinite;
 pub mod summary;
 pub mod topk_overlap;
+pub mod topk_v2;

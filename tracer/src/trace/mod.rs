@@ -25,7 +25,7 @@ use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::layer::Fallbacks;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
-use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
+use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, SelectionUnit, TopkRow};
 use crate::{RunWriter, TraceError};
 
 /// A trace that could not be made.
@@ -391,6 +391,7 @@ fn record_topk(
             layer: layer as i32,
             token: t as i32,
             indexer_layer: layer as i32,
+            unit: SelectionUnit::TOKEN,
             k: k as i32,
             visible: (t + 1) as i32,
             prod: prod_row,
