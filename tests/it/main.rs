@@ -15,3 +15,4 @@ mod ranks;
 mod report_output;
 mod roundtrip;
 mod support;
+mod v1_and_v2;
