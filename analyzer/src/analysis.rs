@@ -16,6 +16,7 @@ use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
+use crate::metrics::topk_check::{self, SummaryCheck};
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
 use crate::metrics::topk_v2;
 use crate::ranks::{self, RankAgreement};
@@ -62,6 +63,11 @@ pub struct RunAnalysis {
     /// dequantized FP8 operands: kernel and accumulation error alone.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub topk_dequant: Vec<LayerOverlap>,
+    /// v2 runs: each top-k row's summary checked against its lists
+    /// ([`topk_check`]); disagreements are also a note. Absent for v1 runs,
+    /// which store no summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topk_summary_check: Option<SummaryCheck>,
     /// Hidden-state error per layer and site.
     pub hidden: Vec<SiteError>,
     /// Prod against shadow logits.
@@ -261,6 +267,7 @@ pub fn analyze_run(
 
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
+    let topk_summary_check = topk_check::check_run(run)?;
     let m = &run.manifest;
     let mut counters = m.counters.clone();
     for (table, entry) in &m.tables {
@@ -279,9 +286,15 @@ pub fn analyze_run(
             .iter()
             .cloned()
             .chain(run.problems.iter().map(ToString::to_string))
+            .chain(
+                topk_summary_check
+                    .filter(|c| c.rows_disagreeing > 0)
+                    .map(|c| c.text()),
+            )
             .collect(),
         topk,
         topk_dequant,
+        topk_summary_check,
         hidden,
         logits,
         onset,

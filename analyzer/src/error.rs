@@ -172,6 +172,15 @@ pub enum LoadError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunProblem {
+    /// v2 top-k rows whose summary disagrees with their own lists
+    /// (`metrics::topk_check`).
+    #[error("{manifest}: {detail}")]
+    SummaryDisagreement {
+        /// The manifest of the run.
+        manifest: PathBuf,
+        /// How many rows, by check.
+        detail: String,
+    },
     /// A table whose manifest claims another row count than its listed
     /// files hold: rows lost without a word, or a manifest that lies.
     #[error(
@@ -219,7 +228,9 @@ impl LoadError {
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(
-                RunProblem::RowCount { manifest, .. } | RunProblem::Unaccounted { manifest, .. },
+                RunProblem::RowCount { manifest, .. }
+                | RunProblem::Unaccounted { manifest, .. }
+                | RunProblem::SummaryDisagreement { manifest, .. },
             ) => manifest,
         }
     }

@@ -14,5 +14,6 @@ mod queue_modes;
 mod ranks;
 mod report_output;
 mod roundtrip;
+mod summary_check;
 mod support;
 mod v1_and_v2;

@@ -5,5 +5,6 @@ pub mod hidden_error;
 pub mod logits;
 pub mod nonfinite;
 pub mod summary;
+pub mod topk_check;
 pub mod topk_overlap;
 pub mod topk_v2;
