@@ -35,7 +35,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use part::part_path;
-pub use props::{row_group_rows, writer_properties};
+pub use props::{row_group_rows, writer_properties, zstd_level};
 use shadowtrace_schemas::manifest::{RunIdentity, Tool};
 use shadowtrace_schemas::{MANIFEST_FILE, Manifest, SCHEMA_VERSION, Table, is_readable};
 pub use topk::TopkLists;

@@ -11,6 +11,23 @@ use shadowtrace_schemas::{Encoding, META_RUN_ID, META_SCHEMA_VERSION, META_TABLE
 /// zstd level 3: most of level 9's ratio on these columns at a fraction of the CPU.
 const ZSTD_LEVEL: i32 = 3;
 
+/// zstd level 1 for v2's top-k table: its gap-coded key lists compress
+/// better at level 1 than at 3 or 9 (arrow-rs, `benches/topk_bytes.rs`,
+/// 2048 of 8192 random keys, 95% overlap: full lists stored 1115.6 bytes/row
+/// at level 1, 1231.1 at 3, 1203.5 at 9; the default tier 256.0, 254.8 and
+/// 252.6), as pyarrow measured (`schemas/v2/README.md`).
+const ZSTD_LEVEL_TOPK_V2: i32 = 1;
+
+/// The zstd level of a table's part files in trace format `version`.
+#[must_use]
+pub fn zstd_level(table: Table, version: u32) -> i32 {
+    if table == Table::Topk && version >= 2 {
+        ZSTD_LEVEL_TOPK_V2
+    } else {
+        ZSTD_LEVEL
+    }
+}
+
 /// Rows per row group in trace format `version`. A row group is the unit a
 /// scan skips or reads; each is sized to hold tens of MB uncompressed, so one
 /// layer of a long prefill is a handful of row groups and statistics-based
@@ -54,7 +71,9 @@ pub fn writer_properties(
         KeyValue::new(META_RUN_ID.to_owned(), run_id.to_owned()),
     ];
     let mut builder = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(ZSTD_LEVEL)?))
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(zstd_level(
+            table, version,
+        ))?))
         .set_dictionary_enabled(false)
         .set_max_row_group_row_count(Some(row_group_rows(table, version)))
         .set_key_value_metadata(Some(metadata))
