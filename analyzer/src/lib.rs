@@ -15,6 +15,7 @@
 
 pub mod analysis;
 mod error;
+pub mod export;
 mod frame;
 pub mod grid;
 pub mod inspect;

@@ -6,6 +6,7 @@
 mod analyze_verdicts;
 mod bad_input;
 mod encodings;
+mod export_lists;
 mod fuzzed_inputs;
 mod indexer_nonfinite;
 mod inspect_output;
