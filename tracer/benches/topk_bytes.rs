@@ -11,9 +11,9 @@
 //! its k-th score, half above (selected) and half below, with offsets
 //! uniform in the band (random f32 mantissas: incompressible, the worst
 //! case). How many there are depends on the score density at the k-th score
-//! and the band: with band 1e-3 and indexer scores spread over units, a few
-//! keys per path; the tables below use 4 per path (the figure the targets
-//! are checked at) and show 0, 16 and 64 to say what a wider band costs.
+//! and the band. The targets are checked at 4 per path; the demo's reference
+//! engine (band 1e-3, synthetic weights) lists 10 to 29, so the table also
+//! shows 0, 16 and 64 per path.
 //!
 //! Targets (issue 14): full lists stored (`SHADOWTRACE_TOPK_LISTS=all`)
 //! <= 1.25x the entropy bound and <= 1,244 bytes/row; the default tier
