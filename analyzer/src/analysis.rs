@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use polars::prelude::DataFrame;
+use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::Table;
 use shadowtrace_schemas::manifest::Status;
@@ -230,18 +231,34 @@ pub fn analyze_run(
     t: &Thresholds,
     floor: Option<&NoiseFloor>,
 ) -> Result<RunAnalysis, AnalyzeError> {
-    // Part by part: a GLM-5.1 prefill's selections are tens of GB decoded;
-    // one part file at a time bounds memory by the writer's part size.
+    let parts: Vec<&PartFile> = run.files.get(&Table::Topk).into_iter().flatten().collect();
+    let overlaps =
+        |part: &PartFile| -> Result<(Vec<RowOverlap>, topk_overlap::Skipped), AnalyzeError> {
+            let mut frame = read_topk(part, t.churn_margin)?;
+            let mut out = (Vec::new(), topk_overlap::Skipped::default());
+            // Row group by row group, as decoded: no copy into one chunk.
+            for chunk in frame.split_chunks() {
+                let (rows, skipped) =
+                    topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
+                out.0.extend(rows);
+                out.1.add(&skipped);
+            }
+            Ok(out)
+        };
+    // v1: part by part, since a GLM-5.1 prefill's full selections are tens of
+    // GB decoded and one part file at a time bounds memory by the writer's
+    // part size. v2's summaries are small: parts are read in parallel.
+    let per_part: Vec<_> = if run.manifest.schema_version >= 2 {
+        parts.par_iter().map(|p| overlaps(p)).collect()
+    } else {
+        parts.iter().map(|p| overlaps(p)).collect()
+    };
     let mut topk_rows = Vec::new();
     let mut skipped_rows = topk_overlap::Skipped::default();
-    for part in run.files.get(&Table::Topk).into_iter().flatten() {
-        let mut frame = read_topk(part, t.churn_margin)?;
-        // Row group by row group, as decoded: no copy into one chunk.
-        for chunk in frame.split_chunks() {
-            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
-            topk_rows.extend(rows);
-            skipped_rows.add(&skipped);
-        }
+    for result in per_part {
+        let (rows, skipped) = result?;
+        topk_rows.extend(rows);
+        skipped_rows.add(&skipped);
     }
     let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
         topk_rows.into_iter().partition(|r| r.dequant);
