@@ -24,16 +24,30 @@ pub enum Cell {
     ListI32(Option<Vec<i32>>),
     /// A list<f32> column, as bits.
     ListF32(Option<Vec<u32>>),
+    /// A list<bool> column.
+    ListBool(Option<Vec<bool>>),
 }
 
 /// Every row of a frame as cells, in the column order of the table's
-/// definition, after checking that each column has the defined polars type.
+/// definition in the current trace format version, after checking that each
+/// column has the defined polars type.
 ///
 /// # Panics
 /// When a column is missing or of another type: the test fails there.
 #[must_use]
 pub fn rows_as_cells(table: Table, df: &DataFrame) -> Vec<Vec<Cell>> {
-    let spec = table.spec();
+    rows_as_cells_of(table, shadowtrace_schemas::SCHEMA_VERSION, df)
+}
+
+/// [`rows_as_cells`] against the table's definition in trace format `version`.
+///
+/// # Panics
+/// When the version is unknown, or a column is missing or of another type.
+#[must_use]
+pub fn rows_as_cells_of(table: Table, version: u32, df: &DataFrame) -> Vec<Vec<Cell>> {
+    let spec = table
+        .spec_for(version)
+        .unwrap_or_else(|| panic!("no trace format version {version}"));
     let columns: Vec<_> = spec
         .columns
         .iter()
@@ -79,6 +93,11 @@ fn cell(ty: ColumnType, value: &AnyValue<'_>) -> Cell {
                 .map(|c| c.into_no_null_iter().map(f32::to_bits).collect())
                 .unwrap_or_default(),
         )),
+        (ColumnType::ListBool, AnyValue::List(s)) => Cell::ListBool(Some(
+            s.bool()
+                .map(|c| c.iter().map(|v| v.unwrap_or_default()).collect())
+                .unwrap_or_default(),
+        )),
         (ColumnType::I32, _) if null => Cell::I32(None),
         (ColumnType::I64, _) if null => Cell::I64(None),
         (ColumnType::F32, _) if null => Cell::F32(None),
@@ -86,6 +105,7 @@ fn cell(ty: ColumnType, value: &AnyValue<'_>) -> Cell {
         (ColumnType::Utf8, _) if null => Cell::Str(None),
         (ColumnType::ListI32, _) if null => Cell::ListI32(None),
         (ColumnType::ListF32, _) if null => Cell::ListF32(None),
+        (ColumnType::ListBool, _) if null => Cell::ListBool(None),
         (ty, other) => panic!("column of type {ty} holds {other:?}"),
     }
 }

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use polars::prelude::DataFrame;
+use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{Convention, Table};
@@ -12,12 +14,14 @@ use shadowtrace_schemas::{Convention, Table};
 use crate::AnalyzeError;
 use crate::cache_pair::{self, CachePairs, FirstPosition};
 use crate::grid::{Grid, group_runs};
-use crate::load::{Dataset, Run};
+use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
-use crate::metrics::selection_unit;
+use crate::metrics::selection_unit::{self, SelectionUnit};
+use crate::metrics::topk_check::{self, SummaryCheck};
 use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
+use crate::metrics::topk_v2;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
     CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
@@ -65,6 +69,11 @@ pub struct RunAnalysis {
     /// dequantized FP8 operands: kernel and accumulation error alone.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub topk_dequant: Vec<LayerOverlap>,
+    /// v2 runs: each top-k row's summary checked against its lists
+    /// ([`topk_check`]); disagreements are also a note. Absent for v1 runs,
+    /// which store no summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topk_summary_check: Option<SummaryCheck>,
     /// Hidden-state error per layer and site.
     pub hidden: Vec<SiteError>,
     /// Prod against shadow logits.
@@ -252,21 +261,46 @@ pub fn analyze_run(
     t: &Thresholds,
     floor: Option<&NoiseFloor>,
 ) -> Result<RunAnalysis, AnalyzeError> {
-    // Part by part: a GLM-5.1 prefill's selections are tens of GB decoded;
-    // one part file at a time bounds memory by the writer's part size.
+    let parts: Vec<&PartFile> = run.files.get(&Table::Topk).into_iter().flatten().collect();
+    type PartOverlaps = (
+        Vec<RowOverlap>,
+        topk_overlap::Skipped,
+        BTreeMap<i32, SelectionUnit>,
+    );
+    let overlaps = |part: &PartFile| -> Result<PartOverlaps, AnalyzeError> {
+        let mut frame = read_topk(part, t.churn_margin)?;
+        let mut out = (
+            Vec::new(),
+            topk_overlap::Skipped::default(),
+            BTreeMap::new(),
+        );
+        // Row group by row group, as decoded: no copy into one chunk.
+        for chunk in frame.split_chunks() {
+            selection_unit::merge(&mut out.2, selection_unit::per_layer(&chunk)?)?;
+            let (rows, skipped) =
+                topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
+            out.0.extend(rows);
+            out.1.add(&skipped);
+        }
+        Ok(out)
+    };
+    // v1: part by part, since a GLM-5.1 prefill's full selections are tens of
+    // GB decoded and one part file at a time bounds memory by the writer's
+    // part size. v2's summaries are small: parts are read in parallel.
+    let per_part: Vec<_> = if run.manifest.schema_version >= 2 {
+        parts.par_iter().map(|p| overlaps(p)).collect()
+    } else {
+        parts.iter().map(|p| overlaps(p)).collect()
+    };
     let mut topk_rows = Vec::new();
     let mut skipped_rows = topk_overlap::Skipped::default();
     let mut units = BTreeMap::new();
-    for part in run.files.get(&Table::Topk).into_iter().flatten() {
-        let mut frame = part.read(Some(&topk_overlap::COLUMNS))?;
-        // Row group by row group, as decoded: no copy into one chunk.
-        for chunk in frame.split_chunks() {
-            // A layer's rows are summarised together: one selection unit each.
-            selection_unit::merge(&mut units, selection_unit::per_layer(&chunk)?)?;
-            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, t.churn_margin)?;
-            topk_rows.extend(rows);
-            skipped_rows.add(&skipped);
-        }
+    for result in per_part {
+        let (rows, skipped, part_units) = result?;
+        // A layer's rows are summarised together: one selection unit each.
+        selection_unit::merge(&mut units, part_units)?;
+        topk_rows.extend(rows);
+        skipped_rows.add(&skipped);
     }
     let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
         topk_rows.into_iter().partition(|r| r.dequant);
@@ -299,6 +333,7 @@ pub fn analyze_run(
 
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
+    let topk_summary_check = topk_check::check_run(run)?;
     let m = &run.manifest;
     let conventions = recorded_conventions(m);
     let convention_mismatches = convention_verdict(&conventions);
@@ -319,9 +354,15 @@ pub fn analyze_run(
             .iter()
             .cloned()
             .chain(run.problems.iter().map(ToString::to_string))
+            .chain(
+                topk_summary_check
+                    .filter(|c| c.rows_disagreeing > 0)
+                    .map(|c| c.text()),
+            )
             .collect(),
         topk,
         topk_dequant,
+        topk_summary_check,
         hidden,
         logits,
         conventions,
@@ -370,6 +411,22 @@ fn recorded_conventions(m: &shadowtrace_schemas::Manifest) -> Vec<Convention> {
         .get("conventions")
         .and_then(|v| serde_json::from_value(v.clone()).ok())
         .unwrap_or_default()
+}
+
+/// The columns of a top-k part the overlap needs: v1's full selections; v2's
+/// summary, and its lists only where the summary cannot answer the churn
+/// margin (`topk_v2::needs_lists`).
+fn read_topk(part: &PartFile, churn_margin: Option<f32>) -> Result<DataFrame, AnalyzeError> {
+    if part.version < 2 {
+        return Ok(part.read(Some(&topk_overlap::COLUMNS_V1))?);
+    }
+    let summary = part.read(Some(&topk_v2::SUMMARY_COLUMNS))?;
+    if !topk_v2::needs_lists(&summary, churn_margin)? {
+        return Ok(summary);
+    }
+    let mut columns = topk_v2::SUMMARY_COLUMNS.to_vec();
+    columns.extend(topk_v2::LIST_COLUMNS);
+    Ok(part.read(Some(&columns))?)
 }
 
 /// The prefix under which an identity value a user tag displaced is kept.

@@ -82,8 +82,8 @@ pub enum LoadError {
     UnknownSchemaVersion {
         /// The manifest or Parquet file.
         path: PathBuf,
-        /// The version this analyzer reads.
-        expected: u32,
+        /// The versions this analyzer reads (`1 or 2`).
+        expected: String,
         /// The version found.
         got: String,
     },
@@ -114,6 +114,24 @@ pub enum LoadError {
         expected: String,
         /// The value found (`<absent>` when missing).
         got: String,
+    },
+    /// A footer key every part file carries is absent: not a shadowtrace
+    /// part file (`shadowtrace_schemas::footer::FOOTER_KEYS`).
+    #[error("parquet file {path}: metadata {key} is missing (a shadowtrace part file carries {})", shadowtrace_schemas::footer::FOOTER_KEYS.map(|(k, _)| k).join(", "))]
+    MissingMetadata {
+        /// The part file.
+        path: PathBuf,
+        /// The missing key.
+        key: &'static str,
+    },
+    /// Any other footer problem the schemas crate reports.
+    #[error("parquet file {path}: {source}")]
+    Footer {
+        /// The part file.
+        path: PathBuf,
+        /// What the check found.
+        #[source]
+        source: shadowtrace_schemas::footer::FooterError,
     },
     /// A column the format requires is absent.
     #[error("parquet file {path}: table {table} is missing column {column}")]
@@ -167,6 +185,15 @@ pub enum LoadError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunProblem {
+    /// v2 top-k rows whose summary disagrees with their own lists
+    /// (`metrics::topk_check`).
+    #[error("{manifest}: {detail}")]
+    SummaryDisagreement {
+        /// The manifest of the run.
+        manifest: PathBuf,
+        /// How many rows, by check.
+        detail: String,
+    },
     /// A table whose manifest claims another row count than its listed
     /// files hold: rows lost without a word, or a manifest that lies.
     #[error(
@@ -206,13 +233,17 @@ impl LoadError {
             | LoadError::MissingFile { path }
             | LoadError::TruncatedParquet { path, .. }
             | LoadError::WrongMetadata { path, .. }
+            | LoadError::MissingMetadata { path, .. }
+            | LoadError::Footer { path, .. }
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(
-                RunProblem::RowCount { manifest, .. } | RunProblem::Unaccounted { manifest, .. },
+                RunProblem::RowCount { manifest, .. }
+                | RunProblem::Unaccounted { manifest, .. }
+                | RunProblem::SummaryDisagreement { manifest, .. },
             ) => manifest,
         }
     }

@@ -3,7 +3,7 @@
 //! contiguous arrow array.
 
 use polars::prelude::{DataFrame, Series};
-use polars_arrow::array::{Array, ListArray, PrimitiveArray};
+use polars_arrow::array::{Array, BooleanArray, ListArray, PrimitiveArray};
 
 use crate::AnalyzeError;
 
@@ -153,5 +153,71 @@ pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
         list: Some(list),
         offsets: list.offsets().as_slice(),
         values: values.values().as_slice(),
+    })
+}
+
+/// A `list<bool>` column, row by row. Booleans are bit-packed, so a row is
+/// copied out into a caller's buffer rather than borrowed.
+#[derive(Debug)]
+pub(crate) struct BoolListView<'a> {
+    /// `None` for a column with no chunk (an empty frame).
+    list: Option<&'a ListArray<i64>>,
+    values: Option<&'a BooleanArray>,
+}
+
+impl BoolListView<'_> {
+    /// Copies row `i` into `out` (cleared first); `false` where the list is null.
+    pub(crate) fn fill(&self, i: usize, out: &mut Vec<bool>) -> bool {
+        out.clear();
+        let (Some(list), Some(values)) = (self.list, self.values) else {
+            return false;
+        };
+        if !list.is_valid(i) {
+            return false;
+        }
+        let offsets = list.offsets().as_slice();
+        let (start, end) = (offsets[i] as usize, offsets[i + 1] as usize);
+        out.extend((start..end).map(|j| values.value(j)));
+        true
+    }
+}
+
+/// A `list<bool>` column as a [`BoolListView`]. The frame must be rechunked.
+pub(crate) fn bool_list<'a>(
+    df: &'a DataFrame,
+    name: &str,
+) -> Result<BoolListView<'a>, AnalyzeError> {
+    let bad = |detail: &str| AnalyzeError::Layout {
+        column: name.to_owned(),
+        detail: detail.to_owned(),
+    };
+    let ca = series(df, name)?
+        .list()
+        .map_err(|source| AnalyzeError::Frame {
+            column: name.to_owned(),
+            source,
+        })?;
+    let mut chunks = ca.downcast_iter();
+    let list = match (chunks.next(), chunks.next()) {
+        (Some(list), None) => list,
+        (None, _) => {
+            return Ok(BoolListView {
+                list: None,
+                values: None,
+            });
+        }
+        _ => return Err(bad("more than one chunk: rechunk first")),
+    };
+    let values = list
+        .values()
+        .as_any()
+        .downcast_ref::<BooleanArray>()
+        .ok_or_else(|| bad("list values of an unexpected type"))?;
+    if values.null_count() > 0 {
+        return Err(bad("null entries inside a list"));
+    }
+    Ok(BoolListView {
+        list: Some(list),
+        values: Some(values),
     })
 }

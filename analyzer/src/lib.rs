@@ -17,6 +17,7 @@
 pub mod analysis;
 pub mod cache_pair;
 mod error;
+pub mod export;
 mod frame;
 pub mod grid;
 pub mod inspect;

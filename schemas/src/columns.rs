@@ -1,8 +1,10 @@
-//! Column names of the v1 tables, for code that reads or writes them.
+//! Column names of the tables, for code that reads or writes them: [`topk`]
+//! is v2's top-k table, [`topk_v1`] v1's; the other tables are the same in
+//! both versions.
 //!
-//! The names are defined by the JSON files under `schemas/v1/`; these constants
-//! exist so that a typo is a compile error. `every_constant_names_a_column`
-//! checks each against the definitions.
+//! The names are defined by the JSON files under `schemas/v1/` and
+//! `schemas/v2/`; these constants exist so that a typo is a compile error.
+//! `every_constant_names_a_column` checks each against the definitions.
 
 /// Run identity; first column of every table.
 pub const RUN_ID: &str = "run_id";
@@ -52,39 +54,88 @@ pub mod hidden {
     pub const MAX_ABS_DIFF: &str = "max_abs_diff";
 }
 
-/// Columns of the `topk` table.
+/// Columns of the v2 `topk` table (`schemas/v2/topk.json`).
 pub mod topk {
     pub use super::{LAYER, RUN_ID, STEP, TOKEN};
     /// Which inputs the shadow indexer scored: raw, dequant or null.
     pub const SHADOW_INPUT: &str = "shadow_input";
     /// Layer whose indexer computed the selection.
     pub const INDEXER_LAYER: &str = "indexer_layer";
+    /// What a key is (vocabulary `selection_units`).
+    pub const UNIT: &str = "unit";
+    /// Tokens per key.
+    pub const UNIT_TOKENS: &str = "unit_tokens";
     /// index_topk.
     pub const K: &str = "k";
     /// Keys visible to the query.
     pub const VISIBLE: &str = "visible";
-    /// Prod selection, sorted.
-    pub const PROD_INDICES: &str = "prod_indices";
+    /// Keys prod selected.
+    pub const PROD_SELECTED: &str = "prod_selected";
     /// Prod k-th score.
     pub const PROD_KTH_SCORE: &str = "prod_kth_score";
     /// Prod k-th minus (k+1)-th score.
     pub const PROD_KTH_MARGIN: &str = "prod_kth_margin";
+    /// Keys the shadow selected.
+    pub const SHADOW_SELECTED: &str = "shadow_selected";
+    /// Shadow k-th score.
+    pub const SHADOW_KTH_SCORE: &str = "shadow_kth_score";
+    /// Shadow k-th minus (k+1)-th score.
+    pub const SHADOW_KTH_MARGIN: &str = "shadow_kth_margin";
+    /// Keys both paths selected.
+    pub const SHARED: &str = "shared";
+    /// The band around each path's k-th score.
+    pub const BOUNDARY_BAND: &str = "boundary_band";
+    /// Churn keys both selected.
+    pub const CHURN_SHARED: &str = "churn_shared";
+    /// Churn keys only prod selected.
+    pub const CHURN_PROD_ONLY: &str = "churn_prod_only";
+    /// Churn keys only the shadow selected.
+    pub const CHURN_SHADOW_ONLY: &str = "churn_shadow_only";
+    /// Churn keys neither selected.
+    pub const CHURN_UNSELECTED: &str = "churn_unselected";
+    /// The producer's Jaccard.
+    pub const JACCARD: &str = "jaccard";
+    /// The producer's Jaccard without churn.
+    pub const JACCARD_NO_CHURN: &str = "jaccard_no_churn";
+    /// Keys only prod selected, gap-coded.
+    pub const PROD_ONLY_GAPS: &str = "prod_only_gaps";
+    /// Keys only the shadow selected, gap-coded.
+    pub const SHADOW_ONLY_GAPS: &str = "shadow_only_gaps";
+    /// Prod boundary candidates, gap-coded.
+    pub const PROD_BOUNDARY_GAPS: &str = "prod_boundary_gaps";
+    /// Their prod scores minus the prod k-th score.
+    pub const PROD_BOUNDARY_OFFSETS: &str = "prod_boundary_offsets";
+    /// Whether prod selected each.
+    pub const PROD_BOUNDARY_SELECTED: &str = "prod_boundary_selected";
+    /// Shadow boundary candidates, gap-coded.
+    pub const SHADOW_BOUNDARY_GAPS: &str = "shadow_boundary_gaps";
+    /// Their shadow scores minus the shadow k-th score.
+    pub const SHADOW_BOUNDARY_OFFSETS: &str = "shadow_boundary_offsets";
+    /// Whether the shadow selected each.
+    pub const SHADOW_BOUNDARY_SELECTED: &str = "shadow_boundary_selected";
+    /// The full prod selection, gap-coded, for sampled rows.
+    pub const PROD_GAPS: &str = "prod_gaps";
+}
+
+/// Columns of the v1 `topk` table (`schemas/v1/topk.json`), read in old runs.
+pub mod topk_v1 {
+    pub use super::topk::{
+        BOUNDARY_BAND, INDEXER_LAYER, K, PROD_KTH_MARGIN, PROD_KTH_SCORE, SHADOW_INPUT,
+        SHADOW_KTH_MARGIN, SHADOW_KTH_SCORE, VISIBLE,
+    };
+    pub use super::{LAYER, RUN_ID, STEP, TOKEN};
+    /// Prod selection, sorted.
+    pub const PROD_INDICES: &str = "prod_indices";
     /// Keys within the band of the prod k-th score.
     pub const PROD_BOUNDARY_INDICES: &str = "prod_boundary_indices";
     /// Prod scores of those keys.
     pub const PROD_BOUNDARY_SCORES: &str = "prod_boundary_scores";
     /// Shadow selection, sorted.
     pub const SHADOW_INDICES: &str = "shadow_indices";
-    /// Shadow k-th score.
-    pub const SHADOW_KTH_SCORE: &str = "shadow_kth_score";
-    /// Shadow k-th minus (k+1)-th score.
-    pub const SHADOW_KTH_MARGIN: &str = "shadow_kth_margin";
     /// Keys within the band of the shadow k-th score.
     pub const SHADOW_BOUNDARY_INDICES: &str = "shadow_boundary_indices";
     /// Shadow scores of those keys.
     pub const SHADOW_BOUNDARY_SCORES: &str = "shadow_boundary_scores";
-    /// The band used for the boundary lists.
-    pub const BOUNDARY_BAND: &str = "boundary_band";
 }
 
 /// Columns of the `events` table.
@@ -128,7 +179,11 @@ mod tests {
     use crate::Table;
 
     fn assert_columns(table: Table, names: &[&str]) {
-        let spec = table.spec();
+        assert_columns_of(table, 2, names);
+    }
+
+    fn assert_columns_of(table: Table, version: u32, names: &[&str]) {
+        let spec = table.spec_for(version).unwrap();
         for name in names {
             assert!(
                 spec.column(name).is_some(),
@@ -144,7 +199,7 @@ mod tests {
 
     #[test]
     fn every_constant_names_a_column() {
-        use super::{events as e, hidden as h, logits as l, topk as t};
+        use super::{events as e, hidden as h, logits as l, topk as t, topk_v1 as t1};
         assert_columns(
             Table::Hidden,
             &[
@@ -180,19 +235,58 @@ mod tests {
                 t::TOKEN,
                 t::SHADOW_INPUT,
                 t::INDEXER_LAYER,
+                t::UNIT,
+                t::UNIT_TOKENS,
                 t::K,
                 t::VISIBLE,
-                t::PROD_INDICES,
+                t::PROD_SELECTED,
                 t::PROD_KTH_SCORE,
                 t::PROD_KTH_MARGIN,
-                t::PROD_BOUNDARY_INDICES,
-                t::PROD_BOUNDARY_SCORES,
-                t::SHADOW_INDICES,
+                t::SHADOW_SELECTED,
                 t::SHADOW_KTH_SCORE,
                 t::SHADOW_KTH_MARGIN,
-                t::SHADOW_BOUNDARY_INDICES,
-                t::SHADOW_BOUNDARY_SCORES,
+                t::SHARED,
                 t::BOUNDARY_BAND,
+                t::CHURN_SHARED,
+                t::CHURN_PROD_ONLY,
+                t::CHURN_SHADOW_ONLY,
+                t::CHURN_UNSELECTED,
+                t::JACCARD,
+                t::JACCARD_NO_CHURN,
+                t::PROD_ONLY_GAPS,
+                t::SHADOW_ONLY_GAPS,
+                t::PROD_BOUNDARY_GAPS,
+                t::PROD_BOUNDARY_OFFSETS,
+                t::PROD_BOUNDARY_SELECTED,
+                t::SHADOW_BOUNDARY_GAPS,
+                t::SHADOW_BOUNDARY_OFFSETS,
+                t::SHADOW_BOUNDARY_SELECTED,
+                t::PROD_GAPS,
+            ],
+        );
+        assert_columns_of(
+            Table::Topk,
+            1,
+            &[
+                t1::RUN_ID,
+                t1::STEP,
+                t1::LAYER,
+                t1::TOKEN,
+                t1::SHADOW_INPUT,
+                t1::INDEXER_LAYER,
+                t1::K,
+                t1::VISIBLE,
+                t1::PROD_INDICES,
+                t1::PROD_KTH_SCORE,
+                t1::PROD_KTH_MARGIN,
+                t1::PROD_BOUNDARY_INDICES,
+                t1::PROD_BOUNDARY_SCORES,
+                t1::SHADOW_INDICES,
+                t1::SHADOW_KTH_SCORE,
+                t1::SHADOW_KTH_MARGIN,
+                t1::SHADOW_BOUNDARY_INDICES,
+                t1::SHADOW_BOUNDARY_SCORES,
+                t1::BOUNDARY_BAND,
             ],
         );
         assert_columns(

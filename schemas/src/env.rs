@@ -296,6 +296,20 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
                 _ => Err(expected()),
             }
         }
+        "topk_lists" => {
+            let expected = || "none, all or every:N with N >= 1".to_owned();
+            if raw == "none" || raw == "all" {
+                return Ok(json!({"kind": raw}));
+            }
+            let (kind, n) = raw.split_once(':').ok_or_else(expected)?;
+            let n = trim(n);
+            match (kind, n.parse::<u64>()) {
+                ("every", Ok(count)) if digits(n) && count >= 1 => {
+                    Ok(json!({"kind": kind, "n": count}))
+                }
+                _ => Err(expected()),
+            }
+        }
         "tags" => {
             let expected = || "comma-separated key=value pairs with non-empty keys".to_owned();
             let mut tags = serde_json::Map::new();
@@ -367,6 +381,26 @@ mod tests {
         assert_eq!(r["SHADOWTRACE_MODE"], json!(["local"]));
         assert_eq!(r["SHADOWTRACE_TOKENS"], json!({"kind": "all"}));
         assert_eq!(r["SHADOWTRACE_QUEUE_MB"], json!(256));
+        assert_eq!(r["SHADOWTRACE_TOPK_LISTS"], json!({"kind": "none"}));
+    }
+
+    #[test]
+    fn topk_lists_read_as_none_all_or_every_n() {
+        let read = |v: &str| resolve(with(&[("SHADOWTRACE_TOPK_LISTS", v)]));
+        assert_eq!(
+            read(" every:64 ").unwrap()["SHADOWTRACE_TOPK_LISTS"],
+            json!({"kind": "every", "n": 64})
+        );
+        assert_eq!(
+            read("all").unwrap()["SHADOWTRACE_TOPK_LISTS"],
+            json!({"kind": "all"})
+        );
+        for bad in [
+            "every:0", "every:", "last:4", "ALL", "every:+4", "every :4", "some",
+        ] {
+            let err = read(bad).unwrap_err();
+            assert_eq!(err.expected, "none, all or every:N with N >= 1", "{bad}");
+        }
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The run manifest (`manifest.json`): identity, tags, status and row counts.
 //!
-//! The JSON Schema in `schemas/v1/manifest.schema.json` is the contract; these
-//! types serialize to documents that validate against it (checked by the
+//! The JSON Schemas in `schemas/v2/manifest.schema.json` (and, for old runs,
+//! `schemas/v1/`) are the contract; [`Manifest::to_json`] gives documents that
+//! validate against the schema of their `schema_version` (checked by the
 //! Python contract test, which uses an independent JSON Schema validator).
 
 use std::collections::BTreeMap;
@@ -81,6 +82,24 @@ impl Manifest {
     pub fn table(&self, table: Table) -> Option<&TableEntry> {
         self.tables.get(table.name())
     }
+
+    /// The document `manifest.json` holds, in the layout of the manifest's
+    /// own `schema_version`: v2 lists `conventions` and `deviations` (empty
+    /// or not), v1 has neither.
+    ///
+    /// # Errors
+    /// When a value does not serialize (a settings or injection value serde
+    /// refuses).
+    pub fn to_json(&self) -> Result<serde_json::Value, serde_json::Error> {
+        let mut value = serde_json::to_value(self)?;
+        if self.schema_version < 2
+            && let Some(object) = value.as_object_mut()
+        {
+            object.remove("conventions");
+            object.remove("deviations");
+        }
+        Ok(value)
+    }
 }
 
 /// Everything about a run that its producer knows before the first row.
@@ -108,13 +127,13 @@ pub struct RunIdentity {
     pub tags: BTreeMap<String, String>,
     /// Faults planted on purpose.
     pub injections: Vec<serde_json::Value>,
-    /// Numerics choices with the engine's value beside the model's (required
-    /// in format v2, optional in v1: the reference engine writes them there).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Numerics choices with the engine's value beside the model's (format
+    /// v2, where the list is required; a v1 manifest has none).
+    #[serde(default)]
     pub conventions: Vec<Convention>,
-    /// Engine behaviours run on purpose by the reference engine (format v2;
-    /// optional in v1).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Engine behaviours run on purpose by the reference engine (format v2,
+    /// required there; a v1 manifest has none).
+    #[serde(default)]
     pub deviations: Vec<serde_json::Value>,
 }
 

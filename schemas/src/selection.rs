@@ -6,6 +6,12 @@
 //!
 //! Inputs are sorted ascending (the stored form); merging two sorted lists
 //! needs no allocation and no hashing.
+//!
+//! Trace format v2 stores a row's selections as counts ([`Counts`]), the keys
+//! only one path selected, and each path's boundary candidates
+//! ([`BoundaryView`]), all key lists gap-coded ([`gaps`], [`keys_from_gaps`]):
+//! the producer computes the counts with these functions, and a reader
+//! recomputes them from the lists with the same ones.
 
 /// How two selections overlap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -168,6 +174,203 @@ pub fn row_overlap(
     overlap_with_and_without(prod.indices, shadow.indices, excluded)
 }
 
+/// A sorted key list gap-coded: the first key, then each key's distance to
+/// the previous one.
+#[must_use]
+pub fn gaps(keys: &[i32]) -> Vec<i32> {
+    let mut previous = 0;
+    keys.iter()
+        .map(|&key| {
+            let gap = key.wrapping_sub(previous);
+            previous = key;
+            gap
+        })
+        .collect()
+}
+
+/// Keys from a gap-coded list: the running sum of its gaps.
+#[must_use]
+pub fn keys_from_gaps(gaps: &[i32]) -> Vec<i32> {
+    let mut out = Vec::with_capacity(gaps.len());
+    extend_keys_from_gaps(gaps, &mut out);
+    out
+}
+
+/// Appends the keys of a gap-coded list to `out` (no allocation when it has room).
+pub fn extend_keys_from_gaps(gaps: &[i32], out: &mut Vec<i32>) {
+    let mut key = 0_i32;
+    out.extend(gaps.iter().map(|&gap| {
+        key = key.wrapping_add(gap);
+        key
+    }));
+}
+
+/// Churn keys by which paths selected them: what a v2 row records of its
+/// boundary churn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ChurnCounts {
+    /// Churn keys both paths selected.
+    pub shared: usize,
+    /// Churn keys only prod selected.
+    pub prod_only: usize,
+    /// Churn keys only the shadow selected.
+    pub shadow_only: usize,
+    /// Churn keys neither path selected.
+    pub unselected: usize,
+}
+
+impl ChurnCounts {
+    /// Every churn key.
+    #[must_use]
+    pub fn total(&self) -> usize {
+        self.shared + self.prod_only + self.shadow_only + self.unselected
+    }
+
+    fn add(&mut self, in_prod: bool, in_shadow: bool) {
+        match (in_prod, in_shadow) {
+            (true, true) => self.shared += 1,
+            (true, false) => self.prod_only += 1,
+            (false, true) => self.shadow_only += 1,
+            (false, false) => self.unselected += 1,
+        }
+    }
+}
+
+/// What one v2 row's summary holds: selection sizes, the keys both selected,
+/// and the churn; Jaccard and recall, with and without churn, follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counts {
+    /// Keys prod selected (padding excluded).
+    pub prod_selected: usize,
+    /// Keys the shadow selected (padding excluded).
+    pub shadow_selected: usize,
+    /// Keys both selected.
+    pub shared: usize,
+    /// The churn keys, by who selected them.
+    pub churn: ChurnCounts,
+}
+
+impl Counts {
+    /// Counts of two sorted selections with the sorted, deduplicated churn
+    /// keys `churn`: one merge, as [`overlap_with_and_without`].
+    #[must_use]
+    pub fn of(prod: &[i32], shadow: &[i32], churn: &[i32]) -> Counts {
+        let (all, _) = overlap_with_and_without(prod, shadow, &[]);
+        let mut counts = Counts {
+            prod_selected: prod.iter().filter(|&&k| k >= 0).count(),
+            shadow_selected: all.reference_len,
+            shared: all.intersection,
+            churn: ChurnCounts::default(),
+        };
+        for key in churn {
+            counts.churn.add(
+                prod.binary_search(key).is_ok(),
+                shadow.binary_search(key).is_ok(),
+            );
+        }
+        counts
+    }
+
+    /// Overlap with churn: |P ∩ S|, |P ∪ S|, |S|.
+    #[must_use]
+    pub fn overlap(&self) -> Overlap {
+        Overlap {
+            intersection: self.shared,
+            union: (self.prod_selected + self.shadow_selected).saturating_sub(self.shared),
+            reference_len: self.shadow_selected,
+        }
+    }
+
+    /// Overlap with the churn keys removed from both selections.
+    #[must_use]
+    pub fn overlap_no_churn(&self) -> Overlap {
+        let all = self.overlap();
+        let c = &self.churn;
+        Overlap {
+            intersection: all.intersection.saturating_sub(c.shared),
+            union: all
+                .union
+                .saturating_sub(c.shared + c.prod_only + c.shadow_only),
+            reference_len: all.reference_len.saturating_sub(c.shared + c.shadow_only),
+        }
+    }
+
+    /// Keys prod selected and the shadow did not.
+    #[must_use]
+    pub fn prod_only(&self) -> usize {
+        self.prod_selected.saturating_sub(self.shared)
+    }
+
+    /// Keys the shadow selected and prod did not.
+    #[must_use]
+    pub fn shadow_only(&self) -> usize {
+        self.shadow_selected.saturating_sub(self.shared)
+    }
+}
+
+/// One path's boundary candidates as v2 stores them: keys (decoded from the
+/// gaps), each key's score minus the path's k-th score, and whether the path
+/// selected it.
+#[derive(Debug, Clone, Copy)]
+pub struct BoundaryView<'a> {
+    /// Keys, ascending.
+    pub keys: &'a [i32],
+    /// Score minus the k-th score, same order.
+    pub offsets: &'a [f32],
+    /// Whether the path selected the key, same order.
+    pub selected: &'a [bool],
+}
+
+/// The churn of a row within `margin` of each path's k-th score, from what
+/// v2 stores: each path's boundary candidates and the keys only one path
+/// selected (`prod_only`, `shadow_only`: keys, ascending). A prod candidate
+/// the shadow also selected is one prod selected that is not prod-only (and
+/// one prod did not select is shadow-only or unselected), and the other way
+/// round, so the two lists and the differences decide every key's status.
+#[must_use]
+pub fn churn_from_boundaries(
+    prod_only: &[i32],
+    shadow_only: &[i32],
+    prod: BoundaryView<'_>,
+    shadow: BoundaryView<'_>,
+    margin: f32,
+) -> ChurnCounts {
+    let mut counts = ChurnCounts::default();
+    let within =
+        |b: BoundaryView<'_>, i: usize| b.offsets.get(i).is_some_and(|o| o.abs() <= margin);
+    // Keys in prod's list first; a shadow candidate also in prod's churn is counted once.
+    for (i, key) in prod.keys.iter().enumerate() {
+        if !within(prod, i) {
+            continue;
+        }
+        let in_prod = prod.selected.get(i).copied().unwrap_or(false);
+        let in_shadow = if in_prod {
+            prod_only.binary_search(key).is_err()
+        } else {
+            shadow_only.binary_search(key).is_ok()
+        };
+        counts.add(in_prod, in_shadow);
+    }
+    for (i, key) in shadow.keys.iter().enumerate() {
+        if !within(shadow, i) {
+            continue;
+        }
+        if let Ok(j) = prod.keys.binary_search(key)
+            && within(prod, j)
+        {
+            continue;
+        }
+        let in_shadow = shadow.selected.get(i).copied().unwrap_or(false);
+        let in_prod = if in_shadow {
+            shadow_only.binary_search(key).is_err()
+        } else {
+            prod_only.binary_search(key).is_ok()
+        };
+        counts.add(in_prod, in_shadow);
+    }
+    counts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,5 +517,72 @@ mod tests {
             },
             "50 is still prod-only"
         );
+    }
+
+    #[test]
+    fn gaps_round_trip_and_keep_the_count() {
+        let keys = [0, 3, 4, 100, 8191];
+        assert_eq!(gaps(&keys), [0, 3, 1, 96, 8091]);
+        assert_eq!(keys_from_gaps(&gaps(&keys)), keys);
+        assert!(gaps(&[]).is_empty());
+    }
+
+    #[test]
+    fn counts_give_the_overlaps_of_the_full_lists() {
+        // prod {1, 2, 3, 9}, shadow {2, 3, 4, 9}, churn {1, 4, 7}: as
+        // one_pass_gives_both_overlaps_of_the_separate_definitions.
+        let (prod, shadow, churn) = ([-1, 1, 2, 3, 9], [2, 3, 4, 9], [1, 4, 7]);
+        let c = Counts::of(&prod, &shadow, &churn);
+        assert_eq!((c.prod_selected, c.shadow_selected, c.shared), (4, 4, 3));
+        assert_eq!(
+            c.churn,
+            ChurnCounts {
+                shared: 0,
+                prod_only: 1,
+                shadow_only: 1,
+                unselected: 1
+            }
+        );
+        let (all, clean) = overlap_with_and_without(&prod, &shadow, &churn);
+        assert_eq!((c.overlap(), c.overlap_no_churn()), (all, clean));
+        assert_eq!(c.churn.total(), 3);
+    }
+
+    #[test]
+    fn churn_from_boundaries_matches_churn_from_full_lists() {
+        // prod {0, 1, 2, 5}, shadow {0, 1, 3, 6}; prod's candidates 2, 3, 7
+        // (2 selected), shadow's 2, 3, 5 (3 selected); offsets chosen so a
+        // margin of 0.5 keeps 2, 3 of prod's and 3, 5 of the shadow's.
+        let (prod, shadow) = ([0, 1, 2, 5], [0, 1, 3, 6]);
+        let prod_b = BoundaryView {
+            keys: &[2, 3, 7],
+            offsets: &[0.25, -0.5, -0.75],
+            selected: &[true, false, false],
+        };
+        let shadow_b = BoundaryView {
+            keys: &[2, 3, 5],
+            offsets: &[-0.625, 0.0, -0.125],
+            selected: &[false, true, false],
+        };
+        let (prod_only, shadow_only) = ([2, 5], [3, 6]);
+        for margin in [0.0_f32, 0.125, 0.5, 0.75, 1.0] {
+            let from_lists = |b: BoundaryView<'_>| -> Vec<i32> {
+                b.keys
+                    .iter()
+                    .zip(b.offsets)
+                    .filter(|(_, o)| o.abs() <= margin)
+                    .map(|(k, _)| *k)
+                    .collect()
+            };
+            let mut churn = from_lists(prod_b);
+            churn.extend(from_lists(shadow_b));
+            churn.sort_unstable();
+            churn.dedup();
+            assert_eq!(
+                churn_from_boundaries(&prod_only, &shadow_only, prod_b, shadow_b, margin),
+                Counts::of(&prod, &shadow, &churn).churn,
+                "margin {margin}"
+            );
+        }
     }
 }

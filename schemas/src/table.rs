@@ -1,4 +1,6 @@
-//! Table definitions parsed from `schemas/v1/<table>.json`.
+//! Table definitions parsed from `schemas/v1/<table>.json` and
+//! `schemas/v2/<table>.json`: each version's four tables, v2 taking v1's
+//! definition of every table it does not redefine.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -6,7 +8,7 @@ use std::sync::{Arc, LazyLock};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use serde::Deserialize;
 
-use crate::{META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION, SchemaError};
+use crate::{META_SCHEMA_VERSION, META_TABLE, READ_VERSIONS, SCHEMA_VERSION, SchemaError};
 
 /// One of the four tables of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,42 +44,87 @@ impl Table {
         Table::ALL.into_iter().find(|t| t.name() == name)
     }
 
-    /// The parsed definition.
+    /// The parsed definition in the version producers write ([`SCHEMA_VERSION`]).
     #[must_use]
     pub fn spec(self) -> &'static TableSpec {
-        &SPECS[self as usize]
+        &SPECS[version_index(SCHEMA_VERSION)][self as usize]
     }
 
-    /// The Arrow schema of the table, with the format version and table name
-    /// in its metadata.
+    /// The parsed definition in trace format `version`; `None` for a version
+    /// no reader of this crate accepts.
+    #[must_use]
+    pub fn spec_for(self, version: u32) -> Option<&'static TableSpec> {
+        READ_VERSIONS
+            .contains(&version)
+            .then(|| &SPECS[version_index(version)][self as usize])
+    }
+
+    /// The Arrow schema of the table as producers write it, with the format
+    /// version and table name in its metadata.
     #[must_use]
     pub fn arrow_schema(self) -> SchemaRef {
-        ARROW_SCHEMAS[self as usize].clone()
+        ARROW_SCHEMAS[version_index(SCHEMA_VERSION)][self as usize].clone()
     }
 
-    /// The definition file's text, as shipped in `schemas/v1/`.
+    /// The Arrow schema of the table in trace format `version`; `None` for a
+    /// version no reader of this crate accepts.
+    #[must_use]
+    pub fn arrow_schema_for(self, version: u32) -> Option<SchemaRef> {
+        READ_VERSIONS
+            .contains(&version)
+            .then(|| ARROW_SCHEMAS[version_index(version)][self as usize].clone())
+    }
+
+    /// The definition file's text in the version producers write.
     #[must_use]
     pub fn definition_json(self) -> &'static str {
-        self.source().1
+        self.source(SCHEMA_VERSION).1
     }
 
-    fn source(self) -> (&'static str, &'static str) {
-        match self {
-            Table::Hidden => ("v1/hidden.json", include_str!("../v1/hidden.json")),
-            Table::Topk => ("v1/topk.json", include_str!("../v1/topk.json")),
-            Table::Events => ("v1/events.json", include_str!("../v1/events.json")),
-            Table::Logits => ("v1/logits.json", include_str!("../v1/logits.json")),
+    /// The definition file's text in trace format `version` (v2 keeps v1's
+    /// file for every table but `topk`).
+    #[must_use]
+    pub fn definition_json_for(self, version: u32) -> Option<&'static str> {
+        READ_VERSIONS
+            .contains(&version)
+            .then(|| self.source(version).1)
+    }
+
+    fn source(self, version: u32) -> (&'static str, &'static str) {
+        match (self, version) {
+            (Table::Topk, 1) => ("v1/topk.json", include_str!("../v1/topk.json")),
+            (Table::Topk, _) => ("v2/topk.json", include_str!("../v2/topk.json")),
+            (Table::Hidden, _) => ("v1/hidden.json", include_str!("../v1/hidden.json")),
+            (Table::Events, _) => ("v1/events.json", include_str!("../v1/events.json")),
+            (Table::Logits, _) => ("v1/logits.json", include_str!("../v1/logits.json")),
         }
     }
 
-    /// Parses the compiled-in definition, reporting what is wrong with it.
+    /// Parses the compiled-in definition producers write, reporting what is
+    /// wrong with it.
     ///
     /// # Errors
     /// When the definition file is malformed; see [`SchemaError`].
     pub fn try_spec(self) -> Result<TableSpec, SchemaError> {
-        let (file, text) = self.source();
+        self.try_spec_for(SCHEMA_VERSION)
+    }
+
+    /// Parses the compiled-in definition of trace format `version`.
+    ///
+    /// # Errors
+    /// When the definition file is malformed; see [`SchemaError`].
+    pub fn try_spec_for(self, version: u32) -> Result<TableSpec, SchemaError> {
+        let (file, text) = self.source(version);
         TableSpec::parse(self, file, text)
     }
+}
+
+/// Index of a readable version in [`READ_VERSIONS`]; callers check first.
+fn version_index(version: u32) -> usize {
+    READ_VERSIONS
+        .iter()
+        .position(|&v| v == version)
+        .unwrap_or(READ_VERSIONS.len() - 1)
 }
 
 impl TableSpec {
@@ -137,17 +184,31 @@ impl fmt::Display for Table {
     clippy::expect_used,
     reason = "compiled-in definitions, parsed by a unit test"
 )]
-static SPECS: LazyLock<Vec<TableSpec>> = LazyLock::new(|| {
-    Table::ALL
+static SPECS: LazyLock<Vec<Vec<TableSpec>>> = LazyLock::new(|| {
+    READ_VERSIONS
         .iter()
-        .map(|t| t.try_spec().expect("compiled-in table definition parses"))
+        .map(|&version| {
+            Table::ALL
+                .iter()
+                .map(|t| {
+                    t.try_spec_for(version)
+                        .expect("compiled-in table definition parses")
+                })
+                .collect()
+        })
         .collect()
 });
 
-static ARROW_SCHEMAS: LazyLock<Vec<SchemaRef>> = LazyLock::new(|| {
-    Table::ALL
+static ARROW_SCHEMAS: LazyLock<Vec<Vec<SchemaRef>>> = LazyLock::new(|| {
+    READ_VERSIONS
         .iter()
-        .map(|t| Arc::new(t.spec().to_arrow()))
+        .enumerate()
+        .map(|(i, &version)| {
+            SPECS[i]
+                .iter()
+                .map(|spec| Arc::new(spec.to_arrow(version)))
+                .collect()
+        })
         .collect()
 });
 
@@ -156,7 +217,8 @@ static ARROW_SCHEMAS: LazyLock<Vec<SchemaRef>> = LazyLock::new(|| {
 pub struct TableSpec {
     /// The table.
     pub table: Table,
-    /// Format version the definition belongs to.
+    /// Format version that last defined the table (v2 keeps v1's `hidden`,
+    /// `events` and `logits`, whose definitions say 1).
     pub schema_version: u32,
     /// What a row is.
     pub doc: String,
@@ -173,16 +235,17 @@ impl TableSpec {
         self.columns.iter().find(|c| c.name == name)
     }
 
-    /// The Arrow schema, with the format version and table name in its metadata.
+    /// The Arrow schema, with the format version of the run (`version`) and
+    /// the table name in its metadata.
     #[must_use]
-    pub fn to_arrow(&self) -> Schema {
+    pub fn to_arrow(&self, version: u32) -> Schema {
         let fields: Vec<Field> = self
             .columns
             .iter()
             .map(|c| Field::new(&c.name, c.ty.arrow(), c.nullable))
             .collect();
         let metadata = [
-            (META_SCHEMA_VERSION.to_owned(), SCHEMA_VERSION.to_string()),
+            (META_SCHEMA_VERSION.to_owned(), version.to_string()),
             (META_TABLE.to_owned(), self.table.name().to_owned()),
         ];
         Schema::new(fields).with_metadata(
@@ -228,11 +291,13 @@ pub enum ColumnType {
     ListI32,
     /// List of 32-bit IEEE floats.
     ListF32,
+    /// List of booleans.
+    ListBool,
 }
 
 impl ColumnType {
     /// The type strings accepted in definition files.
-    pub const GRAMMAR: &'static str = "i32, i64, f32, bool, utf8, list<i32>, list<f32>";
+    pub const GRAMMAR: &'static str = "i32, i64, f32, bool, utf8, list<i32>, list<f32>, list<bool>";
 
     /// Parses a type string of the definition files.
     #[must_use]
@@ -245,6 +310,7 @@ impl ColumnType {
             "utf8" => ColumnType::Utf8,
             "list<i32>" => ColumnType::ListI32,
             "list<f32>" => ColumnType::ListF32,
+            "list<bool>" => ColumnType::ListBool,
             _ => return None,
         })
     }
@@ -260,6 +326,7 @@ impl ColumnType {
             ColumnType::Utf8 => "utf8",
             ColumnType::ListI32 => "list<i32>",
             ColumnType::ListF32 => "list<f32>",
+            ColumnType::ListBool => "list<bool>",
         }
     }
 
@@ -279,6 +346,9 @@ impl ColumnType {
             ColumnType::ListF32 => {
                 DataType::List(Arc::new(Field::new("item", DataType::Float32, true)))
             }
+            ColumnType::ListBool => {
+                DataType::List(Arc::new(Field::new("item", DataType::Boolean, true)))
+            }
         }
     }
 }
@@ -297,7 +367,8 @@ pub enum Encoding {
     Dictionary,
     /// Delta binary packed: sorted or slowly varying integers (positions, index lists).
     Delta,
-    /// Byte stream split: floats, whose exponent bytes compress well apart.
+    /// Byte stream split: floats, whose exponent bytes compress well apart,
+    /// and small integers such as gaps, whose high bytes are mostly zero.
     ByteStreamSplit,
     /// Plain: values with no exploitable structure.
     Plain,
@@ -341,20 +412,49 @@ struct RawColumnSpec {
 mod tests {
     use super::*;
 
+    /// Every table definition of every readable version.
+    fn every_spec() -> impl Iterator<Item = (u32, &'static TableSpec)> {
+        READ_VERSIONS.into_iter().flat_map(|v| {
+            Table::ALL
+                .into_iter()
+                .filter_map(move |t| t.spec_for(v).map(|s| (v, s)))
+        })
+    }
+
     #[test]
     fn every_definition_parses_and_names_its_table() {
-        for table in Table::ALL {
-            let spec = table.try_spec().unwrap_or_else(|e| panic!("{e}"));
-            assert_eq!(spec.table, table);
-            assert_eq!(spec.schema_version, SCHEMA_VERSION);
-            assert!(!spec.columns.is_empty());
+        for version in READ_VERSIONS {
+            for table in Table::ALL {
+                let spec = table
+                    .try_spec_for(version)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(spec.table, table);
+                assert!(
+                    spec.schema_version <= version,
+                    "{table} v{version}: defined by v{}",
+                    spec.schema_version
+                );
+                assert!(!spec.columns.is_empty());
+            }
         }
     }
 
     #[test]
+    fn v2_redefines_topk_and_keeps_v1_for_the_other_tables() {
+        assert_eq!(SCHEMA_VERSION, 2);
+        assert_eq!(Table::Topk.spec().schema_version, 2);
+        assert_eq!(Table::Topk.spec_for(1).map(|s| s.schema_version), Some(1));
+        for table in [Table::Hidden, Table::Events, Table::Logits] {
+            assert_eq!(table.spec_for(1), table.spec_for(2), "{table}");
+        }
+        assert_eq!(Table::Topk.spec_for(3), None);
+        assert_eq!(Table::Topk.spec_for(0), None);
+    }
+
+    #[test]
     fn every_key_column_exists_and_is_declared_once() {
-        for table in Table::ALL {
-            let spec = table.spec();
+        for (_, spec) in every_spec() {
+            let table = spec.table;
             for key in &spec.key {
                 assert!(
                     spec.column(key).is_some(),
@@ -371,28 +471,34 @@ mod tests {
 
     #[test]
     fn every_table_starts_with_the_run_id() {
-        for table in Table::ALL {
+        for (version, spec) in every_spec() {
             assert_eq!(
-                table.spec().columns[0].name,
+                spec.columns[0].name,
                 crate::columns::RUN_ID,
-                "{table}"
+                "{} v{version}",
+                spec.table
             );
         }
     }
 
     #[test]
     fn encodings_fit_their_column_types() {
-        for table in Table::ALL {
-            for c in &table.spec().columns {
+        for (_, spec) in every_spec() {
+            let table = spec.table;
+            for c in &spec.columns {
                 let fits = match c.encoding {
                     Encoding::Dictionary => c.ty == ColumnType::Utf8,
                     Encoding::Delta => matches!(
                         c.ty,
                         ColumnType::I32 | ColumnType::I64 | ColumnType::ListI32
                     ),
-                    Encoding::ByteStreamSplit => {
-                        matches!(c.ty, ColumnType::F32 | ColumnType::ListF32)
-                    }
+                    Encoding::ByteStreamSplit => matches!(
+                        c.ty,
+                        ColumnType::F32
+                            | ColumnType::ListF32
+                            | ColumnType::I32
+                            | ColumnType::ListI32
+                    ),
                     Encoding::Plain => true,
                 };
                 assert!(
@@ -417,7 +523,24 @@ mod tests {
     #[test]
     fn arrow_schema_carries_version_and_table_name() {
         let schema = Table::Topk.arrow_schema();
-        assert_eq!(schema.metadata()[META_SCHEMA_VERSION], "1");
+        assert_eq!(schema.metadata()[META_SCHEMA_VERSION], "2");
         assert_eq!(schema.metadata()[META_TABLE], "topk");
+        // v2 writes v1's hidden definition under its own version.
+        assert_eq!(
+            Table::Hidden.arrow_schema().metadata()[META_SCHEMA_VERSION],
+            "2"
+        );
+        let v1 = Table::Hidden.arrow_schema_for(1).unwrap();
+        assert_eq!(v1.metadata()[META_SCHEMA_VERSION], "1");
+        assert_eq!(v1.fields(), Table::Hidden.arrow_schema().fields());
+    }
+
+    #[test]
+    fn list_bool_reads_as_an_arrow_list_of_booleans() {
+        let ty = ColumnType::parse("list<bool>").unwrap();
+        assert_eq!(
+            ty.arrow(),
+            DataType::List(Arc::new(Field::new("item", DataType::Boolean, true)))
+        );
     }
 }

@@ -1,4 +1,5 @@
-//! The fixed words of the format, parsed from `schemas/v1/vocabulary.json`.
+//! The fixed words of the format, parsed from `schemas/v1/vocabulary.json`
+//! (trace format v2 keeps v1's vocabulary).
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -7,7 +8,7 @@ use serde::Deserialize;
 
 use crate::SchemaError;
 
-/// The vocabulary of trace format v1 (see DESIGN.md, Vocabulary).
+/// The vocabulary of trace formats v1 and v2 (see DESIGN.md, Vocabulary).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Vocabulary {
@@ -25,6 +26,9 @@ pub struct Vocabulary {
     pub sites: Vec<SiteSpec>,
     /// Event kinds and their meaning.
     pub event_kinds: BTreeMap<String, String>,
+    /// What a key of a top-k selection stands for (v2 `topk.unit`), and
+    /// what each means; selections over different units are never compared.
+    pub selection_units: BTreeMap<String, String>,
     /// Prompt kinds the demo and grid use by default.
     pub prompt_kinds: Vec<String>,
     /// Run statuses and their meaning.
@@ -67,7 +71,7 @@ impl Vocabulary {
 static VOCABULARY: LazyLock<Vocabulary> =
     LazyLock::new(|| Vocabulary::try_load().expect("compiled-in vocabulary parses"));
 
-/// The vocabulary of trace format v1.
+/// The vocabulary of trace formats v1 and v2.
 #[must_use]
 pub fn vocabulary() -> &'static Vocabulary {
     &VOCABULARY
@@ -84,6 +88,9 @@ mod tests {
         assert_eq!(v.shadow_modes, ["local", "free"]);
         assert_eq!(v.prompt_kinds, ["tool", "no_tool"]);
         assert!(v.event_kinds.contains_key("nan") && v.event_kinds.contains_key("sentinel"));
+        let units: Vec<&str> = v.selection_units.keys().map(String::as_str).collect();
+        assert_eq!(units, ["compressed", "kpool", "token"]);
+        assert!(v.selection_units.values().all(|doc| !doc.is_empty()));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use shadowtrace_schemas::{TMP_SUFFIX, Table};
-use shadowtrace_tracer::record::{HiddenRow, Selection, TopkRow, VectorStats};
+use shadowtrace_tracer::record::{HiddenRow, Selection, SelectionUnit, TopkRow, VectorStats};
 use shadowtrace_tracer::synth::{SplitMix64, SynthSpec, realistic_selection_pair};
 use shadowtrace_tracer::{RunWriter, WriterOptions};
 
@@ -53,6 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             layer: 0,
             token,
             indexer_layer: 0,
+            unit: SelectionUnit::TOKEN,
             k: 2048,
             visible: 4096,
             prod: Selection {

@@ -140,8 +140,8 @@ fn a_manifest_of_another_format_version_is_unknown_not_corrupt() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = good_run(tmp.path());
     edit_manifest(&dir, |m| {
-        m["schema_version"] = 2.into();
-        m["model"] = "a field whose shape changed in v2".into();
+        m["schema_version"] = 3.into();
+        m["model"] = "a field whose shape changed in v3".into();
     });
     match open_err(&dir) {
         LoadError::UnknownSchemaVersion {
@@ -150,8 +150,8 @@ fn a_manifest_of_another_format_version_is_unknown_not_corrupt() {
             got,
         } => {
             assert_eq!(
-                (path, expected, got.as_str()),
-                (dir.join(MANIFEST_FILE), 1, "2")
+                (path, expected.as_str(), got.as_str()),
+                (dir.join(MANIFEST_FILE), "1 or 2", "3")
             );
         }
         other => panic!("expected UnknownSchemaVersion, got {other}"),
@@ -162,12 +162,40 @@ fn a_manifest_of_another_format_version_is_unknown_not_corrupt() {
 fn a_part_file_of_another_format_version_is_unknown() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = good_run(tmp.path());
-    rewrite_part(&hidden_part(&dir), metadata("2"), |b| b);
+    rewrite_part(&hidden_part(&dir), metadata("3"), |b| b);
     match open_err(&dir) {
-        LoadError::UnknownSchemaVersion { path, got, .. } => {
-            assert_eq!((path, got.as_str()), (hidden_part(&dir), "2"))
-        }
+        LoadError::UnknownSchemaVersion {
+            path,
+            expected,
+            got,
+        } => assert_eq!(
+            (path, expected.as_str(), got.as_str()),
+            (hidden_part(&dir), "1 or 2", "3")
+        ),
         other => panic!("expected UnknownSchemaVersion, got {other}"),
+    }
+}
+
+#[test]
+fn a_part_file_missing_a_footer_key_is_refused_naming_the_key() {
+    for key in [META_SCHEMA_VERSION, META_TABLE, META_RUN_ID] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = good_run(tmp.path());
+        let mut kv = metadata("2");
+        kv.retain(|e| e.key != key);
+        rewrite_part(&hidden_part(&dir), kv, |b| b);
+        let err = open_err(&dir);
+        match &err {
+            LoadError::MissingMetadata { path, key: missing } => {
+                assert_eq!((path, *missing), (&hidden_part(&dir), key));
+            }
+            other => panic!("expected MissingMetadata, got {other}"),
+        }
+        assert!(
+            err.to_string()
+                .contains(&format!("metadata {key} is missing")),
+            "{err}"
+        );
     }
 }
 
@@ -190,7 +218,7 @@ fn a_truncated_part_file_is_named_truncated() {
 fn a_missing_column_is_named_with_its_table_and_file() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = good_run(tmp.path());
-    rewrite_part(&hidden_part(&dir), metadata("1"), |b| {
+    rewrite_part(&hidden_part(&dir), metadata("2"), |b| {
         replace_column(&b, "cosine", None, None)
     });
     let err = open_err(&dir);
@@ -220,7 +248,7 @@ fn a_missing_column_is_named_with_its_table_and_file() {
 fn a_column_of_the_wrong_type_names_expected_and_found() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = good_run(tmp.path());
-    rewrite_part(&hidden_part(&dir), metadata("1"), |b| {
+    rewrite_part(&hidden_part(&dir), metadata("2"), |b| {
         let step = b
             .column_by_name("step")
             .unwrap()

@@ -2,16 +2,21 @@
 //! loader (polars) with every column, type and value intact.
 
 use shadowtrace_analyzer::Dataset;
-use shadowtrace_e2e::{Cell, rows_as_cells};
+use std::collections::BTreeSet;
+
+use shadowtrace_e2e::{Cell, rows_as_cells, rows_as_cells_of};
 use shadowtrace_schemas::Table;
 use shadowtrace_schemas::manifest::Status;
 use shadowtrace_tracer::record::{EventRow, HiddenRow, LogitsRow, Record, Selection, TopkRow};
+use shadowtrace_tracer::writer::TopkLists;
 use shadowtrace_tracer::{RunWriter, WriterOptions};
 
 use crate::support::{edge_rows, small_spec};
 
-// The expected cells restate the column order of schemas/v1 independently of
-// the writer's own mapping, so a drift in either shows up here.
+// The expected cells restate the column order of schemas/v1 (and v2's top-k)
+// independently of the writer's own mapping, so a drift in either shows up
+// here. v2's counts, differences and churn are recomputed with sets, not
+// with shadowtrace_schemas::selection, which the writer uses.
 
 fn f(v: f32) -> Cell {
     Cell::F32(Some(v.to_bits()))
@@ -104,6 +109,130 @@ fn topk_cells(run_id: &str, r: &TopkRow) -> Vec<Cell> {
     cells
 }
 
+fn gap_coded(keys: &BTreeSet<i32>) -> Vec<i32> {
+    let mut previous = 0;
+    keys.iter()
+        .map(|&k| {
+            let gap = k - previous;
+            previous = k;
+            gap
+        })
+        .collect()
+}
+
+fn stored_set(sel: &Selection) -> BTreeSet<i32> {
+    sel.indices.iter().copied().filter(|&i| i >= 0).collect()
+}
+
+fn set_jaccard(a: &BTreeSet<i32>, b: &BTreeSet<i32>) -> f32 {
+    let union = a.union(b).count();
+    if union == 0 {
+        1.0
+    } else {
+        (a.intersection(b).count() as f64 / union as f64) as f32
+    }
+}
+
+/// A path's boundary candidates by key: (key, score - k-th score, selected).
+fn candidates(sel: &Selection, band: Option<f32>) -> Option<Vec<(i32, f32, bool)>> {
+    band?;
+    let b = sel.boundary.as_ref()?;
+    let kth = sel.kth_score.unwrap_or(f32::NAN);
+    let set = stored_set(sel);
+    let mut c: Vec<(i32, f32, bool)> = b
+        .indices
+        .iter()
+        .zip(&b.scores)
+        .map(|(&k, &score)| (k, score - kth, set.contains(&k)))
+        .collect();
+    c.sort_by_key(|x| x.0);
+    Some(c)
+}
+
+fn candidate_cells(c: Option<&Vec<(i32, f32, bool)>>) -> [Cell; 3] {
+    [
+        Cell::ListI32(c.map(|c| gap_coded(&c.iter().map(|x| x.0).collect()))),
+        Cell::ListF32(c.map(|c| c.iter().map(|x| x.1.to_bits()).collect())),
+        Cell::ListBool(c.map(|c| c.iter().map(|x| x.2).collect())),
+    ]
+}
+
+/// A top-k row as v2 stores it, from the producer's selections.
+fn topk_cells_v2(run_id: &str, r: &TopkRow, keep_list: bool) -> Vec<Cell> {
+    let prod = stored_set(&r.prod);
+    let shadow = r.shadow.as_ref().map(|(_, s)| s);
+    let shadow_set = shadow.map(stored_set);
+    let prod_c = candidates(&r.prod, r.boundary_band);
+    let shadow_c = shadow.and_then(|s| candidates(s, r.boundary_band));
+    // Churn: keys within the band of either path's k-th score, by that path's score.
+    let churn: Option<BTreeSet<i32>> = match (r.boundary_band, &prod_c, &shadow_c, &shadow_set) {
+        (Some(band), Some(p), Some(s), Some(_)) if r.visible > r.k => Some(
+            p.iter()
+                .chain(s)
+                .filter(|x| x.1.abs() <= band)
+                .map(|x| x.0)
+                .collect(),
+        ),
+        _ => None,
+    };
+    let churn_by = |in_p: bool, in_s: bool| {
+        let ss = shadow_set.as_ref()?;
+        let n = churn
+            .as_ref()?
+            .iter()
+            .filter(|k| prod.contains(k) == in_p && ss.contains(k) == in_s)
+            .count();
+        Some(n as i32)
+    };
+    let mut cells = vec![
+        s(run_id),
+        Cell::I32(Some(r.step)),
+        Cell::I32(Some(r.layer)),
+        Cell::I32(Some(r.token)),
+        Cell::Str(r.shadow.as_ref().map(|x| x.0.clone())),
+        Cell::I32(Some(r.indexer_layer)),
+        s(r.unit.name),
+        Cell::I32(Some(r.unit.tokens)),
+        Cell::I32(Some(r.k)),
+        Cell::I32(Some(r.visible)),
+        Cell::I32(Some(prod.len() as i32)),
+        of(r.prod.kth_score),
+        of(r.prod.kth_margin),
+        Cell::I32(shadow_set.as_ref().map(|s| s.len() as i32)),
+        of(shadow.and_then(|s| s.kth_score)),
+        of(shadow.and_then(|s| s.kth_margin)),
+        Cell::I32(
+            shadow_set
+                .as_ref()
+                .map(|s| prod.intersection(s).count() as i32),
+        ),
+        of(r.boundary_band),
+        Cell::I32(churn_by(true, true)),
+        Cell::I32(churn_by(true, false)),
+        Cell::I32(churn_by(false, true)),
+        Cell::I32(churn_by(false, false)),
+        of(shadow_set.as_ref().map(|s| set_jaccard(&prod, s))),
+        of(shadow_set.as_ref().zip(churn.as_ref()).map(|(s, churn)| {
+            let keep = |set: &BTreeSet<i32>| set.difference(churn).copied().collect();
+            set_jaccard(&keep(&prod), &keep(s))
+        })),
+        Cell::ListI32(
+            shadow_set
+                .as_ref()
+                .map(|s| gap_coded(&prod.difference(s).copied().collect())),
+        ),
+        Cell::ListI32(
+            shadow_set
+                .as_ref()
+                .map(|s| gap_coded(&s.difference(&prod).copied().collect())),
+        ),
+    ];
+    cells.extend(candidate_cells(prod_c.as_ref()));
+    cells.extend(candidate_cells(shadow_c.as_ref()));
+    cells.push(Cell::ListI32(keep_list.then(|| gap_coded(&prod))));
+    cells
+}
+
 fn event_cells(run_id: &str, r: &EventRow) -> Vec<Cell> {
     vec![
         s(run_id),
@@ -136,17 +265,19 @@ fn logits_cells(run_id: &str, r: &LogitsRow) -> Vec<Cell> {
     ]
 }
 
-fn expected_cells(run_id: &str, record: &Record) -> Vec<Cell> {
+fn expected_cells(run_id: &str, version: u32, lists: TopkLists, record: &Record) -> Vec<Cell> {
     match record {
         Record::Hidden(r) => hidden_cells(run_id, r),
-        Record::Topk(r) => topk_cells(run_id, r),
+        Record::Topk(r) if version == 1 => topk_cells(run_id, r),
+        Record::Topk(r) => topk_cells_v2(run_id, r, lists.samples(r.token)),
         Record::Event(r) => event_cells(run_id, r),
         Record::Logits(r) => logits_cells(run_id, r),
     }
 }
 
-#[test]
-fn every_column_type_and_value_survives_the_round_trip() {
+/// Writes the small run and the edge rows in trace format `version` with
+/// `lists`, reads every table back and compares each cell.
+fn round_trip(version: u32, lists: TopkLists) {
     let tmp = tempfile::tempdir().unwrap();
     let spec = small_spec("roundtrip");
     let dir = tmp.path().join(&spec.run_id);
@@ -157,7 +288,12 @@ fn every_column_type_and_value_survives_the_round_trip() {
     records.extend(events.into_iter().map(Record::from));
     records.extend(logits.into_iter().map(Record::from));
 
-    let writer = RunWriter::create(&dir, spec.identity(), WriterOptions::default()).unwrap();
+    let options = WriterOptions {
+        schema_version: version,
+        topk_lists: lists,
+        ..WriterOptions::default()
+    };
+    let writer = RunWriter::create(&dir, spec.identity(), options).unwrap();
     for record in &records {
         assert_eq!(
             writer.send(record.clone()),
@@ -178,14 +314,14 @@ fn every_column_type_and_value_survives_the_round_trip() {
         let expected: Vec<Vec<Cell>> = records
             .iter()
             .filter(|r| r.table() == table)
-            .map(|r| expected_cells(&spec.run_id, r))
+            .map(|r| expected_cells(&spec.run_id, version, lists, r))
             .collect();
         assert!(
             !expected.is_empty(),
             "{table}: the test writes rows of every table"
         );
         let frame = dataset.read_table(table, None).unwrap();
-        let got = rows_as_cells(table, &frame);
+        let got = rows_as_cells_of(table, version, &frame);
         assert_eq!(got.len(), expected.len(), "{table}: row count");
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
             assert_eq!(g, e, "{table} row {i}");
@@ -199,6 +335,22 @@ fn every_column_type_and_value_survives_the_round_trip() {
 }
 
 #[test]
+fn every_column_type_and_value_survives_the_round_trip() {
+    round_trip(2, TopkLists::None);
+}
+
+#[test]
+fn v2_sampled_full_lists_are_kept_for_every_nth_token_and_all() {
+    round_trip(2, TopkLists::Every(2));
+    round_trip(2, TopkLists::All);
+}
+
+#[test]
+fn a_run_written_in_v1_still_round_trips() {
+    round_trip(1, TopkLists::None);
+}
+
+#[test]
 fn reading_a_projection_returns_only_those_columns() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = small_spec("projection");
@@ -206,14 +358,14 @@ fn reading_a_projection_returns_only_those_columns() {
         .unwrap();
     let dataset = Dataset::load(&[tmp.path().to_owned()], true, |_, _| {}).unwrap();
     let frame = dataset
-        .read_table(Table::Topk, Some(&["layer", "prod_indices"]))
+        .read_table(Table::Topk, Some(&["layer", "prod_only_gaps"]))
         .unwrap();
     let names: Vec<&str> = frame
         .get_column_names()
         .iter()
         .map(|n| n.as_str())
         .collect();
-    assert_eq!(names, ["layer", "prod_indices"]);
+    assert_eq!(names, ["layer", "prod_only_gaps"]);
     assert_eq!(frame.height(), 3 * 6);
 }
 

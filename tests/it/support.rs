@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::record::{
-    Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Record, Selection, TopLogits,
-    TopkRow, VectorStats,
+    Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Record, Selection, SelectionUnit,
+    TopLogits, TopkRow, VectorStats,
 };
 use shadowtrace_tracer::synth::SynthSpec;
 use shadowtrace_tracer::{RunWriter, WriterOptions};
@@ -115,6 +115,7 @@ pub(crate) fn edge_rows() -> (Vec<HiddenRow>, Vec<TopkRow>, Vec<EventRow>, Vec<L
             layer: 0,
             token: 0,
             indexer_layer: 0,
+            unit: SelectionUnit::TOKEN,
             k: 2048,
             visible: 0,
             prod: Selection::default(),
@@ -126,6 +127,7 @@ pub(crate) fn edge_rows() -> (Vec<HiddenRow>, Vec<TopkRow>, Vec<EventRow>, Vec<L
             layer: 2,
             token: 9,
             indexer_layer: 1,
+            unit: SelectionUnit::TOKEN,
             k: 4,
             visible: 10,
             prod: Selection {

@@ -78,6 +78,14 @@ pub enum TraceError {
         source: tch::TchError,
     },
 
+    /// A run asked to be written in a trace format version the schemas
+    /// crate does not define.
+    #[error("trace format version {version}: expected one of {expected}", expected = shadowtrace_schemas::readable_versions_text())]
+    UnknownVersion {
+        /// The version asked for.
+        version: u32,
+    },
+
     // === Defects ===
     /// A row type and the table definition disagree: a defect in this crate.
     #[error("table {table}: column {column} expects {expected}, the row supplied {got}")]

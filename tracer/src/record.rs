@@ -1,8 +1,11 @@
 //! Rows of the four tables, as producers hand them to the writer.
 //!
 //! A row is plain data: the writer owns the conversion to Arrow. Fields follow
-//! the column definitions in `schemas/v1/`; `every_row_kind_round_trips` in
-//! the writer tests fails when the two drift apart.
+//! the column definitions in `schemas/v1/`, except the top-k row: producers
+//! hand over both paths' full selections and boundary candidates, and the
+//! writer derives v2's summary, differences and sampled lists from them
+//! (`writer/topk.rs`). `every_row_kind_round_trips` in the tests fails when
+//! rows and definitions drift apart.
 
 use shadowtrace_schemas::Table;
 
@@ -86,6 +89,24 @@ pub struct Boundary {
     pub scores: Vec<f32>,
 }
 
+/// What a key of a selection stands for (vocabulary `selection_units`) and
+/// how many tokens one key covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectionUnit {
+    /// `token`, `kpool` or `compressed`.
+    pub name: &'static str,
+    /// Tokens per key: 1 for `token`.
+    pub tokens: i32,
+}
+
+impl SelectionUnit {
+    /// A key is one token: DSA's top-k over the full key cache.
+    pub const TOKEN: SelectionUnit = SelectionUnit {
+        name: "token",
+        tokens: 1,
+    };
+}
+
 /// One row of the `topk` table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TopkRow {
@@ -97,6 +118,8 @@ pub struct TopkRow {
     pub token: i32,
     /// Layer whose indexer computed the selection.
     pub indexer_layer: i32,
+    /// What a key is.
+    pub unit: SelectionUnit,
     /// index_topk.
     pub k: i32,
     /// Keys visible to the query.

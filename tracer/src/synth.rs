@@ -14,7 +14,7 @@ use shadowtrace_schemas::manifest::{
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::record::{
     Boundary, Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Record, Selection,
-    TopLogits, TopkRow, VectorStats,
+    SelectionUnit, TopLogits, TopkRow, VectorStats,
 };
 use crate::{RunWriter, TraceError, WriterOptions};
 
@@ -369,6 +369,7 @@ impl SynthSpec {
                     layer,
                     token,
                     indexer_layer: layer,
+                    unit: SelectionUnit::TOKEN,
                     k: self.k,
                     visible,
                     prod,

@@ -2,6 +2,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use shadowtrace_analyzer::metrics::topk_check;
 use shadowtrace_analyzer::{Dataset, Run, inspect};
 use shadowtrace_schemas::Table;
 
@@ -19,7 +20,7 @@ pub(crate) struct InspectArgs {
 
 pub(crate) fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let show_progress = std::io::stderr().is_terminal();
-    let dataset = Dataset::load(&args.paths, false, |done, total| {
+    let mut dataset = Dataset::load(&args.paths, false, |done, total| {
         if show_progress && total > 1 {
             eprint!("\rchecking runs {done}/{total}");
             if done == total {
@@ -27,6 +28,11 @@ pub(crate) fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
             }
         }
     })?;
+    // A v2 run's top-k summaries must agree with their lists: the analyzer
+    // reads only the summaries.
+    for run in &mut dataset.runs {
+        run.problems.extend(topk_check::problem(run)?);
+    }
     let mut stdout = std::io::stdout().lock();
     match args.format {
         Format::Text => {

@@ -2,6 +2,7 @@
 
 mod analyze;
 mod env;
+mod export;
 mod external;
 mod inspect;
 mod schema;
@@ -59,6 +60,9 @@ enum Command {
     /// tracing: each one's value in this environment (or its default) and
     /// what it does. A value that does not read is an error naming it.
     Env(env::EnvArgs),
+    /// Write a run's full top-k index lists (`--lists`) as Parquet, wherever
+    /// the run holds enough to rebuild them, and say how many rows it does not.
+    Export(export::ExportArgs),
     /// Any other command NAME runs the program `shadowtrace-NAME` from this
     /// program's directory or PATH (the tracer provides `shadowtrace-demo`).
     #[command(external_subcommand)]
@@ -80,6 +84,7 @@ pub(crate) fn run(args: Args) -> anyhow::Result<ExitCode> {
         Command::Inspect(a) => inspect::run(&a),
         Command::Analyze(a) => analyze::run(&a),
         Command::Env(a) => env::run(&a),
+        Command::Export(a) => export::run(&a),
         Command::External(argv) => external::run(&argv),
     }
 }

@@ -8,10 +8,11 @@ mod run;
 
 use std::path::{Path, PathBuf};
 
+use part_file::spec_of;
 pub use part_file::{PartFile, polars_type};
 use polars::prelude::DataFrame;
 pub use run::Run;
-use shadowtrace_schemas::{MANIFEST_FILE, Table};
+use shadowtrace_schemas::{MANIFEST_FILE, SCHEMA_VERSION, Table};
 
 use crate::LoadError;
 
@@ -68,10 +69,13 @@ impl Dataset {
 
     /// One table of every run, stacked, with only the named columns (all when
     /// `None`). Each row carries its `run_id`, which joins it to
-    /// [`Dataset::runs`].
+    /// [`Dataset::runs`]. The runs' trace format versions must define the
+    /// same columns (the top-k table differs between v1 and v2: read it per
+    /// run, [`Run::read_table`]).
     ///
     /// # Errors
-    /// When a file cannot be decoded.
+    /// When a file cannot be decoded, or runs of different top-k versions
+    /// are stacked.
     pub fn read_table(
         &self,
         table: Table,
@@ -82,6 +86,9 @@ impl Dataset {
                 .iter()
                 .flat_map(|r| r.files.get(&table).into_iter().flatten()),
             table,
+            self.runs
+                .first()
+                .map_or(SCHEMA_VERSION, |r| r.manifest.schema_version),
             columns,
         )
     }
@@ -92,6 +99,7 @@ impl Dataset {
 fn stack<'a>(
     parts: impl Iterator<Item = &'a PartFile>,
     table: Table,
+    version: u32,
     columns: Option<&[&str]>,
 ) -> Result<DataFrame, LoadError> {
     let mut stacked: Option<DataFrame> = None;
@@ -112,13 +120,13 @@ fn stack<'a>(
             frame.rechunk_mut();
             Ok(frame)
         }
-        None => Ok(empty_frame(table, columns)),
+        None => Ok(empty_frame(table, version, columns)),
     }
 }
 
 /// A frame with the table's columns and types and no rows.
-fn empty_frame(table: Table, columns: Option<&[&str]>) -> DataFrame {
-    let spec = table.spec();
+fn empty_frame(table: Table, version: u32, columns: Option<&[&str]>) -> DataFrame {
+    let spec = spec_of(table, version);
     let series = spec
         .columns
         .iter()

@@ -5,9 +5,8 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use polars::prelude::{DataFrame, DataType, ParquetReader, SerReader};
-use shadowtrace_schemas::{
-    ColumnType, META_RUN_ID, META_SCHEMA_VERSION, META_TABLE, SCHEMA_VERSION, Table,
-};
+use shadowtrace_schemas::footer::{self, FooterError};
+use shadowtrace_schemas::{ColumnType, Table, TableSpec};
 
 use crate::LoadError;
 
@@ -20,6 +19,8 @@ pub struct PartFile {
     pub path: PathBuf,
     /// The table it belongs to.
     pub table: Table,
+    /// Its trace format version (the run's).
+    pub version: u32,
     /// Rows, from the footer.
     pub rows: u64,
     /// Size on disk.
@@ -27,13 +28,19 @@ pub struct PartFile {
 }
 
 impl PartFile {
-    /// Opens and checks a part file: Parquet magic and footer, trace format
-    /// version, table and run id in the metadata, and every column of the
-    /// table with its type.
+    /// Opens and checks a part file of a run of trace format `run_version`:
+    /// Parquet magic and footer, the footer keys (version, table and run id;
+    /// `shadowtrace_schemas::footer::check`), and every column of the table
+    /// in that version with its type.
     ///
     /// # Errors
     /// The first check that fails, naming the file.
-    pub fn open(path: &Path, table: Table, run_id: &str) -> Result<PartFile, LoadError> {
+    pub fn open(
+        path: &Path,
+        table: Table,
+        run_id: &str,
+        run_version: u32,
+    ) -> Result<PartFile, LoadError> {
         let bytes = check_footer(path)?;
         let file = File::open(path).map_err(|source| LoadError::Io {
             path: path.to_owned(),
@@ -52,29 +59,30 @@ impl PartFile {
                 .and_then(|kv| kv.iter().find(|e| e.key == key))
                 .and_then(|e| e.value.clone())
         };
-        match lookup(META_SCHEMA_VERSION) {
-            Some(v) if v == SCHEMA_VERSION.to_string() => {}
-            got => {
-                return Err(LoadError::UnknownSchemaVersion {
-                    path: path.to_owned(),
-                    expected: SCHEMA_VERSION,
-                    got: got.unwrap_or_else(|| "<absent>".to_owned()),
-                });
-            }
-        }
-        for (key, expected) in [(META_TABLE, table.name()), (META_RUN_ID, run_id)] {
-            let got = lookup(key);
-            if got.as_deref() != Some(expected) {
-                return Err(LoadError::WrongMetadata {
-                    path: path.to_owned(),
-                    key,
-                    expected: expected.to_owned(),
-                    got: got.unwrap_or_else(|| "<absent>".to_owned()),
-                });
-            }
-        }
+        let version = footer::check(lookup, table, run_id, run_version).map_err(|e| match e {
+            FooterError::MissingKey { key } => LoadError::MissingMetadata {
+                path: path.to_owned(),
+                key,
+            },
+            FooterError::UnknownVersion { expected, got, .. } => LoadError::UnknownSchemaVersion {
+                path: path.to_owned(),
+                expected,
+                got,
+            },
+            FooterError::WrongValue { key, expected, got } => LoadError::WrongMetadata {
+                path: path.to_owned(),
+                key,
+                expected,
+                got,
+            },
+            other => LoadError::Footer {
+                path: path.to_owned(),
+                source: other,
+            },
+        })?;
+        let spec = spec_of(table, version);
         let schema = reader.schema().map_err(decode)?;
-        for column in &table.spec().columns {
+        for column in &spec.columns {
             let Some(field) = schema.get(column.name.as_str()) else {
                 return Err(LoadError::MissingColumn {
                     path: path.to_owned(),
@@ -97,6 +105,7 @@ impl PartFile {
         Ok(PartFile {
             path: path.to_owned(),
             table,
+            version,
             rows: metadata.num_rows as u64,
             bytes,
         })
@@ -113,9 +122,7 @@ impl PartFile {
         })?;
         let names = match columns {
             Some(names) => names.iter().map(|s| (*s).to_owned()).collect(),
-            None => self
-                .table
-                .spec()
+            None => spec_of(self.table, self.version)
                 .columns
                 .iter()
                 .map(|c| c.name.clone())
@@ -142,7 +149,14 @@ pub fn polars_type(ty: ColumnType) -> DataType {
         ColumnType::Utf8 => DataType::String,
         ColumnType::ListI32 => DataType::List(Box::new(DataType::Int32)),
         ColumnType::ListF32 => DataType::List(Box::new(DataType::Float32)),
+        ColumnType::ListBool => DataType::List(Box::new(DataType::Boolean)),
     }
+}
+
+/// The definition of `table` in trace format `version`, one the footer check
+/// accepted (the current one otherwise, never reached).
+pub(crate) fn spec_of(table: Table, version: u32) -> &'static TableSpec {
+    table.spec_for(version).unwrap_or_else(|| table.spec())
 }
 
 /// Checks the Parquet frame: magic at both ends and a footer that fits.

@@ -5,7 +5,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use shadowtrace_schemas::manifest::Status;
-use shadowtrace_schemas::{MANIFEST_FILE, Manifest, SCHEMA_VERSION, TMP_SUFFIX, Table};
+use shadowtrace_schemas::{
+    MANIFEST_FILE, Manifest, TMP_SUFFIX, Table, is_readable, readable_versions_text,
+};
 
 use super::part_file::PartFile;
 use crate::{LoadError, RunProblem};
@@ -60,7 +62,12 @@ impl Run {
         table: Table,
         columns: Option<&[&str]>,
     ) -> Result<polars::prelude::DataFrame, LoadError> {
-        super::stack(self.files.get(&table).into_iter().flatten(), table, columns)
+        super::stack(
+            self.files.get(&table).into_iter().flatten(),
+            table,
+            self.manifest.schema_version,
+            columns,
+        )
     }
 
     /// Opens a run directory: reads the manifest, then checks every complete
@@ -100,7 +107,8 @@ impl Run {
             let mut listed_rows = 0;
             for path in complete {
                 let relative = format!("{}/{}", table.name(), file_name(&path));
-                let part = PartFile::open(&path, table, manifest.run_id())?;
+                let part =
+                    PartFile::open(&path, table, manifest.run_id(), manifest.schema_version)?;
                 if listed.iter().any(|l| **l == relative) {
                     listed_rows += part.rows;
                 } else {
@@ -191,10 +199,14 @@ fn read_manifest(dir: &Path) -> Result<Manifest, LoadError> {
     };
     let value: serde_json::Value = serde_json::from_str(&text).map_err(corrupt)?;
     let version = value.get("schema_version");
-    if version.and_then(serde_json::Value::as_u64) != Some(u64::from(SCHEMA_VERSION)) {
+    let readable = version
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|v| u32::try_from(v).ok())
+        .is_some_and(is_readable);
+    if !readable {
         return Err(LoadError::UnknownSchemaVersion {
             path,
-            expected: SCHEMA_VERSION,
+            expected: readable_versions_text(),
             got: version.map_or_else(|| "<absent>".to_owned(), ToString::to_string),
         });
     }

@@ -6,4 +6,6 @@ pub mod logits;
 pub mod nonfinite;
 pub mod selection_unit;
 pub mod summary;
+pub mod topk_check;
 pub mod topk_overlap;
+pub mod topk_v2;

@@ -49,15 +49,16 @@ use std::collections::BTreeMap;
 use polars::prelude::DataFrame;
 use rayon::prelude::*;
 use serde::Serialize;
-use shadowtrace_schemas::columns::topk as c;
+use shadowtrace_schemas::columns::topk_v1 as c;
 use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
 
 use super::summary::Summary;
 use crate::AnalyzeError;
 use crate::frame::{i32s, list, opt_f32s, opt_strs};
 
-/// Columns this metric reads.
-pub const COLUMNS: [&str; 15] = [
+/// Columns this metric reads from a trace format v1 `topk` table (both full
+/// selections per row). A v2 table: [`super::topk_v2`].
+pub const COLUMNS_V1: [&str; 15] = [
     c::SHADOW_INPUT,
     c::STEP,
     c::LAYER,
@@ -165,14 +166,28 @@ pub struct LayerOverlap {
     pub churn_share: Option<f64>,
 }
 
-/// Per-row overlap of a `topk` frame ([`COLUMNS`]; one chunk per column,
-/// see [`crate::frame::list`]), in parallel over rows, with no allocation
-/// per row. `churn_margin` caps the recorded band.
-/// Also returns the dense and shadow-less row counts per layer.
+/// Per-row overlap of a `topk` frame of trace format `version`: v1 here, v2
+/// in [`super::topk_v2::row_overlaps`]. `churn_margin` caps the recorded
+/// band. Also returns the dense and shadow-less row counts per layer.
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
 pub fn row_overlaps(
+    frame: &DataFrame,
+    version: u32,
+    churn_margin: Option<f32>,
+) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
+    if version >= 2 {
+        super::topk_v2::row_overlaps(frame, churn_margin)
+    } else {
+        row_overlaps_v1(frame, churn_margin)
+    }
+}
+
+/// Per-row overlap of a v1 `topk` frame ([`COLUMNS_V1`]; one chunk per
+/// column, see [`crate::frame::list`]), in parallel over rows, with no
+/// allocation per row.
+fn row_overlaps_v1(
     frame: &DataFrame,
     churn_margin: Option<f32>,
 ) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {

@@ -128,6 +128,8 @@ def _parse(var: dict[str, Any], raw: str) -> Any:
         return list(dict.fromkeys(modes))
     if kind == "tokens":
         return _tokens(raw)
+    if kind == "topk_lists":
+        return _topk_lists(raw)
     if kind == "tags":
         tags = {}
         for pair in _items(raw):
@@ -166,3 +168,14 @@ def _tokens(raw: str) -> Any:
     if kind in ("every", "last") and count is not None and 1 <= count <= _U64_MAX:
         return {"kind": kind, "n": count}
     return _Bad("all, every:N or last:N with N >= 1")
+
+
+def _topk_lists(raw: str) -> Any:
+    if raw in ("none", "all"):
+        return {"kind": raw}
+    kind, _, n = raw.partition(":")
+    n = n.strip(_SPACE)
+    count = _integer(n) if _DIGITS.fullmatch(n) else None
+    if kind == "every" and count is not None and 1 <= count <= _U64_MAX:
+        return {"kind": kind, "n": count}
+    return _Bad("none, all or every:N with N >= 1")

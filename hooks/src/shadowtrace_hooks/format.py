@@ -17,6 +17,7 @@ _ARROW_TYPES = {
     "utf8": pa.string(),
     "list<i32>": pa.list_(pa.int32()),
     "list<f32>": pa.list_(pa.float32()),
+    "list<bool>": pa.list_(pa.bool_()),
 }
 _PARQUET_ENCODINGS = {
     "delta": "DELTA_BINARY_PACKED",

@@ -26,7 +26,7 @@ use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
 use crate::model::layer::Fallbacks;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
-use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, TopkRow};
+use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, SelectionUnit, TopkRow};
 use crate::{RunWriter, TraceError};
 
 /// A trace that could not be made.
@@ -401,6 +401,7 @@ fn record_topk(
             layer: layer as i32,
             token: t as i32,
             indexer_layer: layer as i32,
+            unit: SelectionUnit::TOKEN,
             k: k as i32,
             visible: (t + 1) as i32,
             prod: prod_row,

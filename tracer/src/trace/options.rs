@@ -13,6 +13,7 @@ use tch::Kind;
 use crate::indexer::Fp8Indexer;
 use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
+use crate::writer::TopkLists;
 use crate::{QueueMode, WriterOptions};
 
 /// A shadow mode (DESIGN.md).
@@ -167,6 +168,12 @@ impl TraceOptions {
             }
         }
         o.prompt_kind = o.tags.get("prompt_kind").cloned();
+        if let Some(lists) = v
+            .get("SHADOWTRACE_TOPK_LISTS")
+            .and_then(TopkLists::from_setting)
+        {
+            o.writer.topk_lists = lists;
+        }
         if text("SHADOWTRACE_QUEUE") == "lossy" {
             o.writer.queue_mode = QueueMode::Lossy;
         }

@@ -1,5 +1,5 @@
 //! Column buffers: rows in, Arrow record batches out, shaped by the table
-//! definitions in `schemas/v1/`.
+//! definitions of the run's trace format version.
 
 use std::sync::Arc;
 
@@ -8,8 +8,10 @@ use arrow_array::builder::{
 };
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::SchemaRef;
-use shadowtrace_schemas::{ColumnType, Table};
+use shadowtrace_schemas::{ColumnType, Table, TableSpec};
 
+use super::TopkLists;
+use super::topk::append_topk_v2;
 use crate::TraceError;
 use crate::record::{EventRow, HiddenRow, LogitsRow, Record, Selection, TopLogits, TopkRow};
 
@@ -21,6 +23,7 @@ enum ColumnBuilder {
     Utf8(StringBuilder),
     ListI32(ListBuilder<Int32Builder>),
     ListF32(ListBuilder<Float32Builder>),
+    ListBool(ListBuilder<BooleanBuilder>),
 }
 
 impl ColumnBuilder {
@@ -33,6 +36,9 @@ impl ColumnBuilder {
             ColumnType::Utf8 => ColumnBuilder::Utf8(StringBuilder::new()),
             ColumnType::ListI32 => ColumnBuilder::ListI32(ListBuilder::new(Int32Builder::new())),
             ColumnType::ListF32 => ColumnBuilder::ListF32(ListBuilder::new(Float32Builder::new())),
+            ColumnType::ListBool => {
+                ColumnBuilder::ListBool(ListBuilder::new(BooleanBuilder::new()))
+            }
         }
     }
 
@@ -45,34 +51,47 @@ impl ColumnBuilder {
             ColumnBuilder::Utf8(b) => Arc::new(b.finish()),
             ColumnBuilder::ListI32(b) => Arc::new(b.finish()),
             ColumnBuilder::ListF32(b) => Arc::new(b.finish()),
+            ColumnBuilder::ListBool(b) => Arc::new(b.finish()),
         }
     }
 }
 
 /// Rows of one table, buffered column by column until the next batch.
 pub(crate) struct TableBuffer {
-    table: Table,
+    spec: &'static TableSpec,
     schema: SchemaRef,
     run_id: String,
+    topk_lists: TopkLists,
     columns: Vec<ColumnBuilder>,
     rows: usize,
 }
 
 impl TableBuffer {
-    pub(crate) fn new(table: Table, run_id: &str) -> TableBuffer {
-        let columns = table
-            .spec()
+    /// A buffer for `table` in trace format `version` (a version the schemas
+    /// crate reads; the writer checks it when the run opens).
+    pub(crate) fn new(
+        table: Table,
+        version: u32,
+        run_id: &str,
+        topk_lists: TopkLists,
+    ) -> Result<TableBuffer, TraceError> {
+        let (Some(spec), Some(schema)) = (table.spec_for(version), table.arrow_schema_for(version))
+        else {
+            return Err(TraceError::UnknownVersion { version });
+        };
+        let columns = spec
             .columns
             .iter()
             .map(|c| ColumnBuilder::new(c.ty))
             .collect();
-        TableBuffer {
-            table,
-            schema: table.arrow_schema(),
+        Ok(TableBuffer {
+            spec,
+            schema,
             run_id: run_id.to_owned(),
+            topk_lists,
             columns,
             rows: 0,
-        }
+        })
     }
 
     pub(crate) fn rows(&self) -> usize {
@@ -82,16 +101,17 @@ impl TableBuffer {
     /// Appends one row. A row that does not fit the definition is a defect:
     /// the buffer is then unusable and the error says which column.
     pub(crate) fn push(&mut self, record: &Record) -> Result<(), TraceError> {
-        debug_assert_eq!(record.table(), self.table);
+        debug_assert_eq!(record.table(), self.spec.table);
         let mut row = RowCursor {
-            table: self.table,
+            spec: self.spec,
             columns: &mut self.columns,
             next: 0,
         };
         row.str(Some(&self.run_id))?;
         match record {
             Record::Hidden(r) => append_hidden(&mut row, r)?,
-            Record::Topk(r) => append_topk(&mut row, r)?,
+            Record::Topk(r) if self.spec.schema_version == 1 => append_topk_v1(&mut row, r)?,
+            Record::Topk(r) => append_topk_v2(&mut row, r, self.topk_lists.samples(r.token))?,
             Record::Event(r) => append_event(&mut row, r)?,
             Record::Logits(r) => append_logits(&mut row, r)?,
         }
@@ -105,7 +125,7 @@ impl TableBuffer {
         let arrays: Vec<ArrayRef> = self.columns.iter_mut().map(ColumnBuilder::finish).collect();
         self.rows = 0;
         RecordBatch::try_new(self.schema.clone(), arrays).map_err(|source| TraceError::Batch {
-            table: self.table,
+            table: self.spec.table,
             source,
         })
     }
@@ -113,15 +133,15 @@ impl TableBuffer {
 
 /// Appends the values of one row to consecutive columns, checking each
 /// value's type against the column's.
-struct RowCursor<'a> {
-    table: Table,
+pub(crate) struct RowCursor<'a> {
+    spec: &'static TableSpec,
     columns: &'a mut [ColumnBuilder],
     next: usize,
 }
 
 macro_rules! cursor_method {
     ($name:ident, $arg:ty, $variant:ident, $got:literal, |$b:ident, $v:ident| $append:expr) => {
-        fn $name(&mut self, $v: $arg) -> Result<(), TraceError> {
+        pub(crate) fn $name(&mut self, $v: $arg) -> Result<(), TraceError> {
             match self.columns.get_mut(self.next) {
                 Some(ColumnBuilder::$variant($b)) => {
                     $append;
@@ -166,6 +186,19 @@ impl RowCursor<'_> {
             None => b.append(false),
         }
     );
+    cursor_method!(
+        list_bool,
+        Option<&[bool]>,
+        ListBool,
+        "list<bool>",
+        |b, v| match v {
+            Some(values) => {
+                b.values().append_slice(values);
+                b.append(true);
+            }
+            None => b.append(false),
+        }
+    );
 
     fn end(&self) -> Result<(), TraceError> {
         if self.next == self.columns.len() {
@@ -177,13 +210,12 @@ impl RowCursor<'_> {
 
     fn drift(&self, got: &'static str) -> TraceError {
         let expected = self
-            .table
-            .spec()
+            .spec
             .columns
             .get(self.next)
             .map_or(ColumnType::Utf8, |c| c.ty);
         TraceError::SchemaDrift {
-            table: self.table,
+            table: self.spec.table,
             column: self.next,
             expected,
             got,
@@ -191,7 +223,7 @@ impl RowCursor<'_> {
     }
 }
 
-// === rows, in the column order of schemas/v1/<table>.json ===
+// === rows, in the column order of schemas/v1/<table>.json (v2: writer/topk.rs) ===
 
 fn append_hidden(row: &mut RowCursor<'_>, r: &HiddenRow) -> Result<(), TraceError> {
     let shadow = r.shadow.as_ref();
@@ -226,7 +258,9 @@ fn append_selection(row: &mut RowCursor<'_>, s: Option<&Selection>) -> Result<()
     row.list_f32(boundary.map(|b| b.scores.as_slice()))
 }
 
-fn append_topk(row: &mut RowCursor<'_>, r: &TopkRow) -> Result<(), TraceError> {
+/// A top-k row as trace format v1 stores it: both full lists (runs written
+/// in v1 on purpose, for reading old runs back in tests and benchmarks).
+fn append_topk_v1(row: &mut RowCursor<'_>, r: &TopkRow) -> Result<(), TraceError> {
     row.i32(Some(r.step))?;
     row.i32(Some(r.layer))?;
     row.i32(Some(r.token))?;

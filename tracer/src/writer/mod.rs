@@ -24,6 +24,7 @@ mod batch;
 mod part;
 mod props;
 mod queue;
+mod topk;
 mod worker;
 
 use std::path::{Path, PathBuf};
@@ -34,9 +35,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use part::part_path;
-pub use props::{row_group_rows, writer_properties};
+pub use props::{row_group_rows, writer_properties, zstd_level};
 use shadowtrace_schemas::manifest::{RunIdentity, Tool};
-use shadowtrace_schemas::{MANIFEST_FILE, Manifest, Table};
+use shadowtrace_schemas::{MANIFEST_FILE, Manifest, SCHEMA_VERSION, Table, is_readable};
+pub use topk::TopkLists;
 
 use crate::TraceError;
 use crate::record::Record;
@@ -82,6 +84,13 @@ pub struct WriterOptions {
     pub part_max_bytes: usize,
     /// The producer named in the manifest.
     pub tool: Tool,
+    /// Trace format version written (defaults to [`SCHEMA_VERSION`]). Version
+    /// 1 writes both full selections per top-k row, as builds before v2 did:
+    /// for tests and benchmarks that need an old run.
+    pub schema_version: u32,
+    /// Top-k rows that keep their full prod list (defaults to none;
+    /// `SHADOWTRACE_TOPK_LISTS`). Version 1 keeps every list anyway.
+    pub topk_lists: TopkLists,
 }
 
 impl Default for WriterOptions {
@@ -96,6 +105,8 @@ impl Default for WriterOptions {
                 name: "shadowtrace-tracer".to_owned(),
                 version: env!("CARGO_PKG_VERSION").to_owned(),
             },
+            schema_version: SCHEMA_VERSION,
+            topk_lists: TopkLists::None,
         }
     }
 }
@@ -162,13 +173,19 @@ impl RunWriter {
     ///
     /// # Errors
     /// When the directory already holds a run, the run id is not a valid file
-    /// name, or the directory or manifest cannot be written.
+    /// name, the trace format version is unknown, or the directory or
+    /// manifest cannot be written.
     pub fn create(
         dir: &Path,
         identity: RunIdentity,
         options: WriterOptions,
     ) -> Result<RunWriter, TraceError> {
         validate_run_id(&identity.run_id)?;
+        if !is_readable(options.schema_version) {
+            return Err(TraceError::UnknownVersion {
+                version: options.schema_version,
+            });
+        }
         if dir.join(MANIFEST_FILE).exists() {
             return Err(TraceError::RunExists {
                 path: dir.to_owned(),
@@ -180,9 +197,13 @@ impl RunWriter {
             source,
         })?;
         let mut manifest = Manifest::open(identity, options.tool.clone(), worker::unix_ms());
+        manifest.schema_version = options.schema_version;
         let settings = &mut manifest.identity.settings;
         settings.insert("queue_mode".to_owned(), options.queue_mode.as_str().into());
         settings.insert("queue_bytes".to_owned(), options.queue_bytes.into());
+        if options.schema_version >= 2 {
+            settings.insert("topk_lists".to_owned(), options.topk_lists.setting());
+        }
         worker::write_manifest(dir, &manifest)?;
 
         let queue = Arc::new(queue::ByteQueue::new(options.queue_bytes));
@@ -192,8 +213,9 @@ impl RunWriter {
             dir.to_owned(),
             manifest,
             options.part_max_bytes,
+            options.topk_lists,
             shared.clone(),
-        );
+        )?;
         let (done_tx, done) = channel();
         let worker_queue = queue.clone();
         let handle = std::thread::Builder::new()

@@ -29,6 +29,7 @@ impl PartWriter {
     pub(crate) fn create(
         run_dir: &Path,
         table: Table,
+        version: u32,
         index: u32,
         run_id: &str,
     ) -> Result<PartWriter, TraceError> {
@@ -44,13 +45,15 @@ impl PartWriter {
             path: tmp_path.clone(),
             source,
         };
-        let props = writer_properties(table, run_id).map_err(parquet_err)?;
+        let schema = table
+            .arrow_schema_for(version)
+            .ok_or(TraceError::UnknownVersion { version })?;
+        let props = writer_properties(table, version, run_id).map_err(parquet_err)?;
         let file = File::create(&tmp_path).map_err(|source| TraceError::Io {
             path: tmp_path.clone(),
             source,
         })?;
-        let writer =
-            ArrowWriter::try_new(file, table.arrow_schema(), Some(props)).map_err(parquet_err)?;
+        let writer = ArrowWriter::try_new(file, schema, Some(props)).map_err(parquet_err)?;
         Ok(PartWriter {
             tmp_path,
             final_path,

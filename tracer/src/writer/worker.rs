@@ -14,7 +14,7 @@ use shadowtrace_schemas::{MANIFEST_FILE, Manifest, TMP_SUFFIX, Table};
 use super::batch::{TableBuffer, is_well_formed, normalize_selection};
 use super::part::PartWriter;
 use super::queue::{ByteQueue, Popped};
-use super::{Message, Shared};
+use super::{Message, Shared, TopkLists};
 use crate::TraceError;
 use crate::record::Record;
 
@@ -56,29 +56,37 @@ impl Worker {
         dir: PathBuf,
         manifest: Manifest,
         part_max_bytes: usize,
+        topk_lists: TopkLists,
         shared: Arc<Shared>,
-    ) -> Worker {
+    ) -> Result<Worker, TraceError> {
         let tables = Table::ALL
             .iter()
-            .map(|&table| TableState {
-                table,
-                buffer: TableBuffer::new(table, manifest.run_id()),
-                part: None,
-                next_part: 0,
-                files: Vec::new(),
-                rows: 0,
-                invalid_rows: 0,
-                closed: false,
+            .map(|&table| {
+                Ok(TableState {
+                    table,
+                    buffer: TableBuffer::new(
+                        table,
+                        manifest.schema_version,
+                        manifest.run_id(),
+                        topk_lists,
+                    )?,
+                    part: None,
+                    next_part: 0,
+                    files: Vec::new(),
+                    rows: 0,
+                    invalid_rows: 0,
+                    closed: false,
+                })
             })
-            .collect();
-        Worker {
+            .collect::<Result<_, TraceError>>()?;
+        Ok(Worker {
             dir,
             manifest,
             part_max_bytes,
             shared,
             tables,
             last_manifest: Instant::now(),
-        }
+        })
     }
 
     /// Runs until the run is closed or the queue is closed. After the first
@@ -180,6 +188,7 @@ impl Worker {
             state.part = Some(PartWriter::create(
                 &self.dir,
                 table,
+                self.manifest.schema_version,
                 state.next_part,
                 self.manifest.run_id(),
             )?);
@@ -306,8 +315,10 @@ impl Worker {
 pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), TraceError> {
     let path = dir.join(MANIFEST_FILE);
     let tmp = dir.join(format!("{MANIFEST_FILE}{TMP_SUFFIX}"));
-    let mut text =
-        serde_json::to_string_pretty(manifest).map_err(|source| TraceError::Manifest {
+    let mut text = manifest
+        .to_json()
+        .and_then(|value| serde_json::to_string_pretty(&value))
+        .map_err(|source| TraceError::Manifest {
             path: path.clone(),
             source,
         })?;

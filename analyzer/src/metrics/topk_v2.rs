@@ -1,0 +1,284 @@
+//! Top-k overlap from a trace format v2 `topk` table (`schemas/v2/topk.json`).
+//!
+//! A v2 row stores counts, not selections: prod_selected, shadow_selected,
+//! shared and the churn counts within the recorded `boundary_band`. Jaccard
+//! and recall with and without churn follow from them exactly
+//! (`shadowtrace_schemas::selection::Counts`), so the summary columns
+//! ([`SUMMARY_COLUMNS`]) are all most analyses read, and the result equals
+//! what v1's full lists give for the same selections.
+//!
+//! The lists ([`LIST_COLUMNS`]: differences and boundary candidates) are read
+//! only where the counts cannot answer: a churn margin narrower than a row's
+//! band (churn recounted within it from the candidates' offsets), or a row
+//! with a band whose churn the producer left null because one path listed no
+//! candidates (what the other path's list shows is removed, as v1 does, and
+//! the row stays churn unknown). [`needs_lists`] says when.
+
+use shadowtrace_schemas::columns::topk as c;
+use shadowtrace_schemas::selection::{
+    BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
+};
+
+use super::topk_overlap::{RowOverlap, Skipped};
+use crate::AnalyzeError;
+use crate::frame::{BoolListView, ListView, bool_list, i32s, list, opt_f32s, opt_i32s, opt_strs};
+
+/// The summary columns: enough for every row whose recorded churn answers
+/// the margin asked for.
+pub const SUMMARY_COLUMNS: [&str; 16] = [
+    c::SHADOW_INPUT,
+    c::STEP,
+    c::LAYER,
+    c::TOKEN,
+    c::UNIT,
+    c::UNIT_TOKENS,
+    c::K,
+    c::VISIBLE,
+    c::PROD_SELECTED,
+    c::SHADOW_SELECTED,
+    c::SHARED,
+    c::BOUNDARY_BAND,
+    c::CHURN_SHARED,
+    c::CHURN_PROD_ONLY,
+    c::CHURN_SHADOW_ONLY,
+    c::CHURN_UNSELECTED,
+];
+
+/// The lists read besides the summary when churn must be recounted.
+pub const LIST_COLUMNS: [&str; 8] = [
+    c::PROD_ONLY_GAPS,
+    c::SHADOW_ONLY_GAPS,
+    c::PROD_BOUNDARY_GAPS,
+    c::PROD_BOUNDARY_OFFSETS,
+    c::PROD_BOUNDARY_SELECTED,
+    c::SHADOW_BOUNDARY_GAPS,
+    c::SHADOW_BOUNDARY_OFFSETS,
+    c::SHADOW_BOUNDARY_SELECTED,
+];
+
+/// The summary columns of one frame.
+struct Summary<'a> {
+    step: &'a [i32],
+    layer: &'a [i32],
+    token: &'a [i32],
+    k: &'a [i32],
+    visible: &'a [i32],
+    dequant: Vec<bool>,
+    prod_selected: &'a [i32],
+    shadow_selected: Vec<Option<i32>>,
+    shared: Vec<Option<i32>>,
+    band: Vec<Option<f32>>,
+    churn: [Vec<Option<i32>>; 4],
+}
+
+impl<'a> Summary<'a> {
+    fn of(frame: &'a polars::prelude::DataFrame) -> Result<Summary<'a>, AnalyzeError> {
+        Ok(Summary {
+            step: i32s(frame, c::STEP)?,
+            layer: i32s(frame, c::LAYER)?,
+            token: i32s(frame, c::TOKEN)?,
+            k: i32s(frame, c::K)?,
+            visible: i32s(frame, c::VISIBLE)?,
+            dequant: opt_strs(frame, c::SHADOW_INPUT)?
+                .iter()
+                .map(|s| s.as_deref() == Some("dequant"))
+                .collect(),
+            prod_selected: i32s(frame, c::PROD_SELECTED)?,
+            shadow_selected: opt_i32s(frame, c::SHADOW_SELECTED)?,
+            shared: opt_i32s(frame, c::SHARED)?,
+            band: opt_f32s(frame, c::BOUNDARY_BAND)?,
+            churn: [
+                opt_i32s(frame, c::CHURN_SHARED)?,
+                opt_i32s(frame, c::CHURN_PROD_ONLY)?,
+                opt_i32s(frame, c::CHURN_SHADOW_ONLY)?,
+                opt_i32s(frame, c::CHURN_UNSELECTED)?,
+            ],
+        })
+    }
+
+    fn informative(&self, i: usize) -> bool {
+        self.visible[i] > self.k[i] && self.shadow_selected[i].is_some()
+    }
+
+    /// The recorded churn of row `i`, `None` where the producer left it null.
+    fn recorded_churn(&self, i: usize) -> Option<ChurnCounts> {
+        let [shared, prod_only, shadow_only, unselected] = &self.churn;
+        Some(ChurnCounts {
+            shared: count(shared[i]?),
+            prod_only: count(prod_only[i]?),
+            shadow_only: count(shadow_only[i]?),
+            unselected: count(unselected[i]?),
+        })
+    }
+
+    /// Whether row `i` needs its lists to answer `churn_margin`.
+    fn needs_lists(&self, i: usize, churn_margin: Option<f32>) -> bool {
+        let Some(band) = self.band[i] else {
+            // No band: no candidate was recorded, whatever the margin.
+            return false;
+        };
+        self.informative(i)
+            && (self.recorded_churn(i).is_none() || churn_margin.is_some_and(|m| m < band))
+    }
+}
+
+/// A count as stored (i32, never negative from a producer); a negative one
+/// from a damaged file counts as zero rather than wrapping.
+fn count(v: i32) -> usize {
+    usize::try_from(v).unwrap_or(0)
+}
+
+/// Whether some row of a summary frame ([`SUMMARY_COLUMNS`]) needs
+/// [`LIST_COLUMNS`] too for `churn_margin`.
+///
+/// # Errors
+/// When a summary column is missing or has an unexpected layout.
+pub fn needs_lists(
+    frame: &polars::prelude::DataFrame,
+    churn_margin: Option<f32>,
+) -> Result<bool, AnalyzeError> {
+    let s = Summary::of(frame)?;
+    Ok((0..frame.height()).any(|i| s.needs_lists(i, churn_margin)))
+}
+
+/// The list columns of one frame.
+struct Lists<'a> {
+    prod_only: ListView<'a, i32>,
+    shadow_only: ListView<'a, i32>,
+    boundary: [(ListView<'a, i32>, ListView<'a, f32>, BoolListView<'a>); 2],
+}
+
+impl<'a> Lists<'a> {
+    fn of(frame: &'a polars::prelude::DataFrame) -> Result<Lists<'a>, AnalyzeError> {
+        Ok(Lists {
+            prod_only: list(frame, c::PROD_ONLY_GAPS)?,
+            shadow_only: list(frame, c::SHADOW_ONLY_GAPS)?,
+            boundary: [
+                (
+                    list(frame, c::PROD_BOUNDARY_GAPS)?,
+                    list(frame, c::PROD_BOUNDARY_OFFSETS)?,
+                    bool_list(frame, c::PROD_BOUNDARY_SELECTED)?,
+                ),
+                (
+                    list(frame, c::SHADOW_BOUNDARY_GAPS)?,
+                    list(frame, c::SHADOW_BOUNDARY_OFFSETS)?,
+                    bool_list(frame, c::SHADOW_BOUNDARY_SELECTED)?,
+                ),
+            ],
+        })
+    }
+}
+
+/// Per-worker buffers for one row's decoded lists: no allocation per row.
+#[derive(Default)]
+struct Scratch {
+    prod_only: Vec<i32>,
+    shadow_only: Vec<i32>,
+    keys: [Vec<i32>; 2],
+    selected: [Vec<bool>; 2],
+}
+
+/// Row `i`'s churn within `margin`, recounted from its lists; `false` as the
+/// second value when a path listed no candidates.
+fn recount_churn(lists: &Lists<'_>, i: usize, margin: f32, s: &mut Scratch) -> (ChurnCounts, bool) {
+    s.prod_only.clear();
+    s.shadow_only.clear();
+    extend_keys_from_gaps(lists.prod_only.get(i).unwrap_or(&[]), &mut s.prod_only);
+    extend_keys_from_gaps(lists.shadow_only.get(i).unwrap_or(&[]), &mut s.shadow_only);
+    let mut complete = true;
+    let mut offsets: [&[f32]; 2] = [&[], &[]];
+    for (path, (gaps, offs, selected)) in lists.boundary.iter().enumerate() {
+        s.keys[path].clear();
+        let listed = gaps.get(i).is_some() && offs.get(i).is_some();
+        complete &= listed && selected.fill(i, &mut s.selected[path]);
+        if !listed {
+            s.selected[path].clear();
+            continue;
+        }
+        extend_keys_from_gaps(gaps.get(i).unwrap_or(&[]), &mut s.keys[path]);
+        offsets[path] = offs.get(i).unwrap_or(&[]);
+    }
+    let view = |path: usize| BoundaryView {
+        keys: &s.keys[path],
+        offsets: offsets[path],
+        selected: &s.selected[path],
+    };
+    let churn = churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), margin);
+    (churn, complete)
+}
+
+/// Per-row overlap of a v2 `topk` frame: [`SUMMARY_COLUMNS`], plus
+/// [`LIST_COLUMNS`] where [`needs_lists`] says so. `churn_margin` caps the
+/// recorded band, as for v1.
+///
+/// # Errors
+/// When a column is missing or has an unexpected layout, or a row needs the
+/// lists and the frame lacks them.
+pub fn row_overlaps(
+    frame: &polars::prelude::DataFrame,
+    churn_margin: Option<f32>,
+) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
+    let s = Summary::of(frame)?;
+    let lists = if frame.column(c::PROD_ONLY_GAPS).is_ok() {
+        Some(Lists::of(frame)?)
+    } else {
+        None
+    };
+    let mut skipped = Skipped::default();
+    let mut rows = Vec::new();
+    let mut scratch = Scratch::default();
+    for i in 0..frame.height() {
+        let counts = if s.dequant[i] {
+            &mut skipped.dequant
+        } else {
+            &mut skipped.reference
+        };
+        let entry = counts.entry(s.layer[i]).or_default();
+        if s.visible[i] <= s.k[i] {
+            entry.0 += 1;
+            continue;
+        }
+        let (Some(shadow_selected), Some(shared)) = (s.shadow_selected[i], s.shared[i]) else {
+            entry.1 += 1;
+            continue;
+        };
+        let (churn, churn_unknown) = match (s.band[i], s.needs_lists(i, churn_margin), &lists) {
+            (None, _, _) => (ChurnCounts::default(), true),
+            (Some(band), true, Some(lists)) => {
+                let margin = churn_margin.map_or(band, |m| m.min(band));
+                let (churn, complete) = recount_churn(lists, i, margin, &mut scratch);
+                (churn, !complete)
+            }
+            (Some(_), true, None) => {
+                return Err(AnalyzeError::Layout {
+                    column: c::PROD_ONLY_GAPS.to_owned(),
+                    detail: "row needs its lists to count churn and the frame lacks them"
+                        .to_owned(),
+                });
+            }
+            (Some(_), false, _) => (s.recorded_churn(i).unwrap_or_default(), false),
+        };
+        let counts = Counts {
+            prod_selected: count(s.prod_selected[i]),
+            shadow_selected: count(shadow_selected),
+            shared: count(shared),
+            churn,
+        };
+        let (all, clean) = (counts.overlap(), counts.overlap_no_churn());
+        rows.push(RowOverlap {
+            step: s.step[i],
+            layer: s.layer[i],
+            token: s.token[i],
+            dequant: s.dequant[i],
+            jaccard: all.jaccard(),
+            recall: all.recall(),
+            jaccard_no_churn: clean.jaccard(),
+            recall_no_churn: clean.recall(),
+            churn_keys: churn.total(),
+            differing_keys: all.union - all.intersection,
+            differing_churn: churn.prod_only + churn.shadow_only,
+            churn_unknown,
+        });
+    }
+    Ok((rows, skipped))
+}

@@ -1,0 +1,116 @@
+"""The README's DuckDB, polars and Spark SQL snippets over v2 runs give what
+`shadowtrace analyze` gives: per run and layer, the mean Jaccard and churn-free Jaccard
+of the top-k selections, and the non-finite onset. The snippets are read from the README
+and run as written (only the path changed), so the README cannot rot."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+from conftest import REPO, binary
+
+README = REPO / "README.md"
+TOLERANCE = 1e-12  # means of the same f64 values summed in another order
+
+
+def snippet(name: str) -> str:
+    """The code block after `<!-- snippet: NAME -->` in the README."""
+    text = README.read_text()
+    found = re.search(rf"<!-- snippet: {name} -->\n```\w*\n(.*?)```", text, re.S)
+    assert found, f"README has no snippet {name}"
+    return found.group(1)
+
+
+def analysis(runs: Path) -> dict:
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", runs, "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def analyzer_layers(a: dict, metric: str) -> dict[tuple[str, int], float]:
+    return {
+        (run["run_id"], layer["layer"]): layer[metric]["mean"]
+        for run in a["runs"]
+        for layer in run["topk"]
+        if layer[metric] is not None
+    }
+
+
+def assert_layers_equal(got: dict, expected: dict) -> None:
+    assert expected, "the runs have informative top-k rows"
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=TOLERANCE, abs=TOLERANCE), key
+
+
+def test_readme_duckdb_jaccard_equals_the_analyzer(demo_runs: Path) -> None:
+    sql = snippet("duckdb-jaccard").replace("runs/*/topk", f"{demo_runs}/*/topk")
+    rows = duckdb.sql(sql).fetchall()
+    a = analysis(demo_runs)
+    for column, metric in [(2, "jaccard"), (3, "jaccard_no_churn")]:
+        got = {(r[0], r[1]): r[column] for r in rows}
+        assert_layers_equal(got, analyzer_layers(a, metric))
+
+
+def test_readme_polars_jaccard_equals_the_analyzer(demo_runs: Path) -> None:
+    code = snippet("polars-jaccard").replace("runs/*/topk", f"{demo_runs}/*/topk")
+    scope: dict = {}
+    # The README's own snippet, run as a user would.
+    exec(code, scope)
+    frame: pl.DataFrame = scope["per_layer"]
+    a = analysis(demo_runs)
+    for metric in ["jaccard", "jaccard_no_churn"]:
+        got = {(r["run_id"], r["layer"]): r[metric] for r in frame.iter_rows(named=True)}
+        assert_layers_equal(got, analyzer_layers(a, metric))
+
+
+def spark_session():
+    """A local Spark session, or a failure saying what is missing: never a skip."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        pytest.fail("pyspark is not installed: `pip install -r requirements-dev.txt` installs it")
+    if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+        pytest.fail("Java is absent: Spark needs a Java 17+ runtime on PATH or in JAVA_HOME")
+    return (
+        SparkSession.builder.master("local[2]")
+        .appName("shadowtrace-readme")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .getOrCreate()
+    )
+
+
+def test_readme_spark_sql_churn_free_jaccard_and_onset_equal_the_analyzer(
+    demo_runs: Path,
+) -> None:
+    spark = spark_session()
+    try:
+        for table in ["topk", "hidden", "events"]:
+            spark.read.parquet(f"{demo_runs}/*/{table}").createOrReplaceTempView(table)
+        jaccard_sql, onset_sql = [s for s in snippet("spark-sql").split(";") if s.strip()]
+        jaccard = spark.sql(jaccard_sql).collect()
+        onset = spark.sql(onset_sql).collect()
+    finally:
+        spark.stop()
+    a = analysis(demo_runs)
+    got = {(r["run_id"], r["layer"]): r["jaccard_no_churn"] for r in jaccard}
+    assert_layers_equal(got, analyzer_layers(a, "jaccard_no_churn"))
+    expected_onset = {
+        run["run_id"]: (run["onset"]["seq"], run["onset"]["layer"], run["onset"]["site"])
+        for run in a["runs"]
+        if run["onset"] is not None
+    }
+    assert expected_onset, "the demo plants a non-finite value"
+    assert {r["run_id"]: (r["seq"], r["layer"], r["site"]) for r in onset} == expected_onset
