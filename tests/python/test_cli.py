@@ -163,3 +163,32 @@ def test_fail_on_does_not_pass_when_no_run_could_be_judged(demo_run: Path, tmp_p
     assert shadowtrace("analyze", tmp_path, "--fail-on", "nonfinite").returncode == 1, "a verdict still fails"
     shutil.copytree(demo_run, tmp_path / "good")
     assert shadowtrace("analyze", tmp_path, "--fail-on", "hidden").returncode == 0
+
+
+def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
+    demo_run: Path, tmp_path: Path
+) -> None:
+    """Parts over 65,536 rows hold several row groups (the writers' group size): each column is
+    then read as several chunks. The same rows regrouped small give the same analysis, on the
+    summary-only path and on the path that reads the lists (a churn margin below the band)."""
+    import pyarrow.parquet as pq
+
+    regrouped = tmp_path / "regrouped" / demo_run.name
+    shutil.copytree(demo_run, regrouped)
+    parts = sorted((regrouped / "topk").glob("*.parquet"))
+    assert parts
+    for part in parts:
+        footer = pq.read_metadata(part).metadata
+        table = pq.read_table(part)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **footer})
+        pq.write_table(table, part, row_group_size=max(1, table.num_rows // 7))
+        assert pq.read_metadata(part).num_row_groups >= 7
+    for extra in ([], ["--churn-margin", "0.0001"]):
+        one = shadowtrace("analyze", demo_run, "--format", "json", *extra)
+        many = shadowtrace("analyze", regrouped, "--format", "json", *extra)
+        assert many.returncode == 0, many.stderr
+        runs = [json.loads(out.stdout)["runs"][0] for out in (one, many)]
+        for run in runs:
+            run.pop("dir", None)
+        assert runs[0]["topk"]
+        assert runs[0] == runs[1]

@@ -137,8 +137,14 @@ pub fn needs_lists(
     frame: &polars::prelude::DataFrame,
     churn_margin: Option<f32>,
 ) -> Result<bool, AnalyzeError> {
-    let s = Summary::of(frame)?;
-    Ok((0..frame.height()).any(|i| s.needs_lists(i, churn_margin)))
+    // Row group by row group: a part's columns hold one chunk per row group.
+    for chunk in frame.clone().split_chunks() {
+        let s = Summary::of(&chunk)?;
+        if (0..chunk.height()).any(|i| s.needs_lists(i, churn_margin)) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// The list columns of one frame.
