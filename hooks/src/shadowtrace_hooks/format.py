@@ -1,4 +1,4 @@
-"""Trace format v1 in pyarrow: the Arrow schema and Parquet encodings of each table, built
+"""Trace format v2 in pyarrow: the Arrow schema and Parquet encodings of each table, built
 from the definition files alone, so Python-written runs match Rust-written ones."""
 
 import pyarrow as pa
@@ -17,6 +17,7 @@ _ARROW_TYPES = {
     "utf8": pa.string(),
     "list<i32>": pa.list_(pa.int32()),
     "list<f32>": pa.list_(pa.float32()),
+    "list<bool>": pa.list_(pa.bool_()),
 }
 _PARQUET_ENCODINGS = {
     "delta": "DELTA_BINARY_PACKED",
