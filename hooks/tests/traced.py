@@ -53,7 +53,8 @@ def with_key_lists(row: dict[str, Any]) -> dict[str, Any]:
         assert len(prod_only) == row["prod_selected"] - row["shared"], row
         assert len(shadow_only) == row["shadow_selected"] - row["shared"], row
         if prod is not None:
-            assert set(prod_only) <= set(prod) and not set(shadow_only) & set(prod), row
+            assert set(prod_only) <= set(prod), row
+            assert not set(shadow_only) & set(prod), row
             out["shadow_indices"] = sorted((set(prod) - set(prod_only)) | set(shadow_only))
     return out
 
