@@ -109,7 +109,7 @@ def events_device(
         if valid is not None:
             where = where & (torch.arange(x.shape[-1], device=x.device) < valid[row])
         channel = where.to(torch.int8).argmax()
-        finite = torch.tensor(-1, device=x.device) if shadow_finite is None else shadow_finite[row].long()
+        finite = torch.full((), -1, device=x.device) if shadow_finite is None else shadow_finite[row].long()
         rows.append(torch.stack([total[i], row.long(), channel.long(), finite.long()]))
     return torch.stack(rows)
 
