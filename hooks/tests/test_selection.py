@@ -135,17 +135,21 @@ def test_identical_selections_share_everything_and_disjoint_ones_nothing() -> No
     k = 3
     q_pos = [9, 9]
     prod_topk = torch.tensor([[1, 4, 7], [0, 1, 2]], dtype=torch.int32)
+    prod, shadow = torch.full((2, 10), -1.0), torch.full((2, 10), -1.0)
+    prod[0, [1, 4, 7]] = prod[1, [0, 1, 2]] = torch.tensor([3.0, 2.0, 1.0])
     # row 0: the shadow's top-3 is prod's; row 1: the shadow's is {7, 8, 9}
-    shadow = torch.full((2, 10), -1.0)
-    shadow[0, [1, 4, 7]] = torch.tensor([3.0, 2.0, 1.0])
-    shadow[1, [7, 8, 9]] = torch.tensor([3.0, 2.0, 1.0])
-    same, disjoint = run(prod_topk, q_pos, k, shadow_scores=shadow, band=0.0)
-    check_row(same, {1, 4, 7}, {1, 4, 7}, {7})
+    shadow[0, [1, 4, 7]] = shadow[1, [7, 8, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    same, disjoint = run(prod_topk, q_pos, k, prod_scores=prod, shadow_scores=shadow, band=0.0)
+    check_row(same, {1, 4, 7}, {1, 4, 7}, {7})  # each path's k-th key is its only candidate
     assert (same["jaccard"], same["prod_only_gaps"], same["shadow_only_gaps"]) == (1.0, [], [])
-    check_row(disjoint, {0, 1, 2}, {7, 8, 9}, {9})
+    check_row(disjoint, {0, 1, 2}, {7, 8, 9}, {2, 9})
     assert disjoint["jaccard"] == 0.0
     assert disjoint["prod_only_gaps"] == [0, 1, 1]  # keys 0, 1, 2 gap-coded
     assert disjoint["shadow_only_gaps"] == [7, 1, 1]
+    # Without production's scores its candidates are unknown: so is the churn.
+    for row in run(prod_topk, q_pos, k, shadow_scores=shadow, band=0.0):
+        assert {"churn_shared", "jaccard_no_churn", "prod_boundary_gaps"}.isdisjoint(row)
+        assert keys(row["shadow_boundary_gaps"]) in ([7], [9])
 
 
 def test_keys_tied_at_the_kth_score_are_all_boundary_candidates_and_churn() -> None:

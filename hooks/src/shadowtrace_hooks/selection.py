@@ -18,7 +18,9 @@ Definitions, as DESIGN.md and the topk table give them:
   of that path's k-th score (a NaN k-th score has none); churn keys are the candidates of
   either path;
 - Jaccard = shared / (prod_selected + shadow_selected - shared), 1 when both are empty; the
-  churn-free Jaccard removes the churn keys from both selections first.
+  churn-free Jaccard removes the churn keys from both selections first. Churn, and so the
+  churn-free Jaccard, is known only with both paths' boundary candidates (production's
+  need its recomputed scores): otherwise both are null.
 """
 
 import math
@@ -61,6 +63,11 @@ class Compared:
     has_shadow: bool
     band: float | None
     chunks: list[_Chunk] = field(default_factory=list)
+
+    @property
+    def churn(self) -> bool:
+        """Whether churn is known: a band, and both paths' boundary candidates."""
+        return self.band is not None and self.has_prod_scores and self.has_shadow
 
 
 def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:
@@ -173,7 +180,7 @@ def _compare_chunk(
     if spec.band is not None:
         for name, (scores, kth, _) in paths.items():
             masks[name] = _near(scores, kth, spec.band, sparse)
-    if shadow is not None and spec.band is not None:
+    if spec.churn:
         churn = torch.zeros_like(prod)
         for name in paths:
             churn |= masks[name]
@@ -254,7 +261,7 @@ def columns(
         cols["shadow_kth_score"] = scalar(floats[2], dense)
         cols["shadow_kth_margin"] = scalar(floats[3], dense)
         cols["jaccard"] = floats[4]
-        if spec.band is not None:
+        if spec.churn:
             for i, name in enumerate(_INTS[3:], start=3):
                 cols[name] = scalar(ints[i], dense)
             cols["jaccard_no_churn"] = floats[5]
