@@ -48,7 +48,9 @@ from shadowtrace_hooks.transfer import Shipment
 TMP_SUFFIX = ".tmp"
 
 _BATCH_ROWS = {"topk": 256, "hidden": 8192, "events": 8192, "logits": 8192}
-_ROW_GROUP_ROWS = {"topk": 4096, "hidden": 1 << 20, "events": 1 << 16, "logits": 1 << 16}
+# Rows per row group, as the Rust writer sizes them in format v2 (tracer/src/writer/props.rs):
+# a v2 top-k row is a summary and short lists, so its groups hold 1 << 16 rows, not v1's 4096.
+_ROW_GROUP_ROWS = {"topk": 1 << 16, "hidden": 1 << 20, "events": 1 << 16, "logits": 1 << 16}
 _PART_MAX_BYTES = 256 << 20
 # A row given as a dict: its size in the queue, for the byte bound (lists counted apart).
 _ROW_BYTES = 256
