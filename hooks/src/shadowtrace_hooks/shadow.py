@@ -95,6 +95,15 @@ def expert_banks(module: torch.nn.Module) -> list[torch.nn.Module]:
     return banks
 
 
+def sharded(banks: list[torch.nn.Module]) -> bool:
+    """Whether any bank holds tensor-parallel shards (DTensor parameters)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(t, DTensor) for bank in banks for t in bank._parameters.values())
+
+
 def bank_tensors(banks: list[torch.nn.Module]) -> set[int]:
     """ids of the banks' per-expert weights and biases (3-D and 2-D tensors of the bank
     itself, not of its submodules): the tensors `in_precision` must keep."""

@@ -444,6 +444,12 @@ class _Tracer:
         capture = {module.self_attn: site("attn_out"), module.mlp: site("mlp_out")}
         # The expert bank stays as it is: only routed experts run, upcast one at a time.
         banks = shadow.expert_banks(module)
+        if shadow.sharded(banks):
+            # Tensor-parallel experts (DTensor shards) take their inputs and collectives
+            # from transformers' TP hooks, which the shadow suspends: their eager forward
+            # runs with each rank's shard upcast instead, counted per layer.
+            banks = []
+            self.runs[0].count("shadow_expert_bank_upcast")
         bank = shadow.bank_tensors(banks)
         with (
             shadow.full_fp32(),
