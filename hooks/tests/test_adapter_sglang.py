@@ -246,6 +246,7 @@ def test_requests_keep_one_run_each_through_alternation_chunking_mixed_batches_a
     slot = a.req_pool_idx
     engine.finish(a)
     engine.decode([b])  # the running batch without A: A's run closes here
+    traced.written()  # closing a run hands it to its writer and returns
     a_manifest = json.loads(next(tmp_path.glob("A-*/manifest.json")).read_text())
     assert a_manifest["status"] == "complete"
     chunk = 1200

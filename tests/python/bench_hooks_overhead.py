@@ -1,19 +1,30 @@
-"""Forward time of a GLM-5-shaped transformers model in three processes, side by side:
+"""Forward time, memory and bytes written of a GLM-5-shaped transformers model, traced six
+ways, each in a process of its own:
 
 - unhooked: the interpreter starts without site processing (-S), so shadowtrace_hooks.pth
   never runs (the site-packages are put on PYTHONPATH instead);
-- installed: the .pth runs with SHADOWTRACE unset, the way every process of an engine
-  environment with the hooks installed starts;
-- capture only: SHADOWTRACE=1 with SHADOWTRACE_SHADOW=none (production statistics and
-  top-k, no shadow);
-- tracing: SHADOWTRACE=1 with the default settings (fp32 local shadow, every layer, site
-  and token), the run written to a temporary directory.
+- installed, SHADOWTRACE unset: the .pth runs and imports nothing;
+- capture only: SHADOWTRACE=1 with SHADOWTRACE_SHADOW=none (production statistics at every
+  site and token, production top-k summaries and boundaries, no shadow);
+- fp32 local shadow: SHADOWTRACE=1 with the defaults (every layer, site and token; each
+  layer and the indexer re-run in fp32 on production's input);
+- fp32 local,free: the same with the free chain from the embeddings as well;
+- bf16 local shadow: SHADOWTRACE_SHADOW=bf16.
 
-Weights are random, seeded identically in each process, at GLM-5's widths (read from
-transformers' GlmMoeDsaConfig defaults) with few layers. Prints per-process seconds per
-forward (median of --repeat after one warm-up) and the ratios to the unhooked process.
+Weights are random, seeded identically in each process, in bf16, at GLM-5's widths (read
+from transformers' GlmMoeDsaConfig defaults: 256 routed experts, 8 per token) with
+--layers layers, the first dense. Prints per process the seconds per forward (median of
+--repeat after one warm-up) and its ratio to the unhooked process; the extra peak memory
+over the unhooked process (CUDA: torch's peak allocated; CPU: the kernel's peak resident
+set, VmHWM); the bytes each traced forward wrote; and what tracing did not do: disabled
+captures with their reason, dropped rows, shadows that did not run. Exits 1 when any
+capture was disabled, a row was dropped, a run was not complete or wrote fewer rows than
+the model's layers, sites and tokens call for (work that was claimed and skipped).
 
-usage: python tests/python/bench_hooks_overhead.py [--layers 3] [--tokens 8192] [--repeat 3] [--tiny]
+usage: python tests/python/bench_hooks_overhead.py [--layers 4] [--tokens 8192] [--repeat 3]
+       [--tiny] [--only NAME,...] [--keep-runs DIR]
+
+--tiny runs small widths on whatever device there is: a check of the script, not a figure.
 """
 
 import argparse
@@ -27,6 +38,30 @@ import tempfile
 import time
 from pathlib import Path
 
+TINY = {
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 16,
+    "num_experts_per_tok": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
+    "kv_lora_rank": 32, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4,
+    "vocab_size": 1024,
+}  # fmt: skip
+# name -> SHADOWTRACE* variables (None: the unhooked interpreter, without site processing)
+MODES = {
+    "unhooked": None,
+    "installed, SHADOWTRACE unset": {},
+    "capture only (SHADOW=none)": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "none"},
+    "fp32 local shadow": {"SHADOWTRACE": "1"},
+    "fp32 local,free": {"SHADOWTRACE": "1", "SHADOWTRACE_MODE": "local,free"},
+    "bf16 local shadow": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "bf16"},
+}
+SITES = ("layer_in", "attn_out", "mlp_out", "layer_out")
+
+
+def _rss(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
 
 def child(args: argparse.Namespace) -> None:
     import torch
@@ -34,82 +69,141 @@ def child(args: argparse.Namespace) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     overrides = {"num_hidden_layers": args.layers, "first_k_dense_replace": 1}
-    if args.tiny:  # a CPU check of the script itself, not a figure
-        overrides |= {
-            "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "n_routed_experts": 8,
-            "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
-            "kv_lora_rank": 32, "index_n_heads": 4, "vocab_size": 1024,
-        }  # fmt: skip
+    if args.tiny:
+        overrides |= TINY
     config = GlmMoeDsaConfig(**overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     with torch.device(device):
-        model = GlmMoeDsaForCausalLM(config).to(torch.bfloat16).eval()
+        model = GlmMoeDsaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
     times = []
-    for _ in range(args.repeat + 1):
+    peak = 0
+    for i in range(args.repeat + 1):
         if device == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = _rss("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         start = time.perf_counter()
         with torch.no_grad():
             logits = model(ids, logits_to_keep=1).logits
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"seconds": times[1:], "logit": float(logits.float().sum()), "device": device}))
+        if i:  # the warm-up's peak holds one-time allocations
+            used = torch.cuda.max_memory_allocated() if device == "cuda" else _rss("VmHWM")
+            peak = max(peak, used - before)
+        del logits
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(json.dumps({"seconds": times[1:], "peak": peak, "weights": weights, "device": name,
+                      "forwards": args.repeat + 1, "experts": config.n_routed_experts}))  # fmt: skip
 
 
-def main() -> None:
+def expected_rows(env: dict, layers: int, tokens: int) -> dict[str, int]:
+    """Rows one forward must write in a mode: every site and token of every layer (each
+    shadowed site once per shadow mode; layer_in is recorded for prod only), one top-k row
+    per query token and layer, the kept logits row."""
+    shadowed = env.get("SHADOWTRACE_SHADOW", "fp32") != "none"
+    modes = len(env.get("SHADOWTRACE_MODE", "local").split(",")) if shadowed else 1
+    per_layer = 1 + (len(SITES) - 1) * modes
+    return {"hidden": layers * per_layer * tokens, "topk": layers * tokens, "logits": 1}
+
+
+def audit(runs: Path, env: dict, args: argparse.Namespace, forwards: int) -> tuple[int, list[str]]:
+    """Bytes the mode's runs hold, and every way they fall short of what was timed."""
+    problems = []
+    manifests = sorted(runs.glob("*/manifest.json"))
+    if len(manifests) != forwards:
+        problems.append(f"{len(manifests)} runs for {forwards} forwards")
+    size = sum(p.stat().st_size for p in runs.rglob("*") if p.is_file())
+    want = expected_rows(env, args.layers, args.tokens)
+    for path in manifests:
+        m = json.loads(path.read_text())
+        rid = m["run_id"]
+        for key, reason in (m["settings"].get("disabled_sites") or {}).items():
+            problems.append(f"{rid}: capture {key} disabled: {reason}")
+        if m["status"] != "complete":
+            problems.append(f"{rid}: status {m['status']}")
+        counters = m["counters"]
+        for name in ("hook_errors", "dropped_rows", "sites_disabled", "shadow_skipped_decode_steps",
+                     "queue_wait_timeouts", "undecoded_shipments"):  # fmt: skip
+            if counters.get(name):
+                problems.append(f"{rid}: {name} = {counters[name]}")
+        for table, n in want.items():
+            got = m["tables"][table]["rows"]
+            if got < n:
+                problems.append(f"{rid}: {table} has {got} rows, the forward calls for {n}")
+    return size, problems
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="small widths: checks the script on a CPU")
+    parser.add_argument("--tiny", action="store_true", help="small widths: checks the script, not a figure")
+    parser.add_argument("--only", help="comma list of modes to run (the unhooked one always runs)")
     parser.add_argument(
         "--keep-runs", type=Path, help="write the traced runs here instead of a temporary directory"
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args)
+        child(args)
+        return 0
     base = [__file__, "--child", "--layers", str(args.layers), "--tokens", str(args.tokens)]
     base += ["--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else [])
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
     paths = os.pathsep.join(site.getsitepackages() + [p for p in sys.path if p])
+    chosen = (
+        MODES if not args.only else {k: v for k, v in MODES.items() if v is None or k in args.only.split(",")}
+    )
+    results, audits = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = str(args.keep_runs or tmp)
-        modes = {
-            "unhooked": ([sys.executable, "-S", *base], {**clean, "PYTHONPATH": paths}),
-            "installed, SHADOWTRACE unset": ([sys.executable, *base], clean),
-            "capture only (SHADOW=none)": (
-                [sys.executable, *base],
-                {**clean, "SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "none", "SHADOWTRACE_DIR": tmp + "/none"},
-            ),
-            "tracing (SHADOWTRACE=1)": (
-                [sys.executable, *base],
-                {**clean, "SHADOWTRACE": "1", "SHADOWTRACE_DIR": runs},
-            ),
-        }
-        results = {}
-        for name, (cmd, env) in modes.items():
+        root = args.keep_runs or Path(tmp)
+        for i, (name, env) in enumerate(chosen.items()):
             print(f"running: {name}", file=sys.stderr, flush=True)
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs = root / f"mode-{i}"
+            if env is None:
+                cmd, environ = [sys.executable, "-S", *base], {**clean, "PYTHONPATH": paths}
+            else:
+                cmd, environ = [sys.executable, *base], {**clean, **env, "SHADOWTRACE_DIR": str(runs)}
+            out = subprocess.run(cmd, env=environ, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                print(f"{name}: the process failed:\n{out.stderr[-4000:]}", file=sys.stderr)
+                return 1
             results[name] = json.loads(out.stdout.strip().splitlines()[-1])
-        traced_runs = len(list(Path(runs).iterdir()))
-    first = next(iter(results.values()))
+            if env and env.get("SHADOWTRACE"):
+                audits[name] = audit(runs, env, args, results[name]["forwards"])
+            elif env is not None and runs.exists():
+                audits[name] = (0, [f"SHADOWTRACE unset wrote {runs}"])
+    first = results["unhooked"]
     print(
-        f"GLM-5 widths, {args.layers} layers, {args.tokens} tokens, {first['device']}, "
-        f"median of {args.repeat}"
+        f"GLM-5 widths{' (tiny)' if args.tiny else ''}, {args.layers} layers (first dense), "
+        f"{first['experts']} experts, {args.tokens} tokens, {first['device']}, "
+        f"weights {first['weights'] / 2**30:.2f} GiB, median of {args.repeat} forwards after one warm-up"
     )
     base_time = statistics.median(first["seconds"])
+    print(f"  {'process':30} {'s/forward':>9} {'ratio':>7} {'extra peak':>13} {'written/forward':>15}")
+    failed = False
     for name, r in results.items():
         median = statistics.median(r["seconds"])
-        print(
-            f"  {name:30} {median:8.3f} s/forward  x{median / base_time:.3f}  (logits sum {r['logit']:.6g})"
-        )
-    print(f"  runs written while tracing: {traced_runs}")
+        extra = (r["peak"] - first["peak"]) / 2**20
+        size, problems = audits.get(name, (0, []))
+        written = f"{size / r['forwards'] / 2**20:11.2f} MiB" if name in audits else f"{'-':>15}"
+        print(f"  {name:30} {median:9.3f} {median / base_time:6.3f}x {extra:9.1f} MiB {written}")
+        for p in problems:
+            print(f"      NOT DONE: {p}")
+        failed = failed or bool(problems)
+    if failed:
+        print("some traced work was not done (above): these figures do not time what they claim")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

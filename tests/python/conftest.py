@@ -10,6 +10,8 @@ import upstream
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "schemas" / "v1"
+# What format v2 redefines (topk, the manifest); the rest is v1's.
+SCHEMAS_V2 = REPO / "schemas" / "v2"
 # The transformers releases the HF adapter is executed on: the virtualenv's and the newest.
 TRANSFORMERS = ["5.17.0", "5.24.0"]
 

@@ -58,6 +58,9 @@ def test_two_ranks_write_apart_and_read_as_one_run_with_the_single_rank_verdicts
     assert [m["parallelism"]["rank"] for m in manifests] == [0, 1]
     assert all(m["parallelism"]["world_size"] == 2 and m["status"] == "complete" for m in manifests)
     assert manifests[0]["tags"]["request"] == manifests[1]["tags"]["request"]
+    # every shadow ran on both ranks; the sharded expert banks were upcast per rank, and said so
+    assert all(m["settings"].get("disabled_sites") is None for m in manifests)
+    assert all(m["counters"].get("shadow_expert_bank_upcast") == 2 for m in manifests)  # 2 MoE layers
 
     (one,) = analyze(single)
     (merged,) = analyze(double)

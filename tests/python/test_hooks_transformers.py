@@ -227,7 +227,7 @@ def test_an_exception_inside_a_hook_is_counted_disables_its_capture_and_leaves_o
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("planted")
 
-    monkeypatch.setattr(stats, "hidden_columns", broken)
+    monkeypatch.setattr(stats, "hidden_device", broken)
     assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)}) is not None
     try:
         with torch.no_grad():

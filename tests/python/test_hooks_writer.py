@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-from conftest import SCHEMAS, binary
+from conftest import SCHEMAS_V2, binary
 from shadowtrace_hooks import definitions, format
 from shadowtrace_hooks.config import EnvError, resolve, variables
 from shadowtrace_hooks.writer import RunWriter
@@ -53,13 +53,16 @@ def write_run(run_dir: Path) -> dict:
         for token in range(8):
             assert writer.send("hidden", hidden(layer, token, nan=int(layer == 1 and token == 5)))
         for token in range(4, 8):
+            # k = 4 of token + 1 visible keys: prod took 0..3, the shadow 0, 1, 2 and the
+            # query's own key; |P & S| = 3, |P | S| = 5.
             writer.send(
                 "topk",
                 {
                     "step": 0, "layer": layer, "token": token, "shadow_input": "raw", "indexer_layer": layer,
-                    "k": 4, "visible": token + 1, "prod_indices": [0, 1, 2, 3],
-                    "prod_kth_score": 1.0, "prod_kth_margin": 0.1, "shadow_indices": [0, 1, 2, token],
-                    "shadow_kth_score": 1.0, "shadow_kth_margin": 0.1,
+                    "unit": "token", "unit_tokens": 1, "k": 4, "visible": token + 1, "prod_selected": 4,
+                    "prod_kth_score": 1.0, "prod_kth_margin": 0.1, "shadow_selected": 4,
+                    "shadow_kth_score": 1.0, "shadow_kth_margin": 0.1, "shared": 3, "jaccard": 3 / 5,
+                    "prod_only_gaps": [3], "shadow_only_gaps": [token], "prod_gaps": [0, 1, 1, 1],
                 },
             )  # fmt: skip
     writer.send("logits", {"step": 0, "token": 7, "prod_top_ids": [5, 6], "prod_top_logprobs": [-0.1, -2.0]})
@@ -70,9 +73,10 @@ def test_a_python_run_is_read_by_the_rust_analyzer(tmp_path: Path) -> None:
     run = tmp_path / "py-run"
     manifest = write_run(run)
     assert manifest["status"] == "complete"
-    jsonschema.Draft202012Validator(json.loads((SCHEMAS / "manifest.schema.json").read_text())).validate(
+    jsonschema.Draft202012Validator(json.loads((SCHEMAS_V2 / "manifest.schema.json").read_text())).validate(
         manifest
     )
+    assert (manifest["schema_version"], manifest["conventions"], manifest["deviations"]) == (2, [], [])
     inspect = subprocess.run(
         [binary("shadowtrace"), "inspect", run], capture_output=True, text=True, check=False
     )
@@ -109,8 +113,10 @@ def test_python_files_have_the_defined_schema_and_encodings(tmp_path: Path) -> N
         metadata.row_group(0).column(i).path_in_schema: metadata.row_group(0).column(i).encodings
         for i in range(metadata.num_columns)
     }
-    assert "DELTA_BINARY_PACKED" in encodings["prod_indices.list.element"]
+    assert metadata.metadata[b"shadowtrace.schema_version"] == b"2"
+    assert "BYTE_STREAM_SPLIT" in encodings["prod_only_gaps.list.element"]
     assert "BYTE_STREAM_SPLIT" in encodings["prod_kth_score"]
+    assert "DELTA_BINARY_PACKED" in encodings["prod_selected"]
 
 
 def test_the_lossy_queue_accounts_for_every_row(tmp_path: Path) -> None:
@@ -304,36 +310,39 @@ def test_every_variable_reads_the_same_on_both_sides_valid_or_not(name: str, val
     assert json.dumps(json.loads(rust.stdout), sort_keys=True) == json.dumps(python, sort_keys=True)
 
 
-def test_dense_rows_written_from_numerics_select_are_null_for_pyarrow_and_duckdb(tmp_path: Path) -> None:
+def test_dense_rows_written_from_the_device_comparison_are_null_for_pyarrow_and_duckdb(
+    tmp_path: Path,
+) -> None:
     import duckdb
     import numpy as np
     import torch
-    from shadowtrace_hooks import numerics
+    from shadowtrace_hooks import selection
+    from shadowtrace_hooks.transfer import Packet
 
     k, band = 4, 0.5
     q_pos = torch.arange(10)  # queries 0..3 see at most k keys: dense
     generator = torch.Generator().manual_seed(5)
     causal = torch.arange(10)[None, :] <= q_pos[:, None]
     scores = torch.randn(10, 10, generator=generator).masked_fill(~causal, -math.inf)
-    prod = numerics.select(scores, k, q_pos, band)
-    shadow = numerics.select(scores + 0.01 * torch.randn(10, 10, generator=generator), k, q_pos, band)
-    writer = RunWriter(tmp_path / "py-run", IDENTITY)
-    # The columns as Session.topk hands them to the writer.
+    shadow = scores + 0.01 * torch.randn(10, 10, generator=generator)
+    packet = Packet()
+    spec = selection.compare(packet, scores.topk(k).indices, q_pos, 10, k, prod_scores=scores,
+                             shadow_scores=shadow, band=band)  # fmt: skip
+    visible = (q_pos + 1).numpy().astype(np.int32)
+    # The columns as Run.topk hands them to the writer.
     columns = {
-        "step": 0, "layer": 0, "token": q_pos.numpy().astype(np.int32), "shadow_input": "raw",
-        "indexer_layer": 0, "k": k, "visible": (q_pos + 1).numpy().astype(np.int32),
-        "prod_indices": prod.indices, "prod_kth_score": prod.kth_score, "prod_kth_margin": prod.kth_margin,
-        "prod_boundary_indices": prod.boundary_indices, "prod_boundary_scores": prod.boundary_scores,
-        "shadow_indices": shadow.indices, "shadow_kth_score": shadow.kth_score,
-        "shadow_kth_margin": shadow.kth_margin, "shadow_boundary_indices": shadow.boundary_indices,
-        "shadow_boundary_scores": shadow.boundary_scores, "boundary_band": band,
+        **selection.columns(spec, packet.ship().arrays(), visible, k), "step": 0, "layer": 0,
+        "token": q_pos.numpy().astype(np.int32), "shadow_input": "raw", "indexer_layer": 0, "unit": "token",
+        "unit_tokens": 1, "k": k, "visible": visible,
     }  # fmt: skip
+    writer = RunWriter(tmp_path / "py-run", IDENTITY)
     assert writer.send_columns("topk", columns, 10)
     writer.close()
     files = str(tmp_path / "py-run" / "topk" / "*.parquet")
     nullable = [
-        "prod_kth_score", "prod_kth_margin", "prod_boundary_indices", "prod_boundary_scores",
-        "shadow_kth_score", "shadow_kth_margin", "shadow_boundary_indices", "shadow_boundary_scores",
+        "prod_kth_score", "prod_kth_margin", "prod_boundary_gaps", "prod_boundary_offsets",
+        "prod_boundary_selected", "shadow_kth_score", "shadow_kth_margin", "shadow_boundary_gaps",
+        "shadow_boundary_offsets", "shadow_boundary_selected", "churn_shared", "churn_unselected",
     ]  # fmt: skip
     table = pq.read_table(tmp_path / "py-run" / "topk").sort_by("token")
     for name in nullable:
@@ -346,6 +355,12 @@ def test_dense_rows_written_from_numerics_select_are_null_for_pyarrow_and_duckdb
             f"count(*) filter (visible > k and {name} is null) from read_parquet('{files}')"
         ).fetchall()
         assert (dense_null, sparse_null) == (4, 0), name
+    # Jaccard from the counts alone, as the format promises, equals the producer's
+    ((mismatched,),) = duckdb.sql(
+        f"select count(*) from read_parquet('{files}') "
+        f"where abs(jaccard - shared / (prod_selected + len(shadow_only_gaps))) > 1e-6"
+    ).fetchall()
+    assert mismatched == 0
 
 
 def test_importing_the_hooks_package_loads_nothing_heavy() -> None:

@@ -113,12 +113,19 @@ def test_a_kill_mid_forward_keeps_every_finished_forward_and_counts_the_rest(
     record(fault, True, acc, done + 1)
     finished = [m for m in (json.loads(p.read_text()) for p in runs.glob("*/manifest.json"))
                 if m["status"] == "complete"]  # fmt: skip
-    # Every forward that returned before the signal (it printed `done`; a run closes before
-    # its forward returns, so one more may have closed before printing): every row readable.
-    assert done <= len(finished) <= done + 1 < 4
+    # A forward hands its run to the writer when it returns (it printed `done`; one more may
+    # have returned before printing), and closing does not wait for the writer. SIGTERM runs
+    # the exit flush: every returned forward's run is complete, every row readable. SIGKILL
+    # leaves no time for it: a returned forward's run may still have been being written, and
+    # then stays incomplete with what it did not write counted, never lost silently.
+    if sig == signal.SIGKILL:
+        assert len(finished) <= done + 1 < 4
+        assert len(finished) + len(acc["incomplete"]) >= done
+    else:
+        assert done <= len(finished) <= done + 1 < 4
+        assert len(acc["incomplete"]) <= 1
     assert all(sum(t["rows"] for t in m["tables"].values()) == ROWS_PER_FORWARD for m in finished)
     assert acc["silent"] == 0
-    assert len(acc["incomplete"]) <= 1
     if sig == signal.SIGTERM and acc["incomplete"]:
         assert acc["incomplete"][0]["counters"]["interrupted"] == 1
 

@@ -1,4 +1,4 @@
-"""Trace format v1 in pyarrow: the Arrow schema and Parquet encodings of each table, built
+"""Trace format v2 in pyarrow: the Arrow schema and Parquet encodings of each table, built
 from the definition files alone, so Python-written runs match Rust-written ones."""
 
 import pyarrow as pa

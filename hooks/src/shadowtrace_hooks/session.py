@@ -11,14 +11,16 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from shadowtrace_hooks import __version__, config, numerics, stats
-from shadowtrace_hooks.writer import RunWriter
+from shadowtrace_hooks import __version__, config, selection, stats
+from shadowtrace_hooks.transfer import Packet
+from shadowtrace_hooks.writer import ByteBudget, RunWriter
 
 log = logging.getLogger("shadowtrace")
 
@@ -43,10 +45,43 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def topk_lists(raw: Any) -> dict[str, Any]:
+    """SHADOWTRACE_TOPK_LISTS (none, every:N or all: the query rows whose full production
+    list the topk table keeps) in its canonical form {"kind": ..., "n": N}. Accepts that form
+    (once env.json defines the variable, config.resolve gives it) or the raw text."""
+    if isinstance(raw, dict):
+        return raw
+    text = str(raw).strip(" \t\n\x0c\r")
+    if text in ("none", "all"):
+        return {"kind": text}
+    kind, _, n = text.partition(":")
+    if kind == "every" and n.isascii() and n.isdigit() and 1 <= int(n) < 1 << 64:
+        return {"kind": "every", "n": int(n)}
+    raise config.EnvError("SHADOWTRACE_TOPK_LISTS", str(raw), "none, every:N or all with N >= 1")
+
+
+@dataclass
+class TokenRows:
+    """The rows of one forward's tensor for one request: their absolute positions, and which
+    of them get hidden-state rows (SHADOWTRACE_TOKENS), on the host and on the device."""
+
+    positions: np.ndarray  # [T] int32
+    index: np.ndarray | None  # rows recorded; None: every row
+    device_index: torch.Tensor | None
+
+    @property
+    def count(self) -> int:
+        return len(self.positions) if self.index is None else len(self.index)
+
+    @property
+    def recorded(self) -> np.ndarray:
+        return self.positions if self.index is None else self.positions[self.index]
+
+
 class Settings:
     """The SHADOWTRACE_* variables as the hooks use them (definitions in schemas/v1/env.json)."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], environ: dict[str, str] | None = None) -> None:
         self.values = values
         self.enabled: bool = values["SHADOWTRACE"]
         self.dir = Path(values["SHADOWTRACE_DIR"])
@@ -63,10 +98,15 @@ class Settings:
         self.flush_timeout_s: float = values["SHADOWTRACE_FLUSH_TIMEOUT_S"]
         self.band: float = values["SHADOWTRACE_BOUNDARY_BAND"]
         self.top_n: int = values["SHADOWTRACE_LOGITS_TOP_N"]
+        # Defined in env.json by format v2's reader side; read here from the environment
+        # until it is (config.resolve then gives its canonical value).
+        lists = values.get("SHADOWTRACE_TOPK_LISTS", (environ or {}).get("SHADOWTRACE_TOPK_LISTS", "none"))
+        self.topk_lists: dict[str, Any] = topk_lists(lists)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "Settings":
-        return cls(config.resolve(os.environ if environ is None else environ))
+        environ = dict(os.environ if environ is None else environ)
+        return cls(config.resolve(environ), environ)
 
     @property
     def shadow_dtype(self) -> torch.dtype | None:
@@ -78,16 +118,30 @@ class Settings:
     def site(self, name: str) -> bool:
         return self.sites == "all" or name in self.sites
 
-    def token_rows(self, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """Rows of `positions` (a forward's token positions) whose statistics are recorded."""
+    def token_rows(self, positions: np.ndarray, length: int, device: torch.device) -> TokenRows:
+        """The rows of `positions` (a forward's token positions, on the host) whose
+        statistics are recorded, for a sequence of `length` tokens so far."""
         kind = self.tokens["kind"]
+        positions = np.asarray(positions, dtype=np.int32)
         if kind == "all":
-            keep = torch.ones_like(positions, dtype=torch.bool)
-        elif kind == "every":
-            keep = positions % self.tokens["n"] == 0
-        else:
-            keep = positions >= length - self.tokens["n"]
-        return keep.nonzero().flatten()
+            return TokenRows(positions, None, None)
+        keep = (
+            positions % self.tokens["n"] == 0 if kind == "every" else positions >= length - self.tokens["n"]
+        )
+        if keep.all():
+            return TokenRows(positions, None, None)
+        index = np.flatnonzero(keep)
+        return TokenRows(positions, index, torch.as_tensor(index, device=device))
+
+    def topk_sampled(self, positions: np.ndarray) -> np.ndarray | None:
+        """Which query rows keep their full production list (SHADOWTRACE_TOPK_LISTS); None
+        for none."""
+        kind = self.topk_lists["kind"]
+        if kind == "none":
+            return None
+        if kind == "all":
+            return np.ones(len(positions), dtype=bool)
+        return np.asarray(positions) % self.topk_lists["n"] == 0
 
     def recorded(self) -> dict[str, Any]:
         """The settings that shape a trace, for the manifest."""
@@ -97,6 +151,7 @@ class Settings:
             "tokens": self.tokens,
             "boundary_band": self.band,
             "logits_top_n": self.top_n,
+            "topk_lists": self.topk_lists,
         }
 
 
@@ -148,8 +203,13 @@ def device_of(tensor: torch.Tensor) -> dict[str, Any]:
     return {"kind": "cpu", "name": "cpu", "index": None}
 
 
+Decode = Callable[[list[np.ndarray]], list[tuple[str, dict, int]]]
+
+
 class Run:
-    """One request's run: rows go to its writer, each capture numbered in execution order."""
+    """One request's run, each capture numbered in execution order. Captures compute their
+    rows on the device into the run's packet; `ship` sends what they added to the writer in
+    one copy, which the writer's thread turns into rows."""
 
     def __init__(self, writer: RunWriter, settings: Settings) -> None:
         self.writer, self.settings = writer, settings
@@ -157,6 +217,10 @@ class Run:
         self.step = -1
         self.counters: dict[str, int] = {}
         self.state: dict[Any, Any] = {}  # adapter scratch: shadow chains, indexer key caches
+        self._packet = Packet()
+        self._device: torch.device | None = None
+        self._decoders: list[Decode] = []
+        self._counted: dict[str, int] = {}
 
     @property
     def run_id(self) -> str:
@@ -169,76 +233,167 @@ class Run:
         self.seq += 1
         return self.seq - 1
 
+    # --- the packet -------------------------------------------------------------------
+
+    def add(self, tensor: torch.Tensor) -> int:
+        """Adds a device tensor to the packet; its index in the arrays decoders receive."""
+        self._use(tensor.device)
+        return self._packet.add(tensor)
+
+    def _use(self, device: torch.device) -> None:
+        """One packet holds one device's tensors: a capture on another ships the packet first."""
+        if self._device is not None and device != self._device:
+            self.ship()
+        self._device = device
+
+    def defer(self, decode: Decode, counted: dict[str, int]) -> None:
+        """Registers how the packet's arrays become rows; `counted`: the rows per table it
+        makes, known now (tables left out, such as events, are counted when decoded)."""
+        self._decoders.append(decode)
+        for table, n in counted.items():
+            self._counted[table] = self._counted.get(table, 0) + n
+
+    def ship(self) -> None:
+        """Sends every capture since the last ship in one device-to-host copy."""
+        if not self._decoders:
+            return
+        decoders, counted = self._decoders, self._counted
+        self._decoders, self._counted, self._device = [], {}, None
+        shipment = self._packet.ship()
+
+        def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
+            return [batch for d in decoders for batch in d(arrays)]
+
+        self.writer.send_shipment(shipment, decode, counted)
+
+    # --- captures -------------------------------------------------------------------
+
     def hidden(
-        self,
-        layer: int,
-        site: str,
-        prod: torch.Tensor,
-        shadows: dict[str, torch.Tensor],
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        self, layer: int, site: str, prod: torch.Tensor, shadows: dict[str, torch.Tensor], rows: TokenRows
     ) -> None:
         """Rows of one site: per token statistics for each shadow mode (or prod only), and
-        the site's non-finite events. `prod` and the shadows are [T, N] in `positions` order."""
-        seq = self.next_seq()
-        shadow_for_events = shadows.get("local", next(iter(shadows.values()), None))
-        for kind in stats.nonfinite_events(prod, shadow_for_events):
-            kind["token"] = int(positions[kind["token"]])
-            row = {"seq": seq, "step": self.step, "layer": layer, "site": site, "path": "prod", **kind}
-            self.writer.send("events", row)
-        if len(tokens) == 0:
-            return
-        for mode, shadow in (shadows or {None: None}).items():
-            cols = stats.hidden_columns(prod, shadow, tokens)
-            cols["token"] = positions[tokens].cpu().numpy().astype(np.int32)
-            cols.update(seq=seq, step=self.step, layer=layer, site=site, shadow_mode=mode)
-            self.writer.send_columns("hidden", cols, len(tokens))
+        the site's non-finite events. `prod` and the shadows are [T, N] in `rows` order."""
+        seq, step = self.next_seq(), self.step
+        prod_counts = stats.counts_device(prod)
+        counts = {mode: stats.counts_device(s) for mode, s in shadows.items()}
+        event_mode = "local" if "local" in shadows else next(iter(shadows), None)
+        finite = None if event_mode is None else counts[event_mode].sum(0) == 0
+        events = self.add(stats.events_device(prod, prod_counts, finite))
+        slots = {}
+        if rows.count:
+            for mode, shadow in (shadows or {None: None}).items():
+                slots[mode] = self.add(
+                    stats.hidden_device(prod, prod_counts, shadow, counts.get(mode), rows.device_index)
+                )
+        numel = prod.shape[-1]
+        where = {"seq": seq, "step": step, "layer": layer, "site": site}
+
+        def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
+            out = _events(arrays[events], rows.positions, where)
+            for mode, slot in slots.items():
+                cols = stats.hidden_from_host(arrays[slot], numel)
+                cols.update(token=rows.recorded, shadow_mode=mode, **where)
+                out.append(("hidden", cols, rows.count))
+            return out
+
+        self.defer(decode, {"hidden": rows.count * len(slots)})
+
+    def indexer_events(
+        self, layer: int, scores: torch.Tensor, q_pos: torch.Tensor, positions: np.ndarray
+    ) -> None:
+        """Events of production's indexer scores [T, S] (query t sees keys s <= q_pos[t]): a
+        NaN or Inf among the visible scores, which the top-k rows alone cannot show."""
+        visible = q_pos + 1
+        summary = self.add(stats.events_device(scores, stats.counts_device(scores, visible), None, visible))
+        where = {"seq": self.next_seq(), "step": self.step, "layer": layer, "site": "indexer"}
+        self.defer(lambda arrays: _events(arrays[summary], positions, where), {})
 
     def topk(
         self,
         layer: int,
         indexer_layer: int,
         k: int,
+        positions: np.ndarray,
         q_pos: torch.Tensor,
-        prod_indices: numerics.Lists,
-        prod: numerics.Selection | None,
-        shadows: dict[str, numerics.Selection],
+        prod_topk: torch.Tensor,
+        prod_scores: torch.Tensor | None,
+        shadows: dict[str, torch.Tensor],
+        *,
         unit: str = "token",
         unit_tokens: int = 1,
-        visible: torch.Tensor | None = None,
+        visible: np.ndarray | None = None,
     ) -> None:
-        """Rows of one indexer call: the production selection, and one row set per shadow
-        input (raw, dequant), or prod alone. A selection over pooled or compressed keys
-        names its `unit` (vocabulary `selection_units`), the tokens per key and each query
-        token's `visible` keys in that unit (default: tokens, `q_pos + 1`); `k` and the key
-        indices count that unit too."""
-        band = self.settings.band
-        for shadow_input, shadow in (shadows or {None: None}).items():
-            cols: dict[str, Any] = {
-                "step": self.step, "layer": layer, "token": q_pos.cpu().numpy().astype(np.int32),
-                "shadow_input": shadow_input, "indexer_layer": indexer_layer, "k": k,
-                "unit": unit, "unit_tokens": unit_tokens,
-                "visible": (q_pos + 1 if visible is None else visible).cpu().numpy().astype(np.int32),
-                "prod_indices": prod_indices,
-            }  # fmt: skip
-            if prod is not None:
-                cols.update(
-                    prod_kth_score=prod.kth_score, prod_kth_margin=prod.kth_margin,
-                    prod_boundary_indices=prod.boundary_indices, prod_boundary_scores=prod.boundary_scores,
-                )  # fmt: skip
-            if shadow is not None:
-                cols.update(
-                    shadow_indices=shadow.indices, shadow_kth_score=shadow.kth_score,
-                    shadow_kth_margin=shadow.kth_margin, shadow_boundary_indices=shadow.boundary_indices,
-                    shadow_boundary_scores=shadow.boundary_scores, boundary_band=band,
-                )  # fmt: skip
-            self.writer.send_columns("topk", cols, len(q_pos))
+        """Rows of one indexer call: production's selection `prod_topk` [T, n] (with its
+        recomputed scores when known) against each shadow input's scores [T, keys] (raw,
+        dequant), or prod alone. `positions` [T] (host) and `q_pos` [T] (device) are the
+        queries' positions. Keys are tokens 0 .. max(positions) by default; a selection over
+        pooled or compressed keys names its `unit` (vocabulary `selection_units`), the tokens
+        per key, and each query's `visible` keys in that unit [T] (host), which `k`, the
+        indices and the scores' columns count too."""
+        rows = len(positions)
+        if rows == 0:
+            return
+        if visible is None:
+            visible = np.asarray(positions, dtype=np.int32) + 1
+            q_key = q_pos
+        else:
+            visible = np.asarray(visible, dtype=np.int32)
+            q_key = torch.as_tensor(visible - 1, device=q_pos.device)
+        widths = {t.shape[-1] for t in (prod_scores, *shadows.values()) if t is not None}
+        keys = widths.pop() if len(widths) == 1 else max(1, int(visible.max()))
+        sampled = self.settings.topk_sampled(positions)
+        on_device = None if sampled is None else torch.as_tensor(sampled, device=q_pos.device)
+        self._use(q_pos.device)
+        specs = {}
+        for shadow_input, scores in (shadows or {None: None}).items():
+            band = self.settings.band if (prod_scores is not None or scores is not None) else None
+            specs[shadow_input] = selection.compare(
+                self._packet, prod_topk, q_key, keys, k, prod_scores=prod_scores, shadow_scores=scores,
+                band=band, sampled=on_device,
+            )  # fmt: skip
+        fixed = {"step": self.step, "layer": layer, "token": np.asarray(positions, dtype=np.int32),
+                 "indexer_layer": indexer_layer, "unit": unit, "unit_tokens": unit_tokens, "k": k,
+                 "visible": visible}  # fmt: skip
 
-    def logits(self, prod: torch.Tensor, shadow: torch.Tensor | None, positions: torch.Tensor) -> None:
-        cols = stats.logits_columns(prod, shadow, self.settings.top_n)
-        cols["token"] = positions.cpu().numpy().astype(np.int32)
-        cols["step"] = self.step
-        self.writer.send_columns("logits", cols, len(positions))
+        def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
+            out = []
+            for shadow_input, spec in specs.items():
+                cols = selection.columns(spec, arrays, visible, k, sampled)
+                out.append(("topk", {**cols, **fixed, "shadow_input": shadow_input}, rows))
+            return out
+
+        self.defer(decode, {"topk": rows * len(specs)})
+
+    def logits(self, prod: torch.Tensor, shadow: torch.Tensor | None, positions: np.ndarray) -> None:
+        top_n = self.settings.top_n
+        slots = [self.add(t) for t in stats.logits_device(prod, top_n)]
+        if shadow is not None:
+            slots += [self.add(t) for t in stats.logits_device(shadow, top_n)]
+        step = self.step
+
+        def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
+            cols: dict[str, Any] = {"token": np.asarray(positions, dtype=np.int32), "step": step}
+            cols["prod_top_ids"], cols["prod_top_logprobs"] = stats.logits_lists(
+                arrays[slots[0]], arrays[slots[1]]
+            )
+            if len(slots) > 2:
+                cols["shadow_top_ids"], cols["shadow_top_logprobs"] = stats.logits_lists(
+                    arrays[slots[2]], arrays[slots[3]]
+                )
+            return [("logits", cols, len(positions))]
+
+        self.defer(decode, {"logits": len(positions)})
+
+
+def _events(summary: np.ndarray, positions: np.ndarray, where: dict) -> list[tuple[str, dict, int]]:
+    """The events table's batch of one capture's `stats.events_device` summary (none when
+    the capture was finite); token is a position."""
+    rows = stats.event_rows(summary)
+    if not rows:
+        return []
+    cols = {name: [r[name] for r in rows] for name in ("kind", "channel", "count", "shadow_finite")}
+    cols["token"] = [int(positions[r["token"]]) for r in rows]
+    return [("events", {**cols, **where, "path": "prod"}, len(rows))]
 
 
 class Session:
@@ -251,6 +406,10 @@ class Session:
         self.disabled: dict[str, str] = {}
         self.errors = 0
         self.open_runs: list[Run] = []
+        # Runs closed and handed to their writers, still being written: waited for at exit.
+        self.closing: list[RunWriter] = []
+        # Bytes queued for writing, bounded over every run of the process.
+        self.budget = ByteBudget(settings.queue_bytes)
         self.tracers: dict[str, Any] = {}  # engine name -> adapters.engine.EngineTracer
         self.warned: set[str] = set()
         self.hook_calls: dict[str, int] = {}  # engine -> indexer hook entries
@@ -316,6 +475,7 @@ class Session:
             queue_timeout_s=s.queue_timeout_s,
             flush_timeout_s=s.flush_timeout_s,
             tool_version=__version__,
+            budget=self.budget,
         )
         run = Run(writer, s)
         self.open_runs.append(run)
@@ -324,22 +484,43 @@ class Session:
     def close_run(
         self, run: Run, *, interrupted: bool = False, at_exit: bool = False, timeout_s: float | None = None
     ) -> None:
-        """Closes a run; a writer failure is counted, never raised into the engine. An
-        `interrupted` run (its forward raised, the process was stopped half way) stays
-        incomplete; a run closed `at_exit` says so."""
+        """Closes a run: hands what it captured to its writer and returns, the writer's
+        thread finishing the files (at exit, waits at most `timeout_s` for it). A writer
+        failure is counted, never raised into the engine. An `interrupted` run (its forward
+        raised, the process was stopped half way) stays incomplete; a run closed `at_exit`
+        says so."""
         if run in self.open_runs:
             self.open_runs.remove(run)
+        try:
+            run.ship()
+        except Exception as e:
+            run.count("hook_errors")
+            self.warn_once(f"ship:{type(e).__name__}", f"rows of a capture could not be sent: {e}")
         run.writer.counters.update({f"process.{k}": v for k, v in self.counters.items()})
         run.writer.counters.update(run.counters)
         if at_exit:
             run.writer.counters["closed_at_exit"] = 1
         if self.disabled:
             run.writer.manifest["settings"]["disabled_sites"] = dict(self.disabled)
+        self.closing = [w for w in self.closing if not w.finished]
         try:
-            run.writer.close(interrupted=interrupted, timeout_s=timeout_s)
+            run.writer.close(interrupted=interrupted, wait=at_exit, timeout_s=timeout_s)
         except Exception as e:  # the writer already counted it in the manifest
             self.errors += 1
             log.warning("shadowtrace: run %s: %s", run.run_id, e)
+        if not at_exit:
+            self.closing.append(run.writer)
+
+    def wait_closed(self, deadline: float) -> None:
+        """Waits until every closed run is written, or the monotonic `deadline`: what is not
+        written by then stays counted (`unflushed_rows`) in a run left incomplete."""
+        closing, self.closing = self.closing, []
+        for writer in closing:
+            try:
+                writer.wait_closed(deadline - time.monotonic())
+            except Exception as e:  # counted in its manifest
+                self.errors += 1
+                log.warning("shadowtrace: run %s: %s", writer.manifest["run_id"], e)
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -412,3 +593,4 @@ def stop() -> None:
             tracer.close(at_exit=True, deadline=deadline)
         for run in list(sess.open_runs):
             sess.close_run(run, at_exit=True, timeout_s=deadline - time.monotonic())
+        sess.wait_closed(deadline)

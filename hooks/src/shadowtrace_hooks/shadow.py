@@ -1,18 +1,25 @@
 """Running engine modules in the shadow precision, and the indexer's shadow recompute.
 
 `in_precision` runs a module with its floating-point parameters upcast for the duration of
-one call: the originals are put back as the very same tensors, so the production weights
-are untouched bit for bit, and at most one layer's upcast copy exists at a time. A failure
-half way through the upcast (an out-of-memory error) puts back what was already swapped
-before it propagates: production never runs on upcast weights.
+one call. The production tensors are never touched, not even their dtype: the module's
+parameter and buffer entries point at upcast copies for the call and at the very same
+production tensors afterwards, also when the upcast fails half way (an out-of-memory
+error). At most one layer's upcast copy exists at a time.
+
+A mixture-of-experts layer's expert bank is not upcast: `routed_experts` runs only the
+experts its tokens are routed to, one expert's weights upcast at a time, with the model's
+own router and dispatch (the layer's code runs; only the experts' matmuls are swapped for
+shadow-precision ones that follow the experts module's eager definition). Upcasting the
+bank would need the whole bank again in fp32 (38 GB per layer at GLM-5's widths).
 
 `hooks_suspended` keeps every forward hook of a module tree (the user's, transformers'
 output recorders, ours) from firing during the shadow re-run, which must be invisible to
-everything but the tracer.
+everything but the tracer. `full_fp32` keeps TF32 out of fp32 shadow matmuls whatever the
+engine set.
 """
 
 import contextlib
-import itertools
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,42 +40,156 @@ _HOOK_DICTS = (
 
 
 @contextlib.contextmanager
-def in_precision(module: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def in_precision(
+    module: torch.nn.Module, dtype: torch.dtype, keep: Callable[[torch.Tensor], bool] | None = None
+) -> Iterator[None]:
     """Within the block, `module`'s bf16/fp16 parameters and buffers are `dtype` copies.
     Only upcasts: fp32 tensors (routing biases kept in fp32 on purpose) and FP8 weights
-    (which need their scales) stay as they are."""
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    (which need their scales) stay as they are, and so does any tensor `keep` says to keep
+    (an expert bank run by `routed_experts`). A tensor tied between modules is upcast once."""
+    replaced: list[tuple[dict, str, torch.Tensor]] = []
+    upcast: dict[int, torch.Tensor] = {}
     try:
         if dtype == torch.float32:
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                if tensor.dtype not in _UPCASTABLE:
-                    continue
-                if _is_dtensor(tensor):
-                    # A tensor-parallel shard: `.data` assignment does not reach the local
-                    # tensor, swapping the whole tensor does, and swapping back is exact.
-                    upcast = torch.nn.Parameter(tensor.data.to(dtype), requires_grad=False)
-                    torch.utils.swap_tensors(tensor, upcast)
-                    swapped.append((tensor, upcast))
-                else:
-                    data = tensor.data
-                    upcast_data = data.to(dtype)
-                    saved.append((tensor, data))
-                    tensor.data = upcast_data
+            for sub in module.modules():
+                for registry in (sub._parameters, sub._buffers):
+                    for name, tensor in list(registry.items()):
+                        if tensor is None or tensor.dtype not in _UPCASTABLE or (keep and keep(tensor)):
+                            continue
+                        if id(tensor) not in upcast:
+                            copy = tensor.detach().to(dtype)
+                            if isinstance(tensor, torch.nn.Parameter):
+                                copy = torch.nn.Parameter(copy, requires_grad=False)
+                            upcast[id(tensor)] = copy
+                        replaced.append((registry, name, tensor))
+                        registry[name] = upcast[id(tensor)]
         yield
     finally:
-        for tensor, data in saved:
-            tensor.data = data
-        for tensor, upcast in swapped:
-            torch.utils.swap_tensors(tensor, upcast)
+        for registry, name, tensor in reversed(replaced):
+            registry[name] = tensor
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+@contextlib.contextmanager
+def full_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in full fp32 within the block (no TF32), restored after."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+# === expert banks ===
+
+
+def expert_banks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules under `module` that hold every expert in 3-D parameters
+    ([experts, out, in], as transformers' GLM-5 and DeepSeek-V3.2 do from 5.17 on)."""
+    banks = []
+    for sub in module.modules():
+        down = sub._parameters.get("down_proj")
+        up = sub._parameters.get("gate_up_proj", sub._parameters.get("up_proj"))
+        if isinstance(down, torch.Tensor) and isinstance(up, torch.Tensor) and down.dim() == up.dim() == 3:
+            banks.append(sub)
+    return banks
+
+
+def sharded(banks: list[torch.nn.Module]) -> bool:
+    """Whether any bank holds tensor-parallel shards (DTensor parameters)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
         return False
-    return isinstance(tensor, DTensor)
+    return any(isinstance(t, DTensor) for bank in banks for t in bank._parameters.values())
+
+
+def bank_tensors(banks: list[torch.nn.Module]) -> set[int]:
+    """ids of the banks' per-expert weights and biases (3-D and 2-D tensors of the bank
+    itself, not of its submodules): the tensors `in_precision` must keep."""
+    return {
+        id(t)
+        for bank in banks
+        for name, t in bank._parameters.items()
+        if t is not None and name.endswith(("_proj", "_proj_bias"))
+    }
+
+
+@contextlib.contextmanager
+def routed_experts(banks: list[torch.nn.Module], dtype: torch.dtype) -> Iterator[list[int]]:
+    """Within the block, each bank's forward is `routed_forward` in `dtype`. Yields a list
+    that collects the peak bytes of expert weights held upcast at once (for accounting)."""
+    peaks: list[int] = []
+    for bank in banks:
+        bank.forward = functools.partial(routed_forward, bank, dtype, peaks)  # type: ignore[method-assign]
+    try:
+        yield peaks
+    finally:
+        for bank in banks:
+            bank.__dict__.pop("forward", None)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
+) -> torch.Tensor:
+    out = x @ weight if transposed else torch.nn.functional.linear(x, weight)
+    return out if bias is None else out + bias
+
+
+def routed_forward(
+    bank: torch.nn.Module,
+    dtype: torch.dtype,
+    peaks: list[int],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts module's eager definition (transformers' `*Experts.forward`: for each
+    expert a token is routed to, act(gate) * up, down, times the routing weight, summed into
+    the token's row) with each routed expert's weights upcast to `dtype` only while it runs.
+    Experts no token is routed to are never read; routing entries beyond the bank (expert
+    parallelism's sentinels) are skipped, as the eager loop skips them."""
+    x = hidden_states.to(dtype)
+    out = torch.zeros_like(x)
+    experts = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    total = int(getattr(bank, "num_experts", bank.down_proj.shape[0]))
+    counts = torch.bincount(flat, minlength=total + 1).tolist()  # one sync per layer
+    tokens, slots = order // experts, order % experts
+    weights = top_k_weights.reshape(-1, experts)
+    gated = getattr(bank, "has_gate", True) and "gate_up_proj" in bank._parameters
+    transposed = bool(getattr(bank, "is_transposed", False))
+    biased = bool(getattr(bank, "has_bias", False))
+    up_name = "gate_up_proj" if gated else "up_proj"
+    start = 0
+    for expert, n in enumerate(counts):
+        rows = slice(start, start + n)
+        start += n
+        if n == 0 or expert >= total:
+            continue
+        up_w = getattr(bank, up_name)[expert].to(dtype)
+        down_w = bank.down_proj[expert].to(dtype)
+        up_b = getattr(bank, f"{up_name}_bias")[expert].to(dtype) if biased else None
+        down_b = bank.down_proj_bias[expert].to(dtype) if biased else None
+        peaks.append((up_w.numel() + down_w.numel()) * up_w.element_size())
+        who = tokens[rows]
+        h = _linear(x[who], up_w, up_b, transposed)
+        if gated:
+            apply_gate = getattr(bank, "_apply_gate", None)
+            if apply_gate is not None:
+                h = apply_gate(h)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                h = bank.act_fn(gate) * up
+        else:
+            h = bank.act_fn(h)
+        h = _linear(h, down_w, down_b, transposed)
+        if getattr(bank, "has_post_expert_norm", False):
+            h = bank.post_expert_norm(h)
+        h = h * weights[who, slots[rows], None].to(dtype)
+        out.index_add_(0, who, h)
+    return out
 
 
 Hook = Callable[..., Any]

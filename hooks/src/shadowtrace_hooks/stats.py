@@ -1,7 +1,11 @@
 """Per-token hidden-state statistics, non-finite events and logits summaries, computed on
-the tensor's device and brought to the host as a few small arrays per capture.
+the tensor's device as a few small tensors per capture (`*_device`), which a capture packs
+for one copy to the host (shadowtrace_hooks.transfer); the host turns them into rows
+(`*_rows`, `*_from_host`). Nothing here synchronises with the device.
 
 Definitions are the columns' docs in schemas/v1/hidden.json, events.json and logits.json.
+`hidden_columns`, `nonfinite_events`, `indexer_events` and `logits_columns` compute the same
+on the host in one call, for tests and callers off the forward's path.
 """
 
 import math
@@ -9,69 +13,151 @@ import math
 import numpy as np
 import torch
 
-_KINDS = ("nan", "pos_inf", "neg_inf")
+from shadowtrace_hooks.numerics import Lists
+
+KINDS = ("nan", "pos_inf", "neg_inf")
+PROD_STATS = ("prod_nan", "prod_pos_inf", "prod_neg_inf", "prod_max_abs", "prod_l2")
+SHADOW_STATS = ("shadow_nan", "shadow_pos_inf", "shadow_neg_inf", "shadow_max_abs", "shadow_l2",
+                "rel_l2_err", "cosine", "max_abs_diff")  # fmt: skip
+_COUNTS = 3  # the first three statistics of each path are element counts
 
 
-def _counts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return x.isnan().sum(-1), (x == math.inf).sum(-1), (x == -math.inf).sum(-1)
+def counts_device(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[3, T] int32: NaN, +Inf and -Inf elements of each row of x [T, N] (with `valid`
+    [T] counts, only among each row's first valid[t] elements, whose rest is -Inf: the
+    indexer's masked scores)."""
+    nan = x.isnan().sum(-1, dtype=torch.int32)
+    pos = (x == math.inf).sum(-1, dtype=torch.int32)
+    neg = (x == -math.inf).sum(-1, dtype=torch.int32)
+    if valid is not None:
+        neg = neg - (x.shape[-1] - valid).to(torch.int32)
+    return torch.stack([nan, pos, neg])
 
 
-def _finite_norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-    return finite.abs().amax(-1), finite.norm(dim=-1)
+def _finite_float(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 with its non-finite elements zeroed (never x itself: callers may hold it)."""
+    if x.dtype == torch.float32:
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    return x.float().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def hidden_device(
+    prod: torch.Tensor,
+    prod_counts: torch.Tensor,
+    shadow: torch.Tensor | None,
+    shadow_counts: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+) -> torch.Tensor:
+    """[C, n] fp32: the statistics of `PROD_STATS` (and `SHADOW_STATS`) of rows `tokens`
+    (None: every row) of prod [T, N] and shadow [T, N], given each one's `counts_device`.
+    Counts are exact in fp32 below 2^24 elements per vector."""
+    prod, shadow = prod.detach(), None if shadow is None else shadow.detach()
+    if tokens is not None:
+        prod, prod_counts = prod.index_select(0, tokens), prod_counts.index_select(1, tokens)
+    p, pc = _finite_float(prod), prod_counts
+    p_l2 = torch.linalg.vector_norm(p, dim=-1)
+    out = [*pc.float(), torch.linalg.vector_norm(p, ord=math.inf, dim=-1), p_l2]
+    if shadow is not None:
+        assert shadow_counts is not None
+        if tokens is not None:
+            shadow, shadow_counts = shadow.index_select(0, tokens), shadow_counts.index_select(1, tokens)
+        s, sc = _finite_float(shadow), shadow_counts
+        s_l2 = torch.linalg.vector_norm(s, dim=-1)
+        diff = p - s
+        diff_norm = torch.linalg.vector_norm(diff, dim=-1)
+        # Against a zero shadow: 0 when prod is zero too, +inf otherwise (never 0/0 = NaN,
+        # which reads as a non-finite vector).
+        against_zero = torch.where(diff_norm > 0, math.inf, 0.0)
+        rel = torch.where(s_l2 != 0, diff_norm / s_l2, against_zero)
+        cosine = (p * s).sum(-1) / (p_l2 * s_l2)
+        max_diff = torch.linalg.vector_norm(diff, ord=math.inf, dim=-1)
+        # Non-finite anywhere in either vector makes the comparison NaN, as the docs say.
+        bad = (pc.sum(0) + sc.sum(0)) > 0
+        nan = torch.full_like(rel, math.nan)
+        out += [*sc.float(), torch.linalg.vector_norm(s, ord=math.inf, dim=-1), s_l2]
+        out += [torch.where(bad, nan, v) for v in (rel, cosine, max_diff)]
+    return torch.stack(out)
+
+
+def hidden_from_host(stats: np.ndarray, numel: int) -> dict[str, np.ndarray]:
+    """hidden-table columns from `hidden_device`'s host copy."""
+    names = PROD_STATS + (SHADOW_STATS if stats.shape[0] > len(PROD_STATS) else ())
+    out = {}
+    for i, name in enumerate(names):
+        counted = i < _COUNTS or len(PROD_STATS) <= i < len(PROD_STATS) + _COUNTS
+        out[name] = stats[i].astype(np.int64) if counted else stats[i].astype(np.float32, copy=False)
+    out["numel"] = np.full(stats.shape[1], numel, dtype=np.int64)
+    return out
+
+
+def events_device(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    shadow_finite: torch.Tensor | None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[3, 4] int64, one row per kind of `KINDS`: its count over x [T, N], the first row
+    holding it, the first element of that row holding it (with `valid`, among its first
+    valid[row] elements), and whether the shadow was finite at that row (`shadow_finite`
+    [T] bool; -1 when unknown). Rows of a kind that never occurs say count 0."""
+    rows = []
+    total = counts.sum(-1, dtype=torch.int64)
+    for i, kind in enumerate(KINDS):
+        row = (counts[i] > 0).to(torch.int8).argmax()  # the first row holding it (0 if none)
+        values = x.detach()[row]
+        where = values.isnan() if kind == "nan" else values == (math.inf if kind == "pos_inf" else -math.inf)
+        if valid is not None:
+            where = where & (torch.arange(x.shape[-1], device=x.device) < valid[row])
+        channel = where.to(torch.int8).argmax()
+        finite = torch.full((), -1, device=x.device) if shadow_finite is None else shadow_finite[row].long()
+        rows.append(torch.stack([total[i], row.long(), channel.long(), finite.long()]))
+    return torch.stack(rows)
+
+
+def event_rows(summary: np.ndarray) -> list[dict]:
+    """One event per kind present, from `events_device`'s host copy: token is the row."""
+    out = []
+    for kind, (count, row, channel, finite) in zip(KINDS, summary.tolist(), strict=True):
+        if count:
+            shadow_finite = None if finite < 0 else bool(finite)
+            out.append({"kind": kind, "token": row, "channel": channel, "count": count,
+                        "shadow_finite": shadow_finite})  # fmt: skip
+    return out
+
+
+def logits_device(x: torch.Tensor, top_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-N ids (int32) and log-probabilities (fp32) of each row of logits x [T, V]."""
+    logprobs = torch.log_softmax(x.detach().float(), dim=-1)
+    values, ids = logprobs.topk(min(top_n, x.shape[-1]), dim=-1)
+    return ids.to(torch.int32), values
+
+
+def logits_lists(ids: np.ndarray, logprobs: np.ndarray) -> tuple[Lists, Lists]:
+    """`logits_device`'s host copy as two list columns."""
+    rows, n = ids.shape
+    offsets = np.arange(0, (rows + 1) * n, n, dtype=np.int32)
+    return Lists(ids.reshape(-1), offsets), Lists(logprobs.reshape(-1), offsets.copy())
+
+
+# === on the host, in one call ===
 
 
 def hidden_columns(
     prod: torch.Tensor, shadow: torch.Tensor | None, tokens: torch.Tensor
 ) -> dict[str, np.ndarray]:
     """Statistics of rows `tokens` of prod [T, N] (and shadow [T, N]), as hidden-table columns."""
-    p = prod.detach()[tokens].double()
-    cols: dict[str, torch.Tensor] = {}
-    cols["prod_nan"], cols["prod_pos_inf"], cols["prod_neg_inf"] = _counts(p)
-    cols["prod_max_abs"], cols["prod_l2"] = _finite_norms(p)
-    if shadow is not None:
-        s = shadow.detach()[tokens].double()
-        cols["shadow_nan"], cols["shadow_pos_inf"], cols["shadow_neg_inf"] = _counts(s)
-        cols["shadow_max_abs"], cols["shadow_l2"] = _finite_norms(s)
-        # Non-finite anywhere in either vector makes the comparison NaN, as the docs say.
-        diff = p - s
-        diff_norm, shadow_norm = diff.norm(dim=-1), s.norm(dim=-1)
-        # Against a zero shadow: 0 when prod is zero too, +inf otherwise (never 0/0 = NaN,
-        # which reads as a non-finite vector).
-        against_zero = torch.where(diff_norm > 0, math.inf, 0.0).to(diff_norm.dtype)
-        cols["rel_l2_err"] = torch.where(shadow_norm != 0, diff_norm / shadow_norm, against_zero)
-        cols["cosine"] = (p * s).sum(-1) / (p.norm(dim=-1) * s.norm(dim=-1))
-        cols["max_abs_diff"] = diff.abs().amax(-1)
-        bad = ~(torch.isfinite(p).all(-1) & torch.isfinite(s).all(-1))
-        for name in ("rel_l2_err", "cosine", "max_abs_diff"):
-            cols[name] = torch.where(bad, torch.full_like(cols[name], math.nan), cols[name])
-    out = {}
-    for name, value in cols.items():
-        host = value.cpu().numpy()
-        out[name] = host.astype(np.int64) if host.dtype.kind in "iub" else host.astype(np.float32)
-    out["numel"] = np.full(len(tokens), prod.shape[-1], dtype=np.int64)
+    shadow_counts = None if shadow is None else counts_device(shadow)
+    stats = hidden_device(prod, counts_device(prod), shadow, shadow_counts, tokens.to(prod.device))
+    out = hidden_from_host(stats.cpu().numpy(), prod.shape[-1])
     out["token"] = tokens.cpu().numpy().astype(np.int32)
     return out
 
 
 def nonfinite_events(prod: torch.Tensor, shadow: torch.Tensor | None) -> list[dict]:
     """One event per non-finite kind present in prod [T, N]: its count over the whole tensor,
-    the first (token, channel) holding it, and whether the shadow was finite at that token.
-    Nothing is synchronised when the tensor is finite beyond one scalar check."""
-    p = prod.detach()
-    if bool(torch.isfinite(p).all()):
-        return []
-    events = []
-    for kind, where in zip(_KINDS, (p.isnan(), p == math.inf, p == -math.inf), strict=True):
-        count = int(where.sum())
-        if count == 0:
-            continue
-        token, channel = (int(v) for v in where.nonzero()[0])
-        shadow_finite = None if shadow is None else bool(torch.isfinite(shadow[token]).all())
-        events.append(
-            {"kind": kind, "token": token, "channel": channel, "count": count, "shadow_finite": shadow_finite}
-        )
-    return events
+    the first (token, channel) holding it, and whether the shadow was finite at that token."""
+    finite = None if shadow is None else counts_device(shadow).sum(0) == 0
+    return event_rows(events_device(prod, counts_device(prod), finite).cpu().numpy())
 
 
 def indexer_events(
@@ -81,34 +167,21 @@ def indexer_events(
     s <= q_pos[t]: the -inf beyond them is the mask, not a score. token is the first query
     row holding the kind, channel its first key, count over every visible score; with the
     shadow's scores, whether they were finite over that query's visible keys."""
-    visible = torch.arange(scores.shape[1], device=scores.device)[None, :] <= q_pos[:, None]
-    p = scores.detach()
-    p = torch.where(visible, p, torch.zeros_like(p))
-    events = nonfinite_events(p, None)
-    for event in events:
-        if shadow is not None:
-            row = shadow.detach()[event["token"]][visible[event["token"]]]
-            event["shadow_finite"] = bool(torch.isfinite(row).all())
-    return events
+    visible = q_pos + 1
+    finite = None if shadow is None else counts_device(shadow, visible).sum(0) == 0
+    summary = events_device(scores, counts_device(scores, visible), finite, visible)
+    return event_rows(summary.cpu().numpy())
 
 
 def logits_columns(prod: torch.Tensor, shadow: torch.Tensor | None, top_n: int) -> dict:
     """Top-N ids and log-probabilities per position of prod logits [T, V] (and shadow), as
     flat list columns."""
-    from shadowtrace_hooks.numerics import Lists
-
-    def top(x: torch.Tensor) -> tuple[Lists, Lists]:
-        logprobs = torch.log_softmax(x.detach().float(), dim=-1)
-        n = min(top_n, x.shape[-1])
-        values, ids = logprobs.topk(n, dim=-1)
-        offsets = np.arange(0, (x.shape[0] + 1) * n, n, dtype=np.int32)
-        return (
-            Lists(ids.to(torch.int32).cpu().numpy().reshape(-1), offsets),
-            Lists(values.cpu().numpy().reshape(-1), offsets.copy()),
-        )
-
     out: dict = {"token": np.arange(prod.shape[0], dtype=np.int32)}
-    out["prod_top_ids"], out["prod_top_logprobs"] = top(prod)
+    ids, values = logits_device(prod, top_n)
+    out["prod_top_ids"], out["prod_top_logprobs"] = logits_lists(ids.cpu().numpy(), values.cpu().numpy())
     if shadow is not None:
-        out["shadow_top_ids"], out["shadow_top_logprobs"] = top(shadow)
+        ids, values = logits_device(shadow, top_n)
+        out["shadow_top_ids"], out["shadow_top_logprobs"] = logits_lists(
+            ids.cpu().numpy(), values.cpu().numpy()
+        )
     return out

@@ -1,23 +1,31 @@
-"""Writing runs in trace format v1, off the caller's thread, without losing a row unseen.
+"""Writing runs in trace format v2, off the caller's thread, without losing a row unseen.
 
 The contract is the Rust writer's (tracer/src/writer):
 
-- rows go through a queue bounded in bytes; when it is full, `blocking` waits for room and
-  `lossy` drops; every wait has a deadline, and a row that misses it is dropped; every
-  dropped row is counted (`tables.<t>.dropped_rows`);
-- a worker thread encodes rows into Parquet part files written under `.tmp` names and
-  renamed when complete;
+- rows go through a queue bounded in bytes (`ByteBudget`: one per process in a session,
+  shared by every run's writer, so runs that close faster than they are written cannot
+  pile up without bound); when it is full, `blocking` waits for room and `lossy` drops;
+  every wait has a deadline, and a row that misses it is dropped; every dropped row is
+  counted (`tables.<t>.dropped_rows`);
+- a worker thread per run turns what was queued into Arrow batches and Parquet part files,
+  written under `.tmp` names and renamed when complete. Captures may queue a `Shipment`
+  (shadowtrace_hooks.transfer) still being copied from the device, with the function that
+  turns it into rows: waiting for the copy and building the rows happen on the worker too;
+- `close()` hands the run over and returns at once (`wait=False`), or waits for the worker
+  to finish (the default, and what the session does at process exit): nothing on the
+  traced forward's path waits for encoding or disk;
 - manifest.json is rewritten atomically whenever a part completes, and at most every
   `_MANIFEST_EVERY_S` seconds while rows arrive, so a killed process leaves a manifest that
   lists its complete parts and how many rows the producer had handed over (`sent_rows`, also
   rewritten after a second without rows):
   what was sent and is neither written nor counted as dropped was lost, and readers say so;
-- it says `incomplete` until `close()` has written every row; a close that cannot finish
-  in time (the flush deadline), or a run whose request was interrupted, stays `incomplete`
-  with the rows still queued counted (`counters.unflushed_rows`).
+- it says `incomplete` until the worker has written every row after `close()`; a run whose
+  rows are not written within the flush deadline, or whose request was interrupted, stays
+  `incomplete` with the rows still queued counted (`counters.unflushed_rows`).
 
 Nothing here raises into the traced engine's code path: `send` never raises; `close`
-raises only when the writer failed, and the session catches it.
+raises only when it waits and the writer failed or ran out of time, and the session
+catches it.
 """
 
 import json
@@ -25,6 +33,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +43,14 @@ import pyarrow.parquet as pq
 
 from shadowtrace_hooks import definitions, format
 from shadowtrace_hooks.numerics import Lists
+from shadowtrace_hooks.transfer import Shipment
 
 TMP_SUFFIX = ".tmp"
 
 _BATCH_ROWS = {"topk": 256, "hidden": 8192, "events": 8192, "logits": 8192}
-_ROW_GROUP_ROWS = {"topk": 4096, "hidden": 1 << 20, "events": 1 << 16, "logits": 1 << 16}
+# Rows per row group, as the Rust writer sizes them in format v2 (tracer/src/writer/props.rs):
+# a v2 top-k row is a summary and short lists, so its groups hold 1 << 16 rows, not v1's 4096.
+_ROW_GROUP_ROWS = {"topk": 1 << 16, "hidden": 1 << 20, "events": 1 << 16, "logits": 1 << 16}
 _PART_MAX_BYTES = 256 << 20
 # A row given as a dict: its size in the queue, for the byte bound (lists counted apart).
 _ROW_BYTES = 256
@@ -60,6 +72,47 @@ def write_json_atomically(path: Path, document: Any) -> None:
 class _Columns:
     def __init__(self, columns: dict, rows: int) -> None:
         self.columns, self.rows = columns, rows
+
+
+# Turns a shipment's host arrays into batches: (table, columns, rows).
+Decode = Callable[[list[np.ndarray]], list[tuple[str, dict, int]]]
+
+
+class _Deferred:
+    """Rows still on their way from the device: `counted` are the rows per table known (and
+    counted as sent) when it was queued; rows of other tables are counted when decoded."""
+
+    def __init__(self, shipment: Shipment, decode: Decode, counted: dict[str, int]) -> None:
+        self.shipment, self.decode, self.counted = shipment, decode, counted
+
+
+class ByteBudget:
+    """Bytes queued for writing, bounded: a writer takes room before queueing and gives it
+    back once its worker has handled what it queued."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._room = threading.Condition()
+
+    def take(self, nbytes: int, *, wait_s: float, stop: Callable[[], bool]) -> bool:
+        """Takes `nbytes` of room, waiting up to `wait_s` for it (0: not at all) while `stop()`
+        is false. One batch larger than the whole bound still passes an empty queue: the
+        bound limits what waits, not what a single capture may be."""
+        deadline = time.monotonic() + wait_s
+        with self._room:
+            while self.used and self.used + nbytes > self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0 or stop():
+                    return False
+                self._room.wait(min(left, _MANIFEST_EVERY_S))
+            self.used += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        with self._room:
+            self.used -= nbytes
+            self._room.notify_all()
 
 
 class _Table:
@@ -155,7 +208,7 @@ def _column(value: Any, kind: pa.DataType, rows: int) -> pa.Array:
     if isinstance(value, Lists):
         offsets = pa.array(value.offsets, pa.int32())
         return pa.ListArray.from_arrays(offsets, pa.array(value.values, kind.value_type), type=kind)
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, list)):
         if len(value) != rows:
             raise ValueError(f"column of {len(value)} rows in a batch of {rows}")
         return pa.array(value, kind)
@@ -193,6 +246,7 @@ class RunWriter:
         queue_timeout_s: float = 30.0,
         flush_timeout_s: float = 30.0,
         tool_version: str = "0.1.0",
+        budget: ByteBudget | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         if (self.run_dir / "manifest.json").exists():
@@ -211,7 +265,7 @@ class RunWriter:
         self._lock = threading.Lock()  # counts, the manifest document and its file
         self._ready = threading.Condition()  # the queue
         self._queue: deque = deque()
-        self._queued_bytes = 0
+        self.budget = budget or ByteBudget(queue_bytes)
         self._closing = False
         self._finished = threading.Event()
         self._last_manifest = 0.0
@@ -226,6 +280,8 @@ class RunWriter:
             "status": "incomplete",
             "started_unix_ms": _now_ms(),
             "closed_unix_ms": None,
+            "conventions": [],
+            "deviations": [],
             **identity,
             "settings": settings,
             "tables": {},
@@ -252,49 +308,77 @@ class RunWriter:
             return True
         return self._put(table, _Columns(columns, rows), rows, _nbytes(columns))
 
-    def _put(self, table: str, payload: Any, rows: int, nbytes: int) -> bool:
-        if table not in self.tables:
+    def send_shipment(self, shipment: Shipment, decode: Decode, counted: dict[str, int]) -> bool:
+        """Queues rows still being copied from the device: `decode` turns the shipment's
+        arrays into batches on the worker. `counted` says how many rows of which tables it
+        holds, counted as sent now (dropped, if it is); rows of other tables (events, whose
+        number the device decides) are counted when decoded. When the whole shipment is
+        dropped, those are decoded here and sent on their own, so no row is lost unseen."""
+        if self._put(None, _Deferred(shipment, decode, counted), counted, shipment.nbytes):
+            return True
+        try:
+            batches = decode(shipment.arrays())
+        except Exception as e:
             with self._lock:
-                self.rejected += rows
+                self.counters["undecoded_shipments"] = self.counters.get("undecoded_shipments", 0) + 1
+                self.errors.append(f"dropped shipment: {e}")
+            return False
+        for table, columns, rows in batches:
+            if table not in counted:
+                self.send_columns(table, columns, rows)
+        return False
+
+    def _put(self, table: str | None, payload: Any, rows: int | dict[str, int], nbytes: int) -> bool:
+        per_table = rows if isinstance(rows, dict) else {table: rows}
+        if any(t not in self.tables for t in per_table):
+            with self._lock:
+                self.rejected += sum(per_table.values())
             return False
         with self._lock:
-            self.sent[table] += rows
-        deadline = time.monotonic() + self.queue_timeout_s
-        with self._ready:
-            while not self._fits(nbytes):
-                left = deadline - time.monotonic()
-                if self.mode == "lossy" or left <= 0 or self.errors or self._closing:
-                    break
-                self._ready.wait(left)
-            if self._fits(nbytes) and not self.errors and not self._closing:
-                self._queue.append((table, payload, rows, nbytes))
-                self._queued_bytes += nbytes
-                self._ready.notify_all()
-                return True
-            timed_out = self.mode == "blocking" and not self.errors and not self._closing
+            for t, n in per_table.items():
+                self.sent[t] += n
+        stopped = lambda: bool(self.errors or self._closing)  # noqa: E731
+        wait_s = 0.0 if self.mode == "lossy" else self.queue_timeout_s
+        taken = not stopped() and self.budget.take(nbytes, wait_s=wait_s, stop=stopped)
+        if taken:
+            with self._ready:
+                if not self._closing:
+                    self._queue.append((table, payload, rows, nbytes))
+                    self._ready.notify_all()
+                    return True
+            self.budget.give_back(nbytes)
+        timed_out = not taken and self.mode == "blocking" and not stopped()
         with self._lock:
-            self.dropped[table] += rows
+            for t, n in per_table.items():
+                self.dropped[t] += n
             if timed_out:
                 self.counters["queue_wait_timeouts"] = self.counters.get("queue_wait_timeouts", 0) + 1
         return False
 
-    def _fits(self, nbytes: int) -> bool:
-        # One batch larger than the whole bound still goes through an empty queue: the
-        # bound limits what waits, not what a single capture may be.
-        return self._queued_bytes + nbytes <= self.capacity or not self._queue
-
-    def close(self, *, interrupted: bool = False, timeout_s: float | None = None) -> dict:
-        """Finishes every table and returns the manifest: `complete` when every row sent
-        was written or counted as dropped within the flush deadline and the run was not
-        `interrupted` (its request stopped half way); `incomplete` otherwise, with what
-        was left in the queue counted as `unflushed_rows`. Waits at most `timeout_s`
-        (default: the writer's flush deadline)."""
-        timeout = self.flush_timeout_s if timeout_s is None else timeout_s
+    def close(self, *, interrupted: bool = False, wait: bool = True, timeout_s: float | None = None) -> dict:
+        """Hands the run over to the worker, which writes what is queued, finishes every table
+        and the manifest: `complete` when every row sent was written or counted as dropped
+        and the run was not `interrupted` (its request stopped half way). With `wait` False
+        it returns at once with the manifest as it stands; else as `wait_closed`."""
         with self._ready:
             self.interrupted = self.interrupted or interrupted
-            self._closing = True
-            self._queue.append((None, _CLOSE, 0, 0))
-            self._ready.notify_all()
+            if not self._closing:
+                self._closing = True
+                self._queue.append((None, _CLOSE, 0, 0))
+                self._ready.notify_all()
+        if not wait:
+            return self.manifest
+        return self.wait_closed(timeout_s)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def wait_closed(self, timeout_s: float | None = None) -> dict:
+        """Waits at most `timeout_s` (default: the flush deadline) for a closed run to be
+        written, and returns its manifest. A run still being written then stays
+        `incomplete`, with what was left counted as `unflushed_rows` (TimeoutError)."""
+        timeout = self.flush_timeout_s if timeout_s is None else timeout_s
         if not self._finished.wait(max(0.0, timeout)):
             with self._lock:
                 self.counters["flush_timeouts"] = self.counters.get("flush_timeouts", 0) + 1
@@ -324,7 +408,9 @@ class RunWriter:
             if payload is _CLOSE:
                 break
             try:
-                if not self.errors:
+                if isinstance(payload, _Deferred):
+                    self._write_deferred(payload)
+                elif not self.errors:
                     if isinstance(payload, _Columns):
                         self.tables[table].push_columns(payload.columns, payload.rows)
                     else:
@@ -337,9 +423,7 @@ class RunWriter:
                     self.errors.append(f"{table}: {e}")
                     self.dropped[table] += rows
             finally:
-                with self._ready:
-                    self._queued_bytes -= nbytes
-                    self._ready.notify_all()
+                self.budget.give_back(nbytes)
             if time.monotonic() - self._last_manifest >= _MANIFEST_EVERY_S:
                 self._write_manifest()
         try:
@@ -352,6 +436,29 @@ class RunWriter:
             self._write_manifest(final=True)
         finally:
             self._finished.set()
+
+    def _write_deferred(self, payload: _Deferred) -> None:
+        """Waits for a shipment's copy, decodes it and writes its batches; rows it cannot
+        write are counted as dropped (those of tables counted at queueing, exactly)."""
+        written: dict[str, int] = {}
+        try:
+            if self.errors:
+                raise RuntimeError(self.errors[0])
+            batches = payload.decode(payload.shipment.arrays())
+            with self._lock:
+                for table, _, rows in batches:
+                    if table not in payload.counted:
+                        self.sent[table] += rows
+            for table, columns, rows in batches:
+                self.tables[table].push_columns(columns, rows)
+                written[table] = written.get(table, 0) + rows
+        except Exception as e:
+            with self._lock:
+                if not self.errors:
+                    self.errors.append(f"shipment: {e}")
+                for table, rows in payload.counted.items():
+                    self.dropped[table] += max(0, rows - written.get(table, 0))
+                self.counters["undecoded_shipments"] = self.counters.get("undecoded_shipments", 0) + 1
 
     def _sent_changed(self) -> bool:
         """Whether rows were sent since the manifest on disk counted them."""

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from shadowtrace_hooks import numerics, rope, session
@@ -256,37 +257,39 @@ class EngineTracer:
             if req.skipped:
                 continue
             rows = slice(req.start, req.start + req.rows)
+            positions = np.arange(req.prefix, req.prefix + req.rows, dtype=np.int32)
             q_pos = torch.arange(req.prefix, req.prefix + req.rows, device=device)
-            prod = numerics.members(call.prod_topk[rows], q_pos + 1)
-            shadows: dict[str, numerics.Selection] = {}
+            shadows: dict[str, torch.Tensor] = {}
             if s.precision is not None and req.prefix == 0:
                 if call.raw is not None:
-                    sel = self.sess.guarded(f"{self.name}:shadow_raw", run, self._raw, call, rows, q_pos)
-                    if sel is not None:
-                        shadows["raw"] = sel
+                    scores = self.sess.guarded(f"{self.name}:shadow_raw", run, self._raw, call, rows, q_pos)
+                    if scores is not None:
+                        shadows["raw"] = scores
                 if call.fp8 is not None:
-                    sel = self.sess.guarded(
+                    scores = self.sess.guarded(
                         f"{self.name}:shadow_dequant", run, self._dequant, call, rows, q_pos
                     )
-                    if sel is not None:
-                        shadows["dequant"] = sel
+                    if scores is not None:
+                        shadows["dequant"] = scores
             elif s.precision is not None:
                 run.count("shadow_skipped_rows_without_keys", req.rows)
-            run.topk(call.layer, call.layer, call.k, q_pos, prod, None, shadows)
+            run.topk(call.layer, call.layer, call.k, positions, q_pos, call.prod_topk[rows], None, shadows)
+            run.ship()
 
-    def _raw(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> numerics.Selection:
+    def _raw(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
+        """The raw shadow's scores [T, T]: the fp32 recompute from pre-quantization inputs."""
         assert call.raw is not None
         q, k, w = raw_qkw(call.raw, rows)
-        return numerics.select(numerics.index_scores(q, k, w, q_pos), call.k, q_pos, self.sess.settings.band)
+        return numerics.index_scores(q, k, w, q_pos)
 
-    def _dequant(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> numerics.Selection:
+    def _dequant(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
+        """The dequant shadow's scores [T, T]: production's own FP8 operands scored in fp32."""
         op = call.fp8
         assert op is not None
         keys = slice(op.k_offset + rows.start, op.k_offset + rows.stop)
-        scores = numerics.folded_scores(
+        return numerics.folded_scores(
             op.q8[rows], op.k8[keys], op.k_scale[keys].reshape(-1), op.weights[rows], q_pos
         )
-        return numerics.select(scores, call.k, q_pos, self.sess.settings.band)
 
 
 def convention(

@@ -35,9 +35,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from shadowtrace_hooks import numerics, session, shadow, stats
+from shadowtrace_hooks import numerics, session, shadow
 from shadowtrace_hooks.adapters import hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
 from shadowtrace_hooks.session import Run, Session
@@ -186,6 +187,8 @@ class _Step:
 
     def __init__(self, positions: torch.Tensor, decode: bool) -> None:
         self.positions = positions  # [B, S] absolute positions of this forward's tokens
+        self.positions_host = positions.cpu().numpy().astype(np.int32)  # one copy per forward
+        self.rows: dict[int, session.TokenRows] = {}  # batch row -> its recorded tokens
         self.decode = decode
         self.layer_input: torch.Tensor | None = None
         self.layer_kwargs: dict = {}
@@ -289,11 +292,17 @@ class _Tracer:
         step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
+            self.sess.guarded("transformers:ship", self.runs[0] if self.runs else None, self._ship)
             self.sess.guarded("transformers:first_forward", None, self._check_first_forward)
             self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, out, self.runs)
         if not self.in_generate:
             self.sess.guarded("transformers:close", None, self.close_runs)
         return out
+
+    def _ship(self) -> None:
+        """Sends each run's captures since the last ship in one device-to-host copy."""
+        for run in self.runs:
+            run.ship()
 
     def _check_first_forward(self) -> None:
         """After the model's first traced forward, one line if a hook it needs never fired:
@@ -410,6 +419,8 @@ class _Tracer:
         if self.settings.layer(layer):
             self.sess.guarded("hidden", self.runs[0], self._record_layer, layer, prod_out, shadows)
             self.sess.guarded("kv_sentinel", self.runs[0], self._record_sentinels, layer, step)
+        # One copy per layer: the layer's rows leave the device while the next layer runs.
+        self.sess.guarded("transformers:ship", self.runs[0], self._ship)
         step.layer_input = None
 
     def _record_sentinels(self, layer: int, step: _Step) -> None:
@@ -429,25 +440,23 @@ class _Tracer:
         if not tensors:
             return
         seq = step.positions.shape[1]
+        names = list(tensors)
         for b, run in enumerate(self.runs):
-            end = int(step.positions[b].max()) + 1
+            end = int(step.positions_host[b].max()) + 1
             for check, first, last in (("kv_slot0_finite", 0, 1), ("kv_new_slots_finite", end - seq, end)):
-                bad, where = 0, None
-                for name, t in tensors.items():
+                parts = []
+                for t in tensors.values():
                     window = t[b].narrow(-2, first, max(0, min(last, t.shape[-2]) - first))
-                    nonfinite = ~torch.isfinite(window)
-                    count = int(nonfinite.sum())
-                    if count and where is None:
-                        slot = int(nonfinite.movedim(-2, 0).flatten(1).any(1).nonzero()[0]) + first
-                        where = f"{name} slot {slot}"
-                    bad += count
-                run.writer.send("events", {
-                    "seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
-                    "path": "prod", "kind": "sentinel", "count": 1, "check": check, "passed": bad == 0,
-                    "value": float(bad), "token": None if where is None else int(where.rsplit(" ", 1)[1]),
-                    "detail": f"slots {first}..{last - 1} of {', '.join(tensors)}"
-                    + ("" if where is None else f": first non-finite at {where}"),
-                })  # fmt: skip
+                    if window.shape[-2] == 0:
+                        parts.append(torch.zeros(2, dtype=torch.int64, device=t.device))
+                        continue
+                    per_slot = (~torch.isfinite(window)).movedim(-2, 0).flatten(1).sum(1)
+                    parts.append(torch.stack([per_slot.sum(), (per_slot > 0).to(torch.int8).argmax()]))
+                slot = run.add(torch.stack(parts))
+                row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
+                       "path": "prod", "kind": "sentinel", "count": 1, "check": check}  # fmt: skip
+                detail = f"slots {first}..{last - 1} of {', '.join(names)}"
+                run.defer(functools.partial(_sentinel_rows, slot, names, first, row, detail), {})
 
     def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The layer re-run in the shadow precision: on the production input (local) and on
@@ -475,7 +484,22 @@ class _Tracer:
             return capture
 
         capture = {block: site(name) for name, block in self._sites(module).items()}
-        with shadow.in_precision(module, dtype), shadow.hooks_suspended(module, capture), torch.no_grad():
+        # The expert bank stays as it is: only routed experts run, upcast one at a time.
+        banks = shadow.expert_banks(module)
+        if shadow.sharded(banks):
+            # Tensor-parallel experts (DTensor shards) take their inputs and collectives
+            # from transformers' TP hooks, which the shadow suspends: their eager forward
+            # runs with each rank's shard upcast instead, counted per layer.
+            banks = []
+            self.runs[0].count("shadow_expert_bank_upcast")
+        bank = shadow.bank_tensors(banks)
+        with (
+            shadow.full_fp32(),
+            shadow.in_precision(module, dtype, keep=lambda t: id(t) in bank),
+            shadow.routed_experts(banks, dtype),
+            shadow.hooks_suspended(module, capture),
+            torch.no_grad(),
+        ):
             for mode[0], x in inputs.items():
                 # forward, not __call__: hooks on the layer itself (ours, a user's, a
                 # test's planted fault) belong to the production call only.
@@ -510,7 +534,7 @@ class _Tracer:
         assert step is not None
         assert step.layer_input is not None
         s = self.settings
-        length = int(step.positions.max()) + 1
+        length = int(step.positions_host.max()) + 1
         # layer_in is the local shadow's own input, and the free chain's is the previous
         # layer's free layer_out: recorded for prod only.
         sites = [("layer_in", step.layer_input, {})]
@@ -519,18 +543,17 @@ class _Tracer:
         ]
         sites.append(("layer_out", prod_out, shadows))
         for b, run in enumerate(self.runs):
-            positions = step.positions[b]
-            tokens = s.token_rows(positions, length)
+            rows = step.rows.get(b)
+            if rows is None:
+                rows = step.rows[b] = s.token_rows(step.positions_host[b], length, prod_out.device)
             for site, prod, layer_shadows in sites:
                 if not s.site(site):
                     continue
                 if site in ("attn_out", "mlp_out"):
                     layer_shadows = {m: v[site] for m, v in step.shadow_sites.items() if site in v}
                 # a token's vector: [B, S, hidden], or [B, S, streams, hidden] (hyper-connections)
-                run.hidden(
-                    layer, site, prod[b].flatten(1), {m: v[b].flatten(1) for m, v in layer_shadows.items()},
-                    tokens, positions,
-                )  # fmt: skip
+                site_shadows = {m: v[b].flatten(1) for m, v in layer_shadows.items()}
+                run.hidden(layer, site, prod[b].flatten(1), site_shadows, rows)
 
     def _indexer(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.settings.layer(layer) or not self.settings.site("indexer"):
@@ -545,50 +568,40 @@ class _Tracer:
             ) or {}  # fmt: skip
         self._record_indexer(layer, module, bound, output, shadows)
 
-    def _indexer_shadow(self, layer: int, module: torch.nn.Module, bound: dict) -> dict[int, Any]:
-        """Each batch row's shadow selection, from the same hidden_states and q_resid with
-        every projection in the shadow precision; its keys accumulate per run for decode."""
+    def _indexer_shadow(self, layer: int, module: torch.nn.Module, bound: dict) -> dict[int, torch.Tensor]:
+        """Each batch row's shadow scores, from the same hidden_states and q_resid with every
+        projection in the shadow precision; its keys accumulate per run for decode."""
         step = self.step
         assert step is not None
         scos, ssin = self._shadow_pe(step)
-        q, k, w = _indexer_qkw(
-            module, bound["hidden_states"], bound["q_resid"], scos, ssin, self.rope, self.dtype
-        )
-        out = {}
-        for b, run in enumerate(self.runs):
-            if hf_prefix.CACHED_PREFIX in run.state:  # the prefix's keys were never seen
-                continue
-            keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
-            keys.append(k[b])
-            out[b] = shadow.indexer_selection(
-                q[b], torch.cat(keys), w[b], step.positions[b], module.index_topk, self.settings.band
+        with shadow.full_fp32():
+            q, k, w = _indexer_qkw(
+                module, bound["hidden_states"], bound["q_resid"], scos, ssin, self.rope, self.dtype
             )
+            out = {}
+            for b, run in enumerate(self.runs):
+                if hf_prefix.CACHED_PREFIX in run.state:  # the prefix's keys were never seen
+                    continue
+                keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
+                keys.append(k[b])
+                out[b] = numerics.index_scores(q[b], torch.cat(keys), w[b], step.positions[b])
         return out
 
     def _record_indexer(
-        self, layer: int, module: torch.nn.Module, bound: dict, output: Any, shadows: dict[int, Any]
+        self, layer: int, module: torch.nn.Module, bound: dict, output: Any, shadows: dict[int, torch.Tensor]
     ) -> None:
         step = self.step
         assert step is not None
         hidden, q_resid = bound["hidden_states"], bound["q_resid"]
-        prod_topk = output.detach().clone()
         cos, sin = bound["position_embeddings"]
         prod_q, prod_k, prod_w = _indexer_qkw(module, hidden, q_resid, cos, sin, self.rope, None)
-        band = self.settings.band
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
+            positions = step.positions_host[b]
             if hf_prefix.CACHED_PREFIX in run.state:
                 # Keys of a cached prefix were computed before this request: production's
                 # selection is recorded, its scores (k-th score, margins) cannot be.
-                run.topk(
-                    layer,
-                    layer,
-                    module.index_topk,
-                    q_pos,
-                    numerics.members(prod_topk[b], q_pos + 1),
-                    None,
-                    {},
-                )
+                run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], None, {})
                 run.count("topk_scores_skipped_cached_prefix", len(q_pos))
                 continue
             keys = run.state.setdefault(("indexer_keys", layer), [])
@@ -597,15 +610,9 @@ class _Tracer:
             # A NaN or Inf among production's visible scores is an event of its own, so that
             # it can be the onset (the top-k rows alone cannot say it). The shadow's finiteness
             # there is unknown: only its selection is kept.
-            seq = run.next_seq()
-            for event in stats.indexer_events(prod_scores, q_pos):
-                event["token"] = int(q_pos[event["token"]])
-                row = {"seq": seq, "step": run.step, "layer": layer, "site": "indexer", "path": "prod"}
-                run.writer.send("events", {**row, **event})
-            prod = numerics.select(prod_scores, module.index_topk, q_pos, band)
-            prod_indices = numerics.members(prod_topk[b], q_pos + 1)
+            run.indexer_events(layer, prod_scores, q_pos, positions)
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
-            run.topk(layer, layer, module.index_topk, q_pos, prod_indices, prod, row_shadows)
+            run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], prod_scores, row_shadows)
 
     def _final_norm(self, module: torch.nn.Module, args: tuple) -> None:
         step = self.step
@@ -626,13 +633,14 @@ class _Tracer:
         )
         head = self._head()
         for b, run in enumerate(self.runs):
-            positions = step.positions[b][-kept:]
+            positions = step.positions_host[b][-kept:]
             for start in range(0, kept, _LOGITS_CHUNK):
                 rows = slice(start, start + _LOGITS_CHUNK)
                 shadow_logits = None
                 if want_shadow and stream is not None:
                     x = stream[b : b + 1, -kept:][:, rows].to(self.dtype)
                     with contextlib.ExitStack() as stack:
+                        stack.enter_context(shadow.full_fp32())
                         for block in head:
                             stack.enter_context(shadow.in_precision(block, self.dtype))
                             stack.enter_context(shadow.hooks_suspended(block))
@@ -641,6 +649,20 @@ class _Tracer:
                     shadow_logits = x[0]
                 run.logits(logits[b][rows], shadow_logits, positions[rows])
             run.writer.manifest["settings"]["logits_shadow_mode"] = mode if want_shadow else None
+
+
+def _sentinel_rows(
+    slot: int, names: list[str], first: int, row: dict, detail: str, arrays: list[np.ndarray]
+) -> list[tuple[str, dict, int]]:
+    """The events row of one sentinel check, from its [tensors, (count, first slot)] summary."""
+    summary = arrays[slot]
+    bad = int(summary[:, 0].sum())
+    where = next(((names[i], int(summary[i, 1]) + first) for i in range(len(names)) if summary[i, 0]), None)
+    if where is not None:
+        detail += f": first non-finite at {where[0]} slot {where[1]}"
+    row = {**row, "passed": bad == 0, "value": float(bad), "token": None if where is None else where[1],
+           "detail": detail}  # fmt: skip
+    return [("events", {name: [value] for name, value in row.items()}, 1)]
 
 
 def _indexer_qkw(

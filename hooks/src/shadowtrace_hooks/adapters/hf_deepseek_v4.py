@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shadowtrace_hooks import numerics, shadow, stats
+from shadowtrace_hooks import numerics, shadow
 from shadowtrace_hooks.adapters import hf, hf_prefix
 from shadowtrace_hooks.adapters.hf_generic import GenericTracer
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
@@ -117,29 +117,24 @@ class DeepseekV4Tracer(GenericTracer):
         selected = output.detach()
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
+            positions = step.positions_host[b]
             visible = torch.div(q_pos + 1, ratio, rounding_mode="floor")
-            prod_indices = numerics.members(selected[b], visible)
-            prod = None
+            row = None
             if scores is not None and scores.shape[-1] > 0:
                 row = (
                     scores[b]
                     .float()
                     .masked_fill(~numerics.causal_mask(visible - 1, scores.shape[-1]), float("-inf"))
                 )
-                seq = run.next_seq()
-                for event in stats.indexer_events(row, visible - 1):
-                    event["token"] = int(q_pos[event["token"]])
-                    head = {"seq": seq, "step": run.step, "layer": layer, "site": "indexer", "path": "prod"}
-                    run.writer.send("events", {**head, **event})
-                prod = numerics.select(row, k, visible - 1, self.settings.band)
+                run.indexer_events(layer, row, visible - 1, positions)
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
-            run.topk(layer, layer, k, q_pos, prod_indices, prod, row_shadows,
-                     unit=UNIT, unit_tokens=ratio, visible=visible)  # fmt: skip
+            run.topk(layer, layer, k, positions, q_pos, selected[b], row, row_shadows,
+                     unit=UNIT, unit_tokens=ratio, visible=(positions + 1) // ratio)  # fmt: skip
 
     def _shadow(
         self, layer: int, module: torch.nn.Module, hidden: torch.Tensor, q_residual: torch.Tensor
-    ) -> dict[int, numerics.Selection]:
-        """Each batch row's shadow selection: the indexer's compressed keys over every token
+    ) -> dict[int, torch.Tensor]:
+        """Each batch row's shadow scores: the indexer's compressed keys over every token
         of the request so far, its query and head weights, in the shadow precision."""
         step = self.step
         assert step is not None
@@ -167,7 +162,7 @@ class DeepseekV4Tracer(GenericTracer):
                 q_rot = self.rope(q[b][None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
                 visible = torch.div(step.positions[b] + 1, ratio, rounding_mode="floor")
                 scores = numerics.index_scores(q_rot, keys, w[b], visible - 1, module.scorer.softmax_scale)
-                out[b] = numerics.select(scores, module.index_topk, visible - 1, self.settings.band)
+                out[b] = scores
         return out
 
     def _compress(self, module: Any, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

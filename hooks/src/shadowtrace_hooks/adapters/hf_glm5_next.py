@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shadowtrace_hooks import numerics, shadow, stats
+from shadowtrace_hooks import numerics, shadow
 from shadowtrace_hooks.adapters import hf, hf_prefix
 from shadowtrace_hooks.adapters.hf_generic import GenericTracer
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
@@ -100,14 +100,14 @@ class Glm5NextTracer(GenericTracer):
         prod_out = output.detach()
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
+            positions = step.positions_host[b]
             first = run.state.setdefault(("kpool_first", layer), _first_valid(mask[b]))
             visible = torch.div(q_pos + 1, pool, rounding_mode="floor")
             # Pools production selected: its token indices, grouped; its incomplete tail
             # pool (index == visible) is appended unscored and falls outside `visible`.
             tokens = prod_out[b].long()
             pools = torch.where(tokens >= first, torch.div(tokens - first, pool, rounding_mode="floor"), -1)
-            prod_indices = numerics.members(pools, visible)
-            prod = None
+            scores = None
             if hf_prefix.CACHED_PREFIX in run.state:
                 run.count("topk_scores_skipped_cached_prefix", len(q_pos))
             else:
@@ -115,21 +115,10 @@ class Glm5NextTracer(GenericTracer):
                 packs.append(prod_packed[b])
                 scores = _prod_scores(module, torch.cat(packs), prod_q[b], prod_w[b], visible)
                 if scores is not None:
-                    seq = run.next_seq()
-                    for event in stats.indexer_events(scores, visible - 1):
-                        event["token"] = int(q_pos[event["token"]])
-                        row = {
-                            "seq": seq,
-                            "step": run.step,
-                            "layer": layer,
-                            "site": "indexer",
-                            "path": "prod",
-                        }
-                        run.writer.send("events", {**row, **event})
-                    prod = numerics.select(scores, k, visible - 1, self.settings.band)
+                    run.indexer_events(layer, scores, visible - 1, positions)
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
-            run.topk(layer, layer, k, q_pos, prod_indices, prod, row_shadows,
-                     unit=UNIT, unit_tokens=pool, visible=visible)  # fmt: skip
+            run.topk(layer, layer, k, positions, q_pos, pools, scores, row_shadows,
+                     unit=UNIT, unit_tokens=pool, visible=(positions + 1) // pool)  # fmt: skip
 
     def _shadow(
         self,
@@ -138,8 +127,8 @@ class Glm5NextTracer(GenericTracer):
         hidden: torch.Tensor,
         q_resid: torch.Tensor,
         mask: torch.Tensor,
-    ) -> dict[int, numerics.Selection]:
-        """Each batch row's shadow selection over its complete pools: keys, pooling gate,
+    ) -> dict[int, torch.Tensor]:
+        """Each batch row's shadow scores over its complete pools: keys, pooling gate,
         query and head weights from the module's weights in the shadow precision."""
         step = self.step
         assert step is not None
@@ -173,7 +162,7 @@ class Glm5NextTracer(GenericTracer):
             scores = numerics.index_scores(
                 q[b], pooled, w[b], visible - 1, softmax_scale=module.softmax_scale
             )
-            out[b] = numerics.select(scores, module.index_topk // pool, visible - 1, self.settings.band)
+            out[b] = scores
         return out
 
 

@@ -1,0 +1,293 @@
+"""The top-k comparison of trace format v2 (schemas/v2/topk.json), computed on the device.
+
+Per query row, `compare` produces what the topk table stores: the summary (keys each path
+selected, keys both selected, k-th scores and margins, churn counts, the producer's Jaccard
+with and without churn), the differences (keys only one path selected), the boundary
+candidates of each path (keys within the band of its k-th score, with their offset from it
+and whether that path selected them) and, for sampled rows, the full production selection.
+Everything is computed on the tensors' device; the lists come out of one `nonzero` per chunk
+of rows, already gap-coded, so the host only slices them into rows (`columns`).
+
+Definitions, as DESIGN.md and the topk table give them:
+
+- a path's selection is its valid keys: >= 0 and below the row's visible-key count
+  (engines pad with -1; HF's short rows also pick masked keys), each counted once;
+- a row is dense when it sees at most k keys; its k-th scores, margins, boundary lists and
+  churn counts are null;
+- a key is a boundary candidate of a path when its score is finite and lies within the band
+  of that path's k-th score (a NaN k-th score has none); churn keys are the candidates of
+  either path;
+- Jaccard = shared / (prod_selected + shadow_selected - shared), 1 when both are empty; the
+  churn-free Jaccard removes the churn keys from both selections first. Churn, and so the
+  churn-free Jaccard, is known only with both paths' boundary candidates (production's
+  need its recomputed scores): otherwise both are null.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shadowtrace_hooks.numerics import Lists
+from shadowtrace_hooks.transfer import Packet
+
+# Elements of one [rows, keys] mask: rows are compared in chunks of at most this many, which
+# bounds the comparison's device memory whatever the prompt length.
+CHUNK_ELEMENTS = 1 << 25
+_INTS = ("prod_selected", "shadow_selected", "shared", "churn_shared", "churn_prod_only",
+         "churn_shadow_only", "churn_unselected")  # fmt: skip
+_FLOATS = ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "shadow_kth_margin", "jaccard",
+           "jaccard_no_churn")  # fmt: skip
+
+
+@dataclass
+class _Chunk:
+    """One chunk's tensors, as indices into the packet that carries them."""
+
+    rows: int
+    ints: int
+    floats: int
+    counts: int  # [lists, rows] entries per list and row
+    gaps: int  # [entries] the lists' gap-coded keys, list-major then row then key
+    offsets: int  # [entries] score minus that path's k-th score (boundary lists only)
+    selected: int  # [entries] whether that path selected the key (boundary lists only)
+
+
+@dataclass
+class Compared:
+    """A comparison in flight: what the host needs to turn the packet into topk columns."""
+
+    lists: tuple[str, ...]  # which lists were computed, in their order in each chunk
+    has_prod_scores: bool
+    has_shadow: bool
+    band: float | None
+    chunks: list[_Chunk] = field(default_factory=list)
+
+    @property
+    def churn(self) -> bool:
+        """Whether churn is known: a band, and both paths' boundary candidates."""
+        return self.band is not None and self.has_prod_scores and self.has_shadow
+
+
+def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:
+    """[rows, keys] bool: the valid keys of each row of `indices` ([rows, n], any padding)."""
+    mask = torch.zeros(indices.shape[0], keys + 1, dtype=torch.bool, device=indices.device)
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < visible[:, None])
+    # Invalid entries all land in one spare column, dropped after: a scatter of False could
+    # otherwise overwrite a valid key sharing their clamped position.
+    mask.scatter_(1, torch.where(valid, idx, keys), True)
+    return mask[:, :keys]
+
+
+def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k-th score, its margin to the (k+1)-th, top-k key indices) of each row."""
+    take = min(k + 1, scores.shape[1])
+    values, idx = scores.topk(take, dim=-1)
+    kth = values[:, min(k, take) - 1]
+    margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
+    return kth, margin, idx[:, :k]
+
+
+def _near(scores: torch.Tensor, kth: torch.Tensor, band: float, sparse: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(scores) & ((scores - kth[:, None]).abs() <= band) & sparse[:, None]
+
+
+def compare(
+    packet: Packet,
+    prod_topk: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: int,
+    k: int,
+    *,
+    prod_scores: torch.Tensor | None = None,
+    shadow_scores: torch.Tensor | None = None,
+    band: float | None = None,
+    sampled: torch.Tensor | None = None,
+) -> Compared:
+    """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
+    with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
+    s <= q_pos[t]. `prod_scores` (production's recomputed scores) give its k-th score,
+    margin and boundary candidates; `sampled` [T] bool marks rows whose full production
+    list is kept. The results go into `packet`; `columns` reads them back."""
+    for name, scores in (("prod_scores", prod_scores), ("shadow_scores", shadow_scores)):
+        if scores is not None and tuple(scores.shape) != (prod_topk.shape[0], keys):
+            raise ValueError(
+                f"compare: {name} of shape {tuple(scores.shape)}, expected {(prod_topk.shape[0], keys)}"
+            )
+    lists = ["prod"] if sampled is not None else []
+    if shadow_scores is not None:
+        lists = ["prod_only", "shadow_only", *lists]
+    if band is not None:
+        lists += ["prod_boundary"] if prod_scores is not None else []
+        lists += ["shadow_boundary"] if shadow_scores is not None else []
+    out = Compared(tuple(lists), prod_scores is not None, shadow_scores is not None, band)
+    rows_total = prod_topk.shape[0]
+    step = max(1, CHUNK_ELEMENTS // max(1, keys))
+    for start in range(0, rows_total, step):
+        rows = slice(start, min(start + step, rows_total))
+        out.chunks.append(
+            _compare_chunk(
+                packet, out, prod_topk[rows], q_pos[rows], keys, k,
+                None if prod_scores is None else prod_scores[rows],
+                None if shadow_scores is None else shadow_scores[rows],
+                None if sampled is None else sampled[rows],
+            )
+        )  # fmt: skip
+    return out
+
+
+def _compare_chunk(
+    packet: Packet,
+    spec: Compared,
+    prod_topk: torch.Tensor,
+    q_pos: torch.Tensor,
+    keys: int,
+    k: int,
+    prod_scores: torch.Tensor | None,
+    shadow_scores: torch.Tensor | None,
+    sampled: torch.Tensor | None,
+) -> _Chunk:
+    device = prod_topk.device
+    rows = prod_topk.shape[0]
+    visible = q_pos + 1
+    sparse = visible > k
+    nan = torch.full((rows,), math.nan, device=device)
+    zero = torch.zeros(rows, dtype=torch.int32, device=device)
+    prod = _membership(prod_topk, visible, keys)
+    ints = dict.fromkeys(_INTS, zero)
+    floats = dict.fromkeys(_FLOATS, nan)
+    ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)
+    masks: dict[str, torch.Tensor] = {}
+    paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scores, k-th, selection
+    if prod_scores is not None:
+        kth, margin, _ = _kth(prod_scores, k)
+        floats["prod_kth_score"], floats["prod_kth_margin"] = kth, margin
+        paths["prod_boundary"] = (prod_scores, kth, prod)
+    shadow = None
+    if shadow_scores is not None:
+        kth, margin, chosen = _kth(shadow_scores, k)
+        shadow = _membership(chosen, visible, keys)
+        floats["shadow_kth_score"], floats["shadow_kth_margin"] = kth, margin
+        paths["shadow_boundary"] = (shadow_scores, kth, shadow)
+        ints["shadow_selected"] = shadow.sum(-1, dtype=torch.int32)
+        both = prod & shadow
+        ints["shared"] = both.sum(-1, dtype=torch.int32)
+        masks["prod_only"], masks["shadow_only"] = prod & ~shadow, shadow & ~both
+        union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
+        floats["jaccard"] = _ratio(ints["shared"], union)
+    if spec.band is not None:
+        for name, (scores, kth, _) in paths.items():
+            masks[name] = _near(scores, kth, spec.band, sparse)
+    if spec.churn:
+        churn = torch.zeros_like(prod)
+        for name in paths:
+            churn |= masks[name]
+        in_prod, in_shadow = churn & prod, churn & shadow
+        ints["churn_shared"] = (in_prod & shadow).sum(-1, dtype=torch.int32)
+        ints["churn_prod_only"] = (in_prod & ~shadow).sum(-1, dtype=torch.int32)
+        ints["churn_shadow_only"] = (in_shadow & ~prod).sum(-1, dtype=torch.int32)
+        ints["churn_unselected"] = (churn & ~prod & ~shadow).sum(-1, dtype=torch.int32)
+        union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
+        removed = ints["churn_shared"] + ints["churn_prod_only"] + ints["churn_shadow_only"]
+        floats["jaccard_no_churn"] = _ratio(ints["shared"] - ints["churn_shared"], union - removed)
+    if sampled is not None:
+        masks["prod"] = prod & sampled[:, None]
+    stacked = (
+        torch.stack([masks[name] for name in spec.lists])
+        if spec.lists
+        else torch.zeros(0, rows, keys, dtype=torch.bool, device=device)
+    )
+    counts = stacked.sum(-1, dtype=torch.int32)
+    which, row, key = stacked.nonzero().unbind(1)  # list-major, then row, then key ascending
+    first = torch.ones_like(which, dtype=torch.bool)
+    first[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1])
+    gaps = torch.where(first, key, key - torch.roll(key, 1)).to(torch.int32)
+    offsets = torch.zeros(key.shape, dtype=torch.float32, device=device)
+    selected = torch.zeros(key.shape, dtype=torch.bool, device=device)
+    for name, (scores, kth, chosen) in paths.items():
+        if name in spec.lists:
+            here = which == spec.lists.index(name)
+            offsets = torch.where(here, (scores[row, key] - kth[row]).float(), offsets)
+            selected = torch.where(here, chosen[row, key], selected)
+    return _Chunk(
+        rows=rows,
+        ints=packet.add(torch.stack([ints[n] for n in _INTS])),
+        floats=packet.add(torch.stack([floats[n].float() for n in _FLOATS])),
+        counts=packet.add(counts),
+        gaps=packet.add(gaps),
+        offsets=packet.add(offsets),
+        selected=packet.add(selected),
+    )
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den as fp32, 1 where den is 0 (two empty selections do not disagree)."""
+    return torch.where(
+        den > 0, num.float() / den.clamp(min=1).float(), torch.ones_like(num, dtype=torch.float32)
+    )
+
+
+def _list_column(values: np.ndarray, counts: np.ndarray, null: np.ndarray | None) -> Lists:
+    offsets = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    if null is None or not null.any():
+        return Lists(values, offsets)
+    mask = np.zeros(len(offsets), dtype=bool)
+    mask[:-1] = null
+    return Lists(values, np.ma.masked_array(offsets, mask=mask))
+
+
+def columns(
+    spec: Compared, arrays: list[np.ndarray], visible: np.ndarray, k: int, sampled: np.ndarray | None = None
+) -> dict:
+    """The topk table's summary, difference and boundary columns of a comparison, from its
+    packet's host arrays. `visible` [T] is each row's visible-key count, `sampled` [T] the
+    rows whose full production list was kept (as given to `compare`)."""
+    ints = np.concatenate([arrays[c.ints] for c in spec.chunks], axis=1)
+    floats = np.concatenate([arrays[c.floats] for c in spec.chunks], axis=1)
+    dense = visible <= k
+    cols: dict = {"prod_selected": ints[0]}
+
+    def scalar(values: np.ndarray, null: np.ndarray) -> np.ndarray:
+        return np.ma.masked_array(values, mask=null) if null.any() else values
+
+    if spec.has_prod_scores:
+        cols["prod_kth_score"] = scalar(floats[0], dense)
+        cols["prod_kth_margin"] = scalar(floats[1], dense)
+    if spec.has_shadow:
+        cols["shadow_selected"], cols["shared"] = ints[1], ints[2]
+        cols["shadow_kth_score"] = scalar(floats[2], dense)
+        cols["shadow_kth_margin"] = scalar(floats[3], dense)
+        cols["jaccard"] = floats[4]
+        if spec.churn:
+            for i, name in enumerate(_INTS[3:], start=3):
+                cols[name] = scalar(ints[i], dense)
+            cols["jaccard_no_churn"] = floats[5]
+    if spec.band is not None and (spec.has_prod_scores or spec.has_shadow):
+        cols["boundary_band"] = spec.band
+    # Each list's entries sit in every chunk as one run, in `spec.lists` order.
+    pieces: dict[str, list] = {name: [[], [], [], []] for name in spec.lists}
+    for chunk in spec.chunks:
+        counts = arrays[chunk.counts]
+        start = 0
+        for i, name in enumerate(spec.lists):
+            end = start + int(counts[i].sum())
+            for part, source in zip(pieces[name], (chunk.gaps, chunk.offsets, chunk.selected), strict=False):
+                part.append(arrays[source][start:end])
+            pieces[name][3].append(counts[i])
+            start = end
+    for name, (gaps, offsets, selected, counts) in pieces.items():
+        per_row = np.concatenate(counts)
+        gap_values = np.concatenate(gaps)
+        if name in ("prod_only", "shadow_only"):
+            cols[f"{name}_gaps"] = _list_column(gap_values, per_row, None)
+        elif name == "prod":
+            cols["prod_gaps"] = _list_column(gap_values, per_row, None if sampled is None else ~sampled)
+        else:
+            path = name.removesuffix("_boundary")
+            cols[f"{path}_boundary_gaps"] = _list_column(gap_values, per_row, dense)
+            cols[f"{path}_boundary_offsets"] = _list_column(np.concatenate(offsets), per_row, dense)
+            cols[f"{path}_boundary_selected"] = _list_column(np.concatenate(selected), per_row, dense)
+    return cols

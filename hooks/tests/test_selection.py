@@ -1,0 +1,207 @@
+"""The format v2 top-k row (selection.compare, computed on the device) against an
+independent recomputation: Python sets over torch.topk's indices, on inputs whose answers
+are known by construction (identical selections, disjoint ones, ties at the k-th score,
+dense rows, NaN scores, engine padding)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from shadowtrace_hooks import selection
+from shadowtrace_hooks.transfer import Packet
+
+INF = math.inf
+
+
+def run(
+    prod_topk: torch.Tensor,
+    q_pos: list[int],
+    k: int,
+    *,
+    prod_scores: torch.Tensor | None = None,
+    shadow_scores: torch.Tensor | None = None,
+    band: float | None = None,
+    sampled: list[bool] | None = None,
+) -> list[dict]:
+    """compare, shipped and read back as the writer's thread does: one dict per row."""
+    packet = Packet()
+    pos = torch.tensor(q_pos)
+    keys = max(q_pos) + 1
+    mask = None if sampled is None else torch.tensor(sampled)
+    spec = selection.compare(packet, prod_topk, pos, keys, k, prod_scores=prod_scores,
+                             shadow_scores=shadow_scores, band=band, sampled=mask)  # fmt: skip
+    host = None if sampled is None else np.array(sampled)
+    cols = selection.columns(spec, packet.ship().arrays(), np.array(q_pos) + 1, k, host)
+    rows = []
+    for i in range(len(q_pos)):
+        row = {}
+        for name, value in cols.items():
+            if hasattr(value, "offsets"):
+                null = bool(np.ma.getmaskarray(value.offsets)[i])
+                offsets = np.ma.getdata(value.offsets)
+                row[name] = None if null else value.values[offsets[i] : offsets[i + 1]].tolist()
+            elif isinstance(value, np.ndarray):
+                row[name] = None if np.ma.getmaskarray(value)[i] else value[i].item()
+            else:
+                row[name] = value
+        rows.append(row)
+    return rows
+
+
+def keys(gaps: list[int]) -> list[int]:
+    return list(itertools.accumulate(gaps))
+
+
+def causal(scores: torch.Tensor, q_pos: list[int]) -> torch.Tensor:
+    visible = torch.arange(scores.shape[1])[None, :] <= torch.tensor(q_pos)[:, None]
+    return scores.masked_fill(~visible, -INF)
+
+
+def expected(prod: set[int], shadow: set[int], churn: set[int]) -> dict:
+    """The summary of one row from Python sets: what the topk table's docs define."""
+    shared = prod & shadow
+    union = prod | shadow
+    clean_union, clean_shared = union - churn, shared - churn
+    return {
+        "prod_selected": len(prod), "shadow_selected": len(shadow), "shared": len(shared),
+        "jaccard": len(shared) / len(union) if union else 1.0,
+        "jaccard_no_churn": len(clean_shared) / len(clean_union) if clean_union else 1.0,
+        "churn_shared": len(churn & shared), "churn_prod_only": len(churn & (prod - shadow)),
+        "churn_shadow_only": len(churn & (shadow - prod)), "churn_unselected": len(churn - union),
+        "prod_only_gaps": sorted(prod - shadow), "shadow_only_gaps": sorted(shadow - prod),
+    }  # fmt: skip
+
+
+def check_row(row: dict, prod: set[int], shadow: set[int], churn: set[int]) -> None:
+    want = expected(prod, shadow, churn)
+    for name in ("prod_only_gaps", "shadow_only_gaps"):
+        assert keys(row[name]) == want.pop(name), name
+    for name, value in want.items():
+        if name.startswith("jaccard"):
+            assert row[name] == pytest.approx(value, rel=1e-6), name
+        else:
+            assert row[name] == value, name
+
+
+def test_random_rows_agree_with_sets_over_torch_topk_indices() -> None:
+    gen = torch.Generator().manual_seed(11)
+    t, k, band = 40, 8, 0.05
+    q_pos = list(range(t))
+    prod_scores = causal(torch.randn(t, t, generator=gen), q_pos)
+    shadow_scores = causal(prod_scores + 0.05 * torch.randn(t, t, generator=gen), q_pos)
+    prod_topk = prod_scores.topk(k).indices.to(torch.int32)
+    rows = run(prod_topk, q_pos, k, prod_scores=prod_scores, shadow_scores=shadow_scores, band=band)
+    informative = 0
+    for i, row in enumerate(rows):
+        visible = i + 1
+        prod = {int(j) for j in prod_topk[i] if j < visible}
+        shadow = {int(j) for j in shadow_scores[i].topk(k).indices if j < visible}
+        if visible <= k:
+            assert row["churn_shared"] is None  # dense: no churn, no boundary lists
+            assert row["prod_boundary_gaps"] is None
+            assert row["shadow_boundary_gaps"] is None
+            assert row["prod_kth_score"] is None
+            check_row({**row, "churn_shared": 0, "churn_prod_only": 0, "churn_shadow_only": 0,
+                       "churn_unselected": 0}, prod, shadow, set())  # fmt: skip
+            continue
+        informative += 1
+        pk = prod_scores[i].topk(k + 1).values
+        sk = shadow_scores[i].topk(k + 1).values
+        near = {
+            path: {j for j in range(visible) if abs(float(scores[i, j]) - float(kth[k - 1])) <= band}
+            for path, scores, kth in (("prod", prod_scores, pk), ("shadow", shadow_scores, sk))
+        }
+        check_row(row, prod, shadow, near["prod"] | near["shadow"])
+        assert row["prod_kth_score"] == pytest.approx(float(pk[k - 1]))
+        assert row["prod_kth_margin"] == pytest.approx(float(pk[k - 1] - pk[k]))
+        assert row["shadow_kth_margin"] == pytest.approx(float(sk[k - 1] - sk[k]))
+        for path, selected, scores, kth in (
+            ("prod", prod, prod_scores, pk),
+            ("shadow", shadow, shadow_scores, sk),
+        ):
+            boundary = keys(row[f"{path}_boundary_gaps"])
+            assert boundary == sorted(near[path])
+            assert row[f"{path}_boundary_selected"] == [j in selected for j in boundary]
+            offsets = [float(scores[i, j] - kth[k - 1]) for j in boundary]
+            assert row[f"{path}_boundary_offsets"] == pytest.approx(offsets, abs=1e-6)
+        assert row["boundary_band"] == pytest.approx(band)
+    assert informative == t - k
+    assert any(row["jaccard"] < 1 for row in rows), "the noise should move some selections"
+
+
+def test_identical_selections_share_everything_and_disjoint_ones_nothing() -> None:
+    k = 3
+    q_pos = [9, 9]
+    prod_topk = torch.tensor([[1, 4, 7], [0, 1, 2]], dtype=torch.int32)
+    prod, shadow = torch.full((2, 10), -1.0), torch.full((2, 10), -1.0)
+    prod[0, [1, 4, 7]] = prod[1, [0, 1, 2]] = torch.tensor([3.0, 2.0, 1.0])
+    # row 0: the shadow's top-3 is prod's; row 1: the shadow's is {7, 8, 9}
+    shadow[0, [1, 4, 7]] = shadow[1, [7, 8, 9]] = torch.tensor([3.0, 2.0, 1.0])
+    same, disjoint = run(prod_topk, q_pos, k, prod_scores=prod, shadow_scores=shadow, band=0.0)
+    check_row(same, {1, 4, 7}, {1, 4, 7}, {7})  # each path's k-th key is its only candidate
+    assert (same["jaccard"], same["prod_only_gaps"], same["shadow_only_gaps"]) == (1.0, [], [])
+    check_row(disjoint, {0, 1, 2}, {7, 8, 9}, {2, 9})
+    assert disjoint["jaccard"] == 0.0
+    assert disjoint["prod_only_gaps"] == [0, 1, 1]  # keys 0, 1, 2 gap-coded
+    assert disjoint["shadow_only_gaps"] == [7, 1, 1]
+    # Without production's scores its candidates are unknown: so is the churn.
+    for row in run(prod_topk, q_pos, k, shadow_scores=shadow, band=0.0):
+        assert {"churn_shared", "jaccard_no_churn", "prod_boundary_gaps"}.isdisjoint(row)
+        assert keys(row["shadow_boundary_gaps"]) in ([7], [9])
+
+
+def test_keys_tied_at_the_kth_score_are_all_boundary_candidates_and_churn() -> None:
+    k = 2
+    # scores 5, 3, 3, 3, 0: the 2nd place is a three-way tie; prod took key 2, the shadow key 3
+    scores = torch.tensor([[5.0, 3.0, 3.0, 3.0, 0.0]])
+    prod_topk = torch.tensor([[0, 2]], dtype=torch.int32)
+    (row,) = run(prod_topk, [4], k, prod_scores=scores, shadow_scores=scores, band=0.0)
+    shadow = {int(j) for j in scores[0].topk(k).indices}
+    assert keys(row["prod_boundary_gaps"]) == [1, 2, 3]
+    assert row["prod_boundary_offsets"] == [0.0, 0.0, 0.0]
+    assert row["prod_boundary_selected"] == [False, True, False]
+    assert row["prod_kth_margin"] == 0.0
+    check_row(row, {0, 2}, shadow, {1, 2, 3})
+    assert row["jaccard_no_churn"] == 1.0  # the difference is churn among tied keys alone
+
+
+def test_nan_scores_keep_a_nan_kth_score_and_no_boundary_while_padding_is_no_member() -> None:
+    k = 2
+    scores = torch.tensor([[math.nan, math.nan, 2.0, 1.0]])
+    prod_topk = torch.tensor([[2, -1, -1]], dtype=torch.int32)  # engine padding
+    (row,) = run(prod_topk, [3], k, prod_scores=scores, shadow_scores=scores, band=0.5)
+    assert row["prod_selected"] == 1
+    assert math.isnan(row["prod_kth_score"])
+    assert keys(row["prod_boundary_gaps"]) == []  # nothing lies within a band of NaN
+    shadow = {int(j) for j in scores[0].topk(k).indices}  # torch ranks NaN first
+    check_row(row, {2}, shadow, set())
+
+
+def test_without_a_shadow_only_production_columns_are_filled_and_sampled_rows_keep_their_list() -> None:
+    k = 2
+    q_pos = [4, 5, 6]
+    scores = causal(torch.arange(21, dtype=torch.float32).reshape(3, 7), q_pos)
+    prod_topk = scores.topk(k).indices.to(torch.int32)
+    rows = run(prod_topk, q_pos, k, prod_scores=scores, band=1.0, sampled=[True, False, True])
+    for row, pos in zip(rows, q_pos, strict=True):
+        # columns left out are written as null
+        assert {"shadow_selected", "jaccard", "prod_only_gaps", "shadow_boundary_gaps"}.isdisjoint(row)
+        # the k-th key (pos - 1) and the keys one below and above it
+        assert keys(row["prod_boundary_gaps"]) == [pos - 2, pos - 1, pos]
+    assert keys(rows[0]["prod_gaps"]) == [3, 4]
+    assert rows[1]["prod_gaps"] is None
+    assert keys(rows[2]["prod_gaps"]) == [5, 6]
+
+
+def test_rows_compared_in_chunks_read_back_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q_pos = list(range(30))
+    prod = causal(torch.randn(30, 30, generator=gen), q_pos)
+    shadow = causal(prod + 0.1 * torch.randn(30, 30, generator=gen), q_pos)
+    topk = prod.topk(4).indices.to(torch.int32)
+    whole = run(topk, q_pos, 4, prod_scores=prod, shadow_scores=shadow, band=0.1, sampled=[True] * 30)
+    monkeypatch.setattr(selection, "CHUNK_ELEMENTS", 7 * 30)  # 7 rows a chunk
+    chunked = run(topk, q_pos, 4, prod_scores=prod, shadow_scores=shadow, band=0.1, sampled=[True] * 30)
+    assert chunked == whole

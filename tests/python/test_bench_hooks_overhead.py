@@ -1,0 +1,54 @@
+"""The overhead benchmark cannot rot: its tiny mode runs all six processes on the CPU, and
+its audit fails a run that did less than the forward it timed."""
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import bench_hooks_overhead as bench
+from conftest import REPO
+
+BENCH = REPO / "tests" / "python" / "bench_hooks_overhead.py"
+
+
+def test_the_tiny_benchmark_runs_every_process_and_audits_their_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, BENCH, "--tiny", "--layers", "2", "--tokens", "64", "--repeat", "1",
+         "--keep-runs", tmp_path],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for name in bench.MODES:
+        (row,) = [line for line in lines if line.strip().startswith(name)]
+        assert "x" in row, row
+    assert "NOT DONE" not in out.stdout
+    # each traced mode wrote one complete run per forward (warm-up and timed)
+    for i, env in enumerate(bench.MODES.values()):
+        if env and env.get("SHADOWTRACE"):
+            manifests = list((tmp_path / f"mode-{i}").glob("*/manifest.json"))
+            assert len(manifests) == 2
+            assert all(json.loads(m.read_text())["status"] == "complete" for m in manifests)
+
+
+def test_the_audit_names_a_disabled_capture_and_rows_a_forward_did_not_write(tmp_path: Path) -> None:
+    env = bench.MODES["fp32 local shadow"]
+    args = Namespace(layers=2, tokens=10)
+    want = bench.expected_rows(env, 2, 10)
+    assert want == {"hidden": 2 * 4 * 10, "topk": 20, "logits": 1}
+    run = tmp_path / "r0"
+    run.mkdir()
+    tables = {t: {"rows": n} for t, n in want.items()}
+    tables["topk"]["rows"] = 15
+    manifest = {"run_id": "r0", "status": "complete", "counters": {"hook_errors": 1},
+                "settings": {"disabled_sites": {"indexer_shadow:1": "OutOfMemoryError: CUDA out of memory"}},
+                "tables": tables}  # fmt: skip
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    _, problems = bench.audit(tmp_path, env, args, forwards=1)
+    assert problems == [
+        "r0: capture indexer_shadow:1 disabled: OutOfMemoryError: CUDA out of memory",
+        "r0: hook_errors = 1",
+        "r0: topk has 15 rows, the forward calls for 20",
+    ]
