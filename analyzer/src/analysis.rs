@@ -277,8 +277,7 @@ pub fn analyze_run(
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
             selection_unit::merge(&mut out.2, selection_unit::per_layer(&chunk)?)?;
-            let (rows, skipped) =
-                topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
+            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
             out.0.extend(rows);
             out.1.add(&skipped);
         }

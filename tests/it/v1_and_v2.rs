@@ -112,11 +112,18 @@ fn v1_runs_written_by_an_older_build_analyse_as_that_build_did() {
 fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Value {
     for run in got["runs"].as_array_mut().unwrap() {
         let run = run.as_object_mut().unwrap();
-        assert_eq!(run.remove("convention_mismatches"), Some(serde_json::json!([])));
+        assert_eq!(
+            run.remove("convention_mismatches"),
+            Some(serde_json::json!([]))
+        );
         let rules = run["rules"].as_array_mut().unwrap();
         let before = rules.len();
         rules.retain(|r| r != shadowtrace_analyzer::verdict::CONVENTION_RULE);
-        assert_eq!(rules.len(), before - 1, "the convention rule is listed once");
+        assert_eq!(
+            rules.len(),
+            before - 1,
+            "the convention rule is listed once"
+        );
     }
     got
 }
