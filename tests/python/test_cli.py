@@ -68,7 +68,14 @@ def test_analyze_fail_on_exits_1_only_for_the_named_verdict(demo_runs: Path) -> 
     assert shadowtrace("analyze", demo_runs, "--fail-on", "nonfinite").returncode == 1
     assert shadowtrace("analyze", demo_runs, "--fail-on", "topk").returncode == 1
     assert shadowtrace("analyze", demo_runs, "--fail-on", "hidden").returncode == 0
-    assert shadowtrace("analyze", demo_runs / "ds-tool-3k", "--fail-on", "any").returncode == 0
+    # The DeepSeek control has no metric verdict; its one verdict is the convention the demo's
+    # TensorRT-LLM indexer breaks: no Hadamard before FP8, where DeepSeek-V3.2's reference has it.
+    control = demo_runs / "ds-tool-3k"
+    for verdict in ("nonfinite", "topk", "hidden"):
+        assert shadowtrace("analyze", control, "--fail-on", verdict).returncode == 0, verdict
+    out = shadowtrace("analyze", control, "--fail-on", "convention")
+    assert out.returncode == 1
+    assert "convention mismatch: indexer hadamard: engine false, model true" in out.stdout
 
 
 def test_analyze_json_carries_every_verdict_and_threshold(demo_runs: Path) -> None:
