@@ -114,11 +114,12 @@ impl<'a, T: polars_arrow::types::NativeType> ListView<'a, T> {
     }
 }
 
-/// A list column as a [`ListView`]. The frame must be rechunked (one array).
-pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
+/// A list column's one arrow array (`None` for a column with no chunk: an
+/// empty frame) and its values as `V`, which hold no null entry.
+fn list_array<'a, V: Array + 'static>(
     df: &'a DataFrame,
     name: &str,
-) -> Result<ListView<'a, T>, AnalyzeError> {
+) -> Result<Option<(&'a ListArray<i64>, &'a V)>, AnalyzeError> {
     let bad = |detail: &str| AnalyzeError::Layout {
         column: name.to_owned(),
         detail: detail.to_owned(),
@@ -132,27 +133,36 @@ pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
     let mut chunks = ca.downcast_iter();
     let list = match (chunks.next(), chunks.next()) {
         (Some(list), None) => list,
-        (None, _) => {
-            return Ok(ListView {
-                list: None,
-                offsets: &[0],
-                values: &[],
-            });
-        }
+        (None, _) => return Ok(None),
         _ => return Err(bad("more than one chunk: rechunk first")),
     };
     let values = list
         .values()
         .as_any()
-        .downcast_ref::<PrimitiveArray<T>>()
+        .downcast_ref::<V>()
         .ok_or_else(|| bad("list values of an unexpected type"))?;
     if values.null_count() > 0 {
         return Err(bad("null entries inside a list"));
     }
-    Ok(ListView {
-        list: Some(list),
-        offsets: list.offsets().as_slice(),
-        values: values.values().as_slice(),
+    Ok(Some((list, values)))
+}
+
+/// A list column as a [`ListView`]. The frame must be rechunked (one array).
+pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
+    df: &'a DataFrame,
+    name: &str,
+) -> Result<ListView<'a, T>, AnalyzeError> {
+    Ok(match list_array::<PrimitiveArray<T>>(df, name)? {
+        Some((list, values)) => ListView {
+            list: Some(list),
+            offsets: list.offsets().as_slice(),
+            values: values.values().as_slice(),
+        },
+        None => ListView {
+            list: None,
+            offsets: &[0],
+            values: &[],
+        },
     })
 }
 
@@ -187,37 +197,9 @@ pub(crate) fn bool_list<'a>(
     df: &'a DataFrame,
     name: &str,
 ) -> Result<BoolListView<'a>, AnalyzeError> {
-    let bad = |detail: &str| AnalyzeError::Layout {
-        column: name.to_owned(),
-        detail: detail.to_owned(),
-    };
-    let ca = series(df, name)?
-        .list()
-        .map_err(|source| AnalyzeError::Frame {
-            column: name.to_owned(),
-            source,
-        })?;
-    let mut chunks = ca.downcast_iter();
-    let list = match (chunks.next(), chunks.next()) {
-        (Some(list), None) => list,
-        (None, _) => {
-            return Ok(BoolListView {
-                list: None,
-                values: None,
-            });
-        }
-        _ => return Err(bad("more than one chunk: rechunk first")),
-    };
-    let values = list
-        .values()
-        .as_any()
-        .downcast_ref::<BooleanArray>()
-        .ok_or_else(|| bad("list values of an unexpected type"))?;
-    if values.null_count() > 0 {
-        return Err(bad("null entries inside a list"));
-    }
+    let array = list_array::<BooleanArray>(df, name)?;
     Ok(BoolListView {
-        list: Some(list),
-        values: Some(values),
+        list: array.map(|(list, _)| list),
+        values: array.map(|(_, values)| values),
     })
 }
