@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from shadowtrace_hooks import numerics
-
 _UPCASTABLE = (torch.bfloat16, torch.float16)
 # nn.Module's per-instance hook registries: emptied for the shadow call, restored after.
 _HOOK_DICTS = (
@@ -220,10 +218,3 @@ def hooks_suspended(
 def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller)."""
     return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
-
-
-def indexer_selection(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor, k_top: int, band: float | None
-) -> numerics.Selection:
-    """Shadow top-k from q [T,H,D], k [S,D], w [T,H] (w without the D^-0.5 softmax scale)."""
-    return numerics.select(numerics.index_scores(q, k, w, q_pos), k_top, q_pos, band)
