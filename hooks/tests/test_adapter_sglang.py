@@ -152,13 +152,17 @@ def test_the_raw_shadow_takes_rope_from_the_model_config_never_from_the_engine_r
     run = the_run(tmp_path)
     check_shadows(prompt_rows(run), LONG)
     layout = "interleaved" if glm else "neox"
-    assert run["manifest"]["settings"]["conventions"] == [
-        {
-            "name": "indexer_rope", "engine": layout, "model": layout,
-            "engine_source": f"sglang {version} Indexer.rotary_emb.is_neox_style",
-            "model_source": f"{family} indexer (transformers reference)",
-        }
-    ]  # fmt: skip
+    c = traced.conventions(run)
+    assert c["indexer_rope"] == {
+        "name": "indexer_rope", "engine": layout, "model": layout,
+        "engine_source": f"sglang {version} Indexer.rotary_emb.is_neox_style",
+        "model_source": f"{family} indexer (transformers reference)",
+    }  # fmt: skip
+    # Both rotate (DeepSeek-V3.2 is NeoX, so never fused; GLM-5 runs with fusion off), and
+    # only DeepSeek-V3.2's reference defines the rotation.
+    assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (True, None if glm else True)
+    assert c["indexer_weights_proj_dtype"]["engine"] is None  # not read, and said so
+    assert "not read" in c["indexer_weights_proj_dtype"]["engine_source"]
 
 
 def test_an_engine_rope_convention_other_than_the_models_is_recorded_and_shows_in_the_raw_shadow(
@@ -176,7 +180,7 @@ def test_an_engine_rope_convention_other_than_the_models_is_recorded_and_shows_i
     engine.extend([(a, LONG)])
     traced.stop()
     run = the_run(tmp_path)
-    (convention,) = run["manifest"]["settings"]["conventions"]
+    convention = traced.conventions(run)["indexer_rope"]
     assert (convention["engine"], convention["model"]) == ("neox", "interleaved")
     rows = [r for r in prompt_rows(run) if r["visible"] > r["k"]]
     raw = [jaccard(r["prod_indices"], r["shadow_indices"]) for r in rows if r["shadow_input"] == "raw"]
@@ -201,8 +205,10 @@ def test_the_fused_glm5_indexer_records_production_and_raw_and_counts_the_missin
     run = the_run(tmp_path)
     check_shadows(prompt_rows(run), LONG, inputs=("raw",))
     assert run["manifest"]["counters"]["dequant_unavailable_fused_indexer"] == LONG
-    (convention,) = run["manifest"]["settings"]["conventions"]
-    assert (convention["engine"], convention["model"]) == ("interleaved", "interleaved")
+    c = traced.conventions(run)
+    assert (c["indexer_rope"]["engine"], c["indexer_rope"]["model"]) == ("interleaved", "interleaved")
+    assert c["indexer_hadamard"]["engine"] is False
+    assert "_fused_q_prepare_and_store" in c["indexer_hadamard"]["engine_source"]
 
 
 def test_without_the_model_config_the_raw_shadow_is_skipped_and_counted(

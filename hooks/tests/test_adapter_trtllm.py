@@ -215,11 +215,20 @@ def test_the_manifest_records_the_engines_indexer_rope_convention_next_to_the_mo
 ) -> None:
     for run in served.runs:
         settings = run["manifest"]["settings"]
-        (convention,) = settings["conventions"]
-        assert convention["name"] == "indexer_rope"
+        assert "conventions" not in settings
+        c = traced.conventions(run)
+        assert list(c) == ["indexer_rope", "indexer_hadamard", "indexer_weights_proj_dtype"]
+        convention = c["indexer_rope"]
         assert convention["engine"] == convention["model"] == "interleaved"
         assert "glm_moe_dsa" in convention["model_source"]
         assert "rotary_emb.is_neox" in convention["engine_source"]
+        # GLM-5 publishes no reference FP8 indexer: no Hadamard value to get wrong.
+        assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, None)
+        assert "PR #11899" in c["indexer_hadamard"]["engine_source"]
+        assert (c["indexer_weights_proj_dtype"]["engine"], c["indexer_weights_proj_dtype"]["model"]) == (
+            "fp32",
+            "fp32",
+        )
         assert settings["adapter"].startswith(f"tensorrt_llm: layout {served.layout.name}")
 
 
@@ -332,7 +341,7 @@ def test_an_engine_with_neox_indexer_rope_on_glm5_is_traced_and_diverges(
 ) -> None:
     right = one_prompt(monkeypatch, tmp_path / "right", small(st.glm5_config(layers=1)))
     wrong = one_prompt(monkeypatch, tmp_path / "wrong", small(st.glm5_config(layers=1)), interleave=False)
-    (convention,) = wrong[0]["manifest"]["settings"]["conventions"]
+    convention = traced.conventions(wrong[0])["indexer_rope"]
     assert (convention["engine"], convention["model"]) == ("neox", "interleaved")
     assert mean_jaccard(right, "raw") > 0.9
     assert mean_jaccard(wrong, "raw") < mean_jaccard(right, "raw") - 0.2
@@ -344,8 +353,10 @@ def test_deepseek_v32_takes_half_split_yarn_rope_from_its_config(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     runs = one_prompt(monkeypatch, tmp_path, small(st.deepseek_v32_config(layers=1)))
-    (convention,) = runs[0]["manifest"]["settings"]["conventions"]
-    assert (convention["engine"], convention["model"]) == ("neox", "neox")
+    c = traced.conventions(runs[0])
+    assert (c["indexer_rope"]["engine"], c["indexer_rope"]["model"]) == ("neox", "neox")
+    # DeepSeek-V3.2's reference rotates q and k before FP8; TensorRT-LLM does not.
+    assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, True)
     assert runs[0]["manifest"]["model"]["architecture"] == "deepseek_v32"
     assert mean_jaccard(runs, "raw") > 0.9
 

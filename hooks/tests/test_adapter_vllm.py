@@ -202,9 +202,14 @@ def test_each_run_records_the_engines_rope_convention_beside_the_models(serving:
     assert sorted(serving.runs) == ["A", "B", "C", "D"]
     for request in serving.runs:
         settings = serving.run(request)["manifest"]["settings"]
-        (convention,) = settings["conventions"]
-        assert convention["name"] == "indexer_rope"
+        c = traced.conventions(serving.run(request))
+        assert list(c) == ["indexer_rope", "indexer_hadamard", "indexer_weights_proj_dtype"]
+        convention = c["indexer_rope"]
         assert (convention["engine"], convention["model"]) == ("neox", "neox")
+        # vLLM casts q and k to FP8 unrotated and runs weights_proj in the bf16 wk GEMM.
+        assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, True)
+        proj = c["indexer_weights_proj_dtype"]
+        assert (proj["engine"], proj["model"]) == ("bf16", "fp32")
         assert convention["engine_source"].startswith(source[path])
         assert convention["model_source"] == "deepseek_v32 indexer (transformers reference)"
         assert settings["adapter"].startswith(f"vllm: layout {path} ")
@@ -230,7 +235,7 @@ def test_a_glm5_config_without_the_interleave_key_shows_the_engines_neox_rope_ag
     interleaved. The convention is recorded, the dequant shadow (the engine's own operands)
     still reproduces production, the raw shadow (the model's RoPE) departs from it."""
     t = glm_without_the_key
-    (convention,) = t.run("A")["manifest"]["settings"]["conventions"]
+    convention = traced.conventions(t.run("A"))["indexer_rope"]
     assert (convention["engine"], convention["model"]) == ("neox", "interleaved")
     for row in informative(t.rows("A", "dequant")):
         assert set(row["prod_indices"]) ^ set(row["shadow_indices"]) <= set(row["shadow_boundary_indices"])
@@ -346,8 +351,9 @@ def test_without_a_reachable_model_config_the_raw_shadow_is_skipped_and_counted(
     assert {r["shadow_input"] for r in t.run("A")["rows"]} == {"dequant"}
     assert t.run("A")["manifest"]["counters"]["shadow_skipped_no_model_config"] == 300 * LAYERS
     assert len([r for r in caplog.records if "HF config is not reachable" in r.getMessage()]) == 1
-    (convention,) = t.run("A")["manifest"]["settings"]["conventions"]
-    assert (convention["engine"], convention["model"]) == ("neox", None)
+    c = traced.conventions(t.run("A"))
+    assert (c["indexer_rope"]["engine"], c["indexer_rope"]["model"]) == ("neox", None)
+    assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, None)
 
 
 # === failures stay in the tracer ======================================================

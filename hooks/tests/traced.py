@@ -33,6 +33,12 @@ def runs(out: Path, table: str = "topk") -> list[dict[str, Any]]:
     return found
 
 
+def conventions(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A run's recorded conventions (the manifest's top-level `conventions`), by name, in
+    the order they were recorded."""
+    return {c["name"]: c for c in run["manifest"]["conventions"]}
+
+
 def keys(gaps: list[int] | None) -> list[int] | None:
     """A gap-coded list's keys: its running sum."""
     return None if gaps is None else list(itertools.accumulate(gaps))

@@ -1,7 +1,8 @@
-"""The convention-mismatch verdict on runs an engine wrote: the SGLang stand-in
-(hooks/tests/standins/sglang.py) serving GLM-5 with NeoX indexer RoPE where the model's
-reference is interleaved, and with the model's own layout, traced in-process by the hooks and
-read back by `shadowtrace analyze`."""
+"""The convention-mismatch verdict on runs an engine wrote, traced in-process by the hooks and
+read back by `shadowtrace analyze`: the SGLang stand-in (hooks/tests/standins/sglang.py)
+serving GLM-5 with NeoX indexer RoPE where the model's reference is interleaved, and with the
+model's own layout; the TensorRT-LLM stand-in serving DeepSeek-V3.2 without the Hadamard
+rotation its reference applies before the FP8 cast (PR #11899)."""
 
 import json
 import subprocess
@@ -15,6 +16,7 @@ from conftest import REPO, binary
 sys.path.insert(0, str(REPO / "hooks" / "tests"))
 import traced
 from standins import sglang as sg
+from standins import trtllm as st
 
 TOKENS = sg.TOPK + 40  # rows that see more keys than index_topk
 
@@ -68,4 +70,30 @@ def test_the_verdict_names_an_engine_rope_layout_other_than_the_models(
         (mismatch,) = found
         assert (mismatch["name"], mismatch["model"]) == ("indexer_rope", "interleaved")
         assert "is_neox_style" in mismatch["engine_source"]
-    assert len(analysis["conventions"]) == 1, "the correct one is recorded too, and is no verdict"
+    # The correct ones are recorded too, and are no verdict: RoPE, Hadamard (GLM-5 defines
+    # none), weights_proj (not read on SGLang).
+    assert [c["name"] for c in analysis["conventions"]] == [
+        "indexer_rope",
+        "indexer_hadamard",
+        "indexer_weights_proj_dtype",
+    ]
+
+
+def test_the_verdict_names_the_hadamard_rotation_tensorrt_llm_drops_on_deepseek_v32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = st.register(monkeypatch, st.NEW)
+    traced.start(tmp_path, SHADOWTRACE_SHADOW="fp32")
+    try:
+        config = st.deepseek_v32_config(layers=1)
+        config.index_topk = 16
+        executor = st.Executor(engine.build(config))
+        executor.add(7001, 40)
+        executor.step(context=[(7001, 40)])
+    finally:
+        traced.stop()
+    analysis = analysed(tmp_path)
+    (mismatch,) = analysis["convention_mismatches"]
+    assert (mismatch["name"], mismatch["engine"], mismatch["model"]) == ("indexer_hadamard", False, True)
+    assert "PR #11899" in mismatch["engine_source"]
+    assert "rotate_activation" in mismatch["model_source"]

@@ -125,9 +125,10 @@ class IndexerCall:
     requests: list[Request]
     raw: RawInputs | None = None
     fp8: Fp8Operands | None = None
-    # manifest settings of every run the call touches, kept once set: the adapter's layout,
-    # the conventions the engine runs beside the model's (see `convention`)
+    # manifest settings of every run the call touches, kept once set: the adapter's layout
     settings: dict[str, Any] = field(default_factory=dict)
+    # the numerics conventions the engine ran this call with, beside the model's (`convention`)
+    conventions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def raw_qkw(raw: RawInputs, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -252,6 +253,7 @@ class EngineTracer:
         for req, run in zip(call.requests, runs, strict=True):
             for key, value in call.settings.items():
                 run.writer.manifest["settings"].setdefault(key, value)
+            merge_conventions(run.writer.manifest["conventions"], call.conventions)
             for name, n in {**req.counts, **req.skipped}.items():
                 run.count(name, n)
             if req.skipped:
@@ -292,16 +294,34 @@ class EngineTracer:
         )
 
 
-def convention(
-    name: str, engine: str | None, model: str | None, engine_source: str, model_source: str
-) -> dict[str, Any]:
-    """One numerics convention as the manifest records it (`settings.conventions`): the
-    engine's value beside the model's, and where each was read. A mismatch is the kind of
-    engine bug a shadow that copied the engine's convention could never show."""
+def convention(name: str, engine: Any, model: Any, engine_source: str, model_source: str) -> dict[str, Any]:
+    """One numerics convention as the manifest records it (top-level `conventions`, the
+    shape and names of `tracer/src/model/convention.rs`): the engine's value beside the
+    model's, and where each was read; None where a value was not read. A mismatch is the kind
+    of engine bug a shadow that copied the engine's convention could never show."""
     return {
         "name": name, "engine": engine, "model": model,
         "engine_source": engine_source, "model_source": model_source,
     }  # fmt: skip
+
+
+def merge_conventions(recorded: list[dict[str, Any]], new: Iterable[dict[str, Any]]) -> None:
+    """Adds the conventions of one call to a run's: one entry per name, the first kept unless
+    a later call departs from the model where it did not (the departing value is the one a
+    reader must see, as the reference engine records a layer-scoped deviation)."""
+    by_name = {c["name"]: i for i, c in enumerate(recorded)}
+    for c in new:
+        at = by_name.get(c["name"])
+        if at is None:
+            by_name[c["name"]] = len(recorded)
+            recorded.append(dict(c))
+        elif departs(c) and not departs(recorded[at]):
+            recorded[at] = dict(c)
+
+
+def departs(c: dict[str, Any]) -> bool:
+    """Both values known and different: what `shadowtrace analyze` names as a mismatch."""
+    return c["engine"] is not None and c["model"] is not None and c["engine"] != c["model"]
 
 
 def rope_convention(
@@ -315,6 +335,43 @@ def rope_convention(
         None if model is None else model.layout,
         engine_source,
         missing if model is None else model.source,
+    )
+
+
+# The model family's reference for the Hadamard rotation before FP8 quantization
+# (tracer/src/model/convention.rs says the same for the reference engine).
+_MODEL_HADAMARD = {
+    "deepseek_v32": (
+        True,
+        "DeepSeek-V3.2 reference inference/model.py Indexer.forward: rotate_activation before act_quant",
+    ),
+    "glm_moe_dsa": (
+        None,
+        "none: no reference FP8 indexer is published for glm_moe_dsa (transformers scores "
+        "without FP8, where the rotation changes nothing)",
+    ),
+}
+
+
+def hadamard_convention(engine_rotates: bool | None, engine_source: str, config: Any) -> dict:
+    """Whether the engine Hadamard-rotates q and k before FP8 quantization, beside what the
+    model family's reference does (`config`: the model's HF config, None when not reached)."""
+    family = rope.family(config) if config is not None else None
+    model, source = _MODEL_HADAMARD.get(family, (None, "model config not reached or not a DSA family"))
+    return convention("indexer_hadamard", engine_rotates, model, engine_source, source)
+
+
+def weights_proj_convention(dtype: torch.dtype | None, engine_source: str) -> dict:
+    """The dtype the engine computes `weights_proj(x)` in (None when not read), beside the
+    model's fp32 (`_keep_in_fp32_modules`): bf16 head weights flip top-k near the k-th score."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return convention(
+        "indexer_weights_proj_dtype",
+        None if dtype is None else names.get(dtype, str(dtype).removeprefix("torch.")),
+        "fp32",
+        engine_source,
+        "transformers _keep_in_fp32_modules weights_proj; DeepSeek-V3.2 reference fp32 "
+        "weights_proj on x.float()",
     )
 
 

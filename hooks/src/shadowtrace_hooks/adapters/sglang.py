@@ -39,8 +39,9 @@ Shadows: `dequant` scores the engine's own q and k, quantized as `act_quant(., 1
 does (amax clamp 1e-4), with the engine's own head gates; `raw` recomputes q, k and w in fp32
 from the layer's inputs and the dequantized weights, with RoPE from the model's HF config
 (`rope.indexer_rope`, never the engine's `rotary_emb`). The engine's RoPE convention
-(`rotary_emb.is_neox_style`) is written beside the model's in the manifest's
-settings.conventions.
+(`rotary_emb.is_neox_style`) and its Hadamard choice (per call: the fused writer never rotates,
+`_maybe_rotate` skips it when fusion is on) are written beside the model's in the manifest's
+`conventions`.
 
 Not recorded, and counted (in the request's run, else in the session with one line):
 - fused top-k (`envs.SGLANG_DSA_FUSE_TOPK`, `SGLANG_NSA_FUSE_TOPK` up to 0.5.10, true by
@@ -577,9 +578,17 @@ def _capture(
                 f"sglang {_version()}: the indexer took a path that exposes no FP8 operands; the dequant "
                 f"shadow is skipped (counted as {why})",
             )
-    settings = {"adapter": f"{NAME}: layout {layout.name} ({layout.source})",
-                "conventions": [_convention(indexer, origin)]}  # fmt: skip
-    tracer.record(IndexerCall(batch, layer, k, out[:rows], requests, raw=raw, fp8=fp8, settings=settings))
+    settings = {"adapter": f"{NAME}: layout {layout.name} ({layout.source})"}
+    conventions = [
+        _convention(indexer, origin),
+        engine.hadamard_convention(*_hadamard(indexer, stash), config),
+        engine.weights_proj_convention(
+            None, f"not read: sglang {_version()} picks the weights_proj GEMM's dtypes by path"
+        ),
+    ]
+    call = IndexerCall(batch, layer, k, out[:rows], requests, raw=raw, fp8=fp8, settings=settings)
+    call.conventions = conventions
+    tracer.record(call)
 
 
 def _unrecordable(
@@ -705,6 +714,22 @@ def _fp8_operands(indexer: Any, stash: dict | None, rows: int) -> tuple[Fp8Opera
     if (stash is not None and stash.get("fused")) or getattr(indexer, "use_dsa_indexer_fusion", False):
         return None, "dequant_unavailable_fused_indexer"
     return None, "dequant_unavailable"
+
+
+def _hadamard(indexer: Any, stash: dict | None) -> tuple[bool, str]:
+    """Whether this call rotated q and k before FP8 quantization, and where that was read:
+    the fused writer never does; 0.5.20+ `_maybe_rotate` skips it whenever fusion (or the
+    aiter fused writer) is on, fallbacks included; before, `_get_q_k_bf16` always did."""
+    where = f"sglang {_version()} Indexer"
+    if stash is not None and stash.get("fused"):
+        return False, f"{where}._fused_q_prepare_and_store: the fused FP8 writer does not rotate"
+    if hasattr(type(indexer), "_maybe_rotate"):
+        fusion = bool(getattr(indexer, "use_dsa_indexer_fusion", False))
+        aiter = bool(getattr(indexer, "use_aiter_fused_fp8_writer", False))
+        return not (fusion or aiter), (
+            f"{where}._maybe_rotate: use_dsa_indexer_fusion={fusion}, use_aiter_fused_fp8_writer={aiter}"
+        )
+    return True, f"{where}._get_q_k_bf16: rotate_activation on q and k"
 
 
 def _convention(indexer: Any, origin: _Origin | None) -> dict:

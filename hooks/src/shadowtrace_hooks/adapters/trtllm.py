@@ -42,7 +42,8 @@ from the stashed qr and hidden states, with `wq_b` dequantized from its `weight_
 under TRTLLM_DSA_INDEXER_BF16=1), `k_norm` (TensorRT-LLM's LayerNorm: `variance_epsilon`)
 and the RoPE of the model's HF config (`rope.indexer_rope`), never the engine's in-place
 flashinfer `rotary_emb`. The engine's own convention (`rotary_emb.is_neox`) is written next
-to the model's in the manifest (`settings.conventions`): a wrong one shows as divergence.
+to the model's in the manifest's `conventions`, with its Hadamard choice (none, in both layouts)
+and the dtype of `weights_proj`: a wrong one is named before any metric.
 
 What it cannot record (counted, under these names):
 
@@ -378,9 +379,29 @@ def _record(
         requests=requests,
         raw=raw,
         fp8=fp8,
-        settings={"adapter": f"{NAME}: layout {layout.name} ({layout.source})", "conventions": [convention]},
+        settings={"adapter": f"{NAME}: layout {layout.name} ({layout.source})"},
+        conventions=[
+            convention,
+            # Neither checked layout rotates: PR #11899 fused the FP8 cast and dropped
+            # rotate_activation, which the module still defines but never calls.
+            engine.hadamard_convention(
+                False,
+                f"{NAME} layout {layout.name} ({layout.source}): pre_indexer_proj quantizes q and k "
+                "without rotate_activation (dropped by PR #11899)",
+                config,
+            ),
+            engine.weights_proj_convention(
+                _weight_dtype(indexer.weights_proj),
+                f"{type(indexer).__module__}.Indexer.weights_proj.weight.dtype (TRTLLM_DSA_INDEXER_BF16)",
+            ),
+        ],
     )
     engine.tracer_for(sess, NAME, VARIANT, int(indexer.index_topk), config).record(call)
+
+
+def _weight_dtype(linear: Any) -> torch.dtype | None:
+    weight = getattr(linear, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 
 def _requests(

@@ -84,9 +84,9 @@ Not recorded, and counted as:
   fired). Every tensor-parallel rank records its own runs (the indexer is replicated).
 
 The engine's indexer RoPE convention (`_index_rope_interleave`, or `rotary_emb.is_neox_style`
-on `deepseek_v2`) is written beside the model's in each run's manifest
-(settings.conventions). Engine RoPE modules are never called: `forward_native` would replace
-a shared bf16 cos/sin table with an fp32 copy.
+on `deepseek_v2`) is written beside the model's in each run's manifest `conventions`, with
+its Hadamard choice (none) and the dtype of the `weights_proj` GEMM. Engine RoPE modules are
+never called: `forward_native` would replace a shared bf16 cos/sin table with an fp32 copy.
 """
 
 import functools
@@ -509,7 +509,8 @@ def _record_v2(
         else:
             call.fp8 = sess.guarded("vllm:dequant_operands", None, _fp8_v2, operands, total)
     neox = bool(getattr(rotary_emb, "is_neox_style", True))
-    _annotate(call, MODEL_MODULE, step, _convention(neox, "Indexer rotary_emb.is_neox_style", config), notes)
+    convention = _convention(neox, "Indexer rotary_emb.is_neox_style", config)
+    _annotate(call, MODEL_MODULE, step, _conventions(convention, config, hidden.dtype), notes)
     tracer.record(call)
 
 
@@ -629,7 +630,7 @@ def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
             )  # fmt: skip
     interleave = bool(attn._index_rope_interleave)
     convention = _convention(not interleave, "DeepseekV32Attention._index_rope_interleave", config)
-    _annotate(call, V32_MODULE, step, convention, notes)
+    _annotate(call, V32_MODULE, step, _conventions(convention, config, _dtype(hidden)), notes)
     tracer.record(call)
 
 
@@ -736,15 +737,33 @@ def _convention(engine_neox: bool, engine_source: str, config: Any) -> dict[str,
     return engine.rope_convention(engine_neox, model, source, missing)
 
 
-def _annotate(call: IndexerCall, module: str, step: Step, convention: dict, notes: list[str]) -> None:
-    """The adapter's layouts and the RoPE conventions for each run's manifest, and the
-    shadows skipped for each request's rows, counted in its run."""
+def _dtype(tensor: Any) -> torch.dtype | None:
+    return tensor.dtype if isinstance(tensor, torch.Tensor) else None
+
+
+def _conventions(rope_convention: dict, config: Any, hidden_dtype: torch.dtype | None) -> list[dict]:
+    """The RoPE convention, and the two every vLLM route shares: no Hadamard rotation before
+    the FP8 cast (neither route's model code has one), and `weights_proj` fused with `wk`
+    into one GEMM whose output has the hidden states' dtype."""
+    where = f"vllm {_version()}"
+    return [
+        rope_convention,
+        engine.hadamard_convention(
+            False, f"{where}: the indexer casts q and k to FP8 without rotate_activation", config
+        ),
+        engine.weights_proj_convention(
+            hidden_dtype, f"{where} Indexer.wk_weights_proj(hidden_states): one GEMM with wk, input dtype"
+        ),
+    ]
+
+
+def _annotate(call: IndexerCall, module: str, step: Step, conventions: list[dict], notes: list[str]) -> None:
+    """The adapter's layouts and the conventions for each run's manifest, and the shadows
+    skipped for each request's rows, counted in its run."""
     layout = _hooked(module)
     assert layout is not None
-    call.settings = {
-        "adapter": f"{NAME}: layout {layout.name} ({layout.source}); runner {step.runner}",
-        "conventions": [convention],
-    }
+    call.settings = {"adapter": f"{NAME}: layout {layout.name} ({layout.source}); runner {step.runner}"}
+    call.conventions = conventions
     for req in call.requests:
         if req.prefix == 0 and not req.skipped:
             for name in notes:
