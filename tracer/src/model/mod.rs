@@ -13,6 +13,7 @@ pub mod convention;
 pub mod deviation;
 pub mod fault;
 pub mod fp8_checkpoint;
+pub mod glm5_next;
 pub mod layer;
 pub mod rope;
 pub mod synthetic;

@@ -1,0 +1,177 @@
+"""The Rust reference engine's GLM-5.3-Flash (`shadowtrace-run`, model::glm5_next) against
+transformers 5.24's `Glm5Next` on the same `save_pretrained` checkpoint of a tiny random
+model, both in fp32 on CPU: per-layer hidden states (the hyper-connection streams) of KDA
+and MLA layers, dense and MoE, the k-pool indexer's selections (own and shared) and the
+logits. The prompt sees up to 12 complete pools of 16 tokens against k = 4, so the sparse
+regime and the incomplete-pool tail are both exercised. Then the same checkpoint traced:
+a v2 run whose selections `shadowtrace analyze` reads in k-pool units."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REPO, binary, transformers_path
+from safetensors.torch import load_file
+
+VERSION = "5.24.0"
+LENGTH = 200
+POOL, K = 16, 64 // 16
+# fp32 against fp32 with different reduction orders (libtorch blocking, HF's chunked KDA
+# against the engine's token-by-token recurrence of the same state), relative to the
+# largest magnitude of the tensor compared.
+HIDDEN_REL_TOL = 1e-5
+# Selected tokens may differ only where a pool's score is tied with the k-th within this
+# relative margin; none are expected on random weights.
+TIE_REL_TOL = 1e-5
+MLA_LAYERS, FULL_INDEXERS = [1, 2, 5], [1, 5]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("glm5_next")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, REPO / "tests" / "python" / "glm5_next_reference.py", tmp / "model", str(LENGTH),
+         tmp / "hf.pt"],
+        capture_output=True, text=True, env={**clean, **transformers_path(VERSION)}, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    hf = torch.load(tmp / "hf.pt")
+    assert hf["version"] == VERSION
+    (tmp / "ids.json").write_text(json.dumps(hf["ids"].tolist()))
+    return tmp, hf
+
+
+def rust_dump(tmp: Path, path: str) -> dict:
+    out = tmp / f"rust-{path}.safetensors"
+    untraced = {k: v for k, v in os.environ.items() if k != "SHADOWTRACE"}
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp / "model", tmp / "ids.json", "--path", path,
+         "--dump", out],
+        capture_output=True, text=True, check=False, env=untraced,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return load_file(out)
+
+
+def test_every_layer_of_the_fp32_path_matches_transformers_glm5_next(reference: tuple[Path, dict]) -> None:
+    tmp, hf = reference
+    rust = rust_dump(tmp, "fp32")
+    assert sorted(hf["layer_out"]) == list(range(6))
+    for i, want in hf["layer_out"].items():
+        got = rust[f"layer_out.{i}"].view(want.shape)  # a token's streams end to end
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= HIDDEN_REL_TOL, (i, err)
+    err = float((rust["logits"] - hf["logits"]).abs().max() / hf["logits"].abs().max())
+    assert err <= HIDDEN_REL_TOL, ("logits", err)
+    # Only MLA layers attend through a selection; KDA layers have none.
+    assert sorted(int(k.split(".")[1]) for k in rust if k.startswith("topk.")) == MLA_LAYERS
+    assert sorted(hf["topk"]) == FULL_INDEXERS
+
+
+def test_the_k_pool_selections_agree_with_transformers_and_the_shared_layer_reuses_them(
+    reference: tuple[Path, dict],
+) -> None:
+    tmp, hf = reference
+    rust = rust_dump(tmp, "fp32")
+    sparse_rows = 0
+    for i, want in hf["topk"].items():
+        got, scores = rust[f"topk.{i}"], rust[f"index_scores.{i}"]
+        assert got.shape == want.shape == (LENGTH, 64 + POOL - 1)
+        for t in range(LENGTH):
+            a, b = {int(x) for x in got[t] if x >= 0}, {int(x) for x in want[t] if x >= 0}
+            complete = (t + 1) // POOL
+            sparse_rows += complete > K
+            # Every query attends its incomplete pool's tokens.
+            assert set(range(complete * POOL, t + 1)) <= b, (i, t)
+            if a == b:
+                continue
+            # A differing pool must be tied with the k-th pool's score.
+            kth = scores[t, rust[f"pools.{i}"][t]].min()
+            for token in a ^ b:
+                gap = abs(float(scores[t, token // POOL] - kth))
+                assert gap <= TIE_REL_TOL * float(scores[t, :complete].abs().max()), (i, t, token)
+    assert sparse_rows > 100
+    # Layer 2 is `shared`: it attends exactly what layer 1's indexer selected.
+    assert torch.equal(rust["topk.2"], rust["topk.1"])
+
+
+def test_the_production_path_runs_fp8_linears_within_bf16_distance_of_the_fp32_path(
+    reference: tuple[Path, dict],
+) -> None:
+    """Not parity (production is FP8 by design): it runs every layer finite and stays close
+    to transformers' fp32 numbers, so a broken production path cannot pass unnoticed."""
+    tmp, hf = reference
+    rust = rust_dump(tmp, "fp8")
+    for i, want in hf["layer_out"].items():
+        got = rust[f"layer_out.{i}"].view(want.shape)
+        assert torch.isfinite(got).all(), i
+        err = float((got - want).abs().max() / want.abs().max())
+        assert 0 < err <= 0.25, (i, err)
+
+
+def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tuple[Path, dict]) -> None:
+    tmp, _ = reference
+    runs = tmp / "runs"
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp / "model", tmp / "ids.json", "--out", runs],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = runs.iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert manifest["model"]["architecture"] == "glm5_next"
+    assert manifest["counters"]["fp8_linears_emulated"] > 0
+    table = pq.read_table(run_dir / "topk")
+    assert int(table.schema.metadata[b"shadowtrace.schema_version"]) == 2
+    rows = table.to_pydict()
+    assert sorted(set(rows["layer"])) == FULL_INDEXERS
+    assert set(rows["unit"]) == {"kpool"}
+    assert set(rows["unit_tokens"]) == {POOL}
+    assert set(rows["k"]) == {K}
+    for t, visible in zip(rows["token"], rows["visible"], strict=True):
+        assert visible == (t + 1) // POOL
+    hidden = pq.read_table(run_dir / "hidden").to_pydict()
+    sites = zip(hidden["layer"], hidden["site"], hidden["numel"], strict=True)
+    numel = {(layer, site): n for layer, site, n in sites}
+    # A token's 4 hyper-connection streams of 64 as one vector; a block's output is one.
+    assert numel[(0, "layer_out")] == 4 * 64
+    assert numel[(0, "attn_out")] == 64
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", runs, "--format", "json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (analysis,) = json.loads(out.stdout)["runs"]
+    assert analysis["onset"] is None
+    assert analysis["counters"]["dropped_rows"] == 0
+    # Read in pools: queries 0..78 see at most k = 4 complete pools (dense rows, no
+    # Jaccard), the rest more; read in tokens, every row past 64 would count.
+    dense = (K + 1) * POOL - 1
+    layers = {row["layer"]: row for row in analysis["topk"]}
+    assert sorted(layers) == FULL_INDEXERS
+    for row in layers.values():
+        assert (row["dense_rows"], row["informative_rows"]) == (dense, LENGTH - dense)
+        assert row["rows_without_shadow"] == 0
+        assert row["jaccard"]["n"] == row["informative_rows"]
+
+
+def test_faults_and_deviations_are_refused_for_glm5_next_not_ignored(reference: tuple[Path, dict]) -> None:
+    tmp, _ = reference
+    fault = json.dumps({"kind": "non_finite", "layer": 1, "site": "mlp_out", "token": 3, "channel": 0,
+                        "value": "nan"})  # fmt: skip
+    for extra in (["--fault", fault], ["--deviation", "logits_bf16"], ["--fp8-indexer", "sglang"]):
+        run = subprocess.run(
+            [binary("shadowtrace-run"), "--model", tmp / "model", tmp / "ids.json", "--out", tmp / "refused",
+             *extra],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert run.returncode == 2, (extra, run.stderr)
+        assert "glm5_next" in run.stderr, run.stderr
+    assert not (tmp / "refused").exists()
