@@ -119,7 +119,7 @@ def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tu
     tmp, _ = reference
     runs = tmp / "runs"
     run = subprocess.run(
-        [binary("shadowtrace-run"), "--model", tmp / "model", tmp / "ids.json", "--out", runs],
+        [binary("shadowtrace"), "run", "--model", tmp / "model", tmp / "ids.json", "--out", runs],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
