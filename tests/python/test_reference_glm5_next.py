@@ -31,20 +31,39 @@ TIE_REL_TOL = 1e-5
 MLA_LAYERS, FULL_INDEXERS = [1, 2, 5], [1, 5]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    tmp = tmp_path_factory.mktemp("glm5_next")
+def hf_reference(tmp: Path, length: int, *extra: str) -> dict:
+    """Saves the tiny checkpoint under tmp/model and returns what transformers 5.24 computed
+    on it (glm5_next_reference.py); the prompt goes to tmp/ids.json."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
     done = subprocess.run(
-        [sys.executable, REPO / "tests" / "python" / "glm5_next_reference.py", tmp / "model", str(LENGTH),
-         tmp / "hf.pt"],
+        [sys.executable, REPO / "tests" / "python" / "glm5_next_reference.py", tmp / "model", str(length),
+         tmp / "hf.pt", *extra],
         capture_output=True, text=True, env={**clean, **transformers_path(VERSION)}, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     hf = torch.load(tmp / "hf.pt")
     assert hf["version"] == VERSION
     (tmp / "ids.json").write_text(json.dumps(hf["ids"].tolist()))
-    return tmp, hf
+    return hf
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("glm5_next")
+    return tmp, hf_reference(tmp, LENGTH)
+
+
+def test_the_unbounded_kda_forget_gate_matches_transformers(tmp_path: Path) -> None:
+    """The softplus branch of the forget gate (`linear_lower_bound` None), on a shorter
+    prompt: every layer within the same tolerance."""
+    hf = hf_reference(tmp_path, 48, "--softplus-gate")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["text_config"]["linear_lower_bound"] is None
+    rust = rust_dump(tmp_path, "fp32")
+    for i, want in hf["layer_out"].items():
+        got = rust[f"layer_out.{i}"].view(want.shape)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= HIDDEN_REL_TOL, (i, err)
 
 
 def rust_dump(tmp: Path, path: str) -> dict:

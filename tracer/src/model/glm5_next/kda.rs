@@ -70,7 +70,7 @@ fn forget_gate(ops: &Ops<'_>, x: &Tensor) -> Tensor {
         Some(bound) => (decay * g).sigmoid() * bound,
         None => {
             // softplus, linear past 20 as transformers writes it
-            let soft = g.gt(20.0).where_self(&g, &(g.exp() + 1.0).log());
+            let soft = g.where_self(&g.gt(20.0), &(g.exp() + 1.0).log());
             -(decay * soft)
         }
     }
