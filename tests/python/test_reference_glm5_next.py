@@ -137,13 +137,8 @@ def test_the_production_path_runs_fp8_linears_within_bf16_distance_of_the_fp32_p
 def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tuple[Path, dict]) -> None:
     tmp, _ = reference
     runs = tmp / "runs"
-    run = subprocess.run(
-        [binary("shadowtrace"), "run", "--model", tmp / "model", tmp / "ids.json", "--out", runs],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    manifest, analysis = trace_and_analyze(tmp, runs)
     (run_dir,) = runs.iterdir()
-    manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert manifest["model"]["architecture"] == "glm5_next"
     assert manifest["counters"]["fp8_linears_emulated"] > 0
@@ -162,12 +157,6 @@ def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tu
     # A token's 4 hyper-connection streams of 64 as one vector; a block's output is one.
     assert numel[(0, "layer_out")] == 4 * 64
     assert numel[(0, "attn_out")] == 64
-    out = subprocess.run(
-        [binary("shadowtrace"), "analyze", runs, "--format", "json"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    (analysis,) = json.loads(out.stdout)["runs"]
     assert analysis["onset"] is None
     assert analysis["counters"]["dropped_rows"] == 0
     # Read in pools: queries 0..78 see at most k = 4 complete pools (dense rows, no
@@ -181,16 +170,53 @@ def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tu
         assert row["jaccard"]["n"] == row["informative_rows"]
 
 
-def test_faults_and_deviations_are_refused_for_glm5_next_not_ignored(reference: tuple[Path, dict]) -> None:
+def trace_and_analyze(tmp: Path, runs: Path, *extra: str) -> tuple[dict, dict]:
+    """`shadowtrace run` on the fixture's checkpoint into `runs`, then `shadowtrace analyze`:
+    the run's manifest and its analysis."""
+    run = subprocess.run(
+        [binary("shadowtrace"), "run", "--model", tmp / "model", tmp / "ids.json", "--out", runs, *extra],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = runs.iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", runs, "--format", "json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (analysis,) = json.loads(out.stdout)["runs"]
+    return manifest, analysis
+
+
+def test_a_nan_planted_in_a_kda_layer_of_production_is_located_there(reference: tuple[Path, dict]) -> None:
     tmp, _ = reference
-    fault = json.dumps({"kind": "non_finite", "layer": 1, "site": "mlp_out", "token": 3, "channel": 0,
-                        "value": "nan"})  # fmt: skip
-    for extra in (["--fault", fault], ["--deviation", "logits_bf16"], ["--fp8-indexer", "sglang"]):
+    fault = {"kind": "non_finite", "layer": 3, "site": "mlp_out", "token": 120, "channel": 5, "value": "nan"}
+    manifest, analysis = trace_and_analyze(tmp, tmp / "nan-runs", "--fault", json.dumps(fault))
+    assert manifest["injections"] == [fault]
+    onset = analysis["onset"]
+    where = (onset["layer"], onset["site"], onset["token"], onset["shadow_finite"])
+    assert where == (3, "mlp_out", 120, True)
+
+
+def test_what_this_engine_cannot_plant_or_run_is_refused_not_ignored(reference: tuple[Path, dict]) -> None:
+    tmp, _ = reference
+    nan = {"kind": "non_finite", "site": "layer_out", "token": 3, "value": "nan"}
+    cases = [
+        (["--fault", json.dumps({"kind": "kv_slot", "layer": 1, "token": 3})], "non_finite faults only"),
+        (["--fault", json.dumps({**nan, "layer": 6, "channel": 0})], "layer 6 outside the model's 6 layers"),
+        # layer_out is a token's 4 streams of 64 end to end: channel 256 is past them.
+        (["--fault", json.dumps({**nan, "layer": 1, "channel": 256})], "channel 256 outside"),
+        (["--fault", json.dumps({**nan, "layer": 1, "channel": 0, "token": LENGTH})], "token 200 outside"),
+        (["--deviation", "logits_bf16"], "--deviation is not implemented for glm5_next"),
+        (["--fp8-indexer", "sglang"], "no engine FP8 indexer variant"),
+    ]
+    for extra, needle in cases:
         run = subprocess.run(
             [binary("shadowtrace-run"), "--model", tmp / "model", tmp / "ids.json", "--out", tmp / "refused",
              *extra],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         assert run.returncode == 2, (extra, run.stderr)
-        assert "glm5_next" in run.stderr, run.stderr
+        assert needle in run.stderr, (needle, run.stderr)
     assert not (tmp / "refused").exists()

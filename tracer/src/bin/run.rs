@@ -42,7 +42,8 @@ enum Path {
 /// --path numerics. See `shadowtrace env` for the variables.
 ///
 /// GLM-5.3-Flash (model_type glm5_next): its k-pool indexer runs in the path's own
-/// numerics (--fp8-indexer none), and --fault and --deviation are refused.
+/// numerics (--fp8-indexer none); --fault plants non_finite faults only (a layer_out
+/// channel indexes a token's hc_mult streams end to end); --deviation is refused.
 ///
 /// Exit codes: 0 success, 2 bad input (a prompt, a variable, an unknown
 /// --deviation or one outside the model's layers, a --fault whose layer, site,
@@ -209,12 +210,12 @@ fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// GLM-5.3-Flash: its own engine (`model::glm5_next`). Faults and deviations
-/// are the GLM-5 / DeepSeek-V3.2 engine's and are refused here, not ignored.
+/// GLM-5.3-Flash: its own engine (`model::glm5_next`). Deviations and every
+/// fault kind but `non_finite` act on GLM-5's layers: refused here, not ignored.
 fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     let model = Glm5Next::open(&args.model, device)?;
-    if !args.fault.is_empty() || !args.deviation.is_empty() {
-        bail!("--fault and --deviation are not implemented for glm5_next (GLM-5.3-Flash)");
+    if !args.deviation.is_empty() {
+        bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
     }
     let name = model_name(args);
     let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
@@ -232,12 +233,30 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     }
     opts.fp8_indexer = None;
     opts.fp8_indexer_name = "none".to_owned();
+    for f in &args.fault {
+        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
+        if !Glm5Next::supports_fault(&fault) {
+            bail!("--fault {f}: glm5_next (GLM-5.3-Flash) plants non_finite faults only");
+        }
+        model
+            .check_fault(&fault, None)
+            .with_context(|| format!("--fault {f}"))?;
+        opts.faults.push(fault);
+    }
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    if out.is_none() && !args.fault.is_empty() {
+        bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
+    }
     if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
         bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");
     }
     for (i, path) in args.prompts.iter().enumerate() {
         let ids = read_prompt(path, model.config.vocab_size)?;
+        for (fault, f) in opts.faults.iter().zip(&args.fault) {
+            model
+                .check_fault(fault, Some(ids.len() as i64))
+                .with_context(|| format!("--fault {f} on {}", path.display()))?;
+        }
         let started = std::time::Instant::now();
         let Some(out) = &out else {
             let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;

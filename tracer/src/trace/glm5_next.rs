@@ -10,9 +10,10 @@
 //! the complete pools a query sees, keys = pool indices), as the HF hooks
 //! record them; KDA layers have neither indexer nor KV slots.
 //!
-//! Not traced here: planted faults and engine deviations (the command line
-//! refuses them for this model), and an FP8 indexer variant (the indexer runs
-//! in the path's numerics, as transformers computes it).
+//! Faults: `non_finite` ones only, planted in production and listed in the
+//! manifest. Not run here: the other fault kinds and engine deviations (the
+//! command line refuses them for this model), and an FP8 indexer variant
+//! (the indexer runs in the path's numerics, as transformers computes it).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -30,7 +31,7 @@ use super::{
 };
 use crate::RunWriter;
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
-use crate::model::glm5_next::{Glm5Next, LayerOutput};
+use crate::model::glm5_next::{Glm5Next, LayerOutput, Pass};
 use crate::model::layer::{Fallbacks, Numerics};
 use crate::record::{LogitsRow, SelectionUnit};
 
@@ -78,23 +79,21 @@ pub fn trace_glm5_next(
             return Err(TraceRunError::Interrupted { layer: i });
         }
         let weights = model.load_layer(i)?;
-        let shadow = Numerics::Plain(kind);
-        let (next_prod, prod) = model.layer(
-            i,
-            &weights,
-            Numerics::Fp8,
-            Some(&fallbacks),
-            &h_prod,
-            prev_prod.as_ref(),
-        );
+        let production = Pass {
+            numerics: Numerics::Fp8,
+            fallbacks: Some(&fallbacks),
+            faults: &opts.faults,
+        };
+        let shadow = Pass::plain(Numerics::Plain(kind));
+        let (next_prod, prod) = model.layer(i, &weights, &production, &h_prod, prev_prod.as_ref());
         let local = (opts.modes.contains(&Mode::Local)).then(|| {
             let input = h_prod.to_kind(kind);
             model
-                .layer(i, &weights, shadow, None, &input, prev_prod.as_ref())
+                .layer(i, &weights, &shadow, &input, prev_prod.as_ref())
                 .1
         });
         let free = (opts.modes.contains(&Mode::Free))
-            .then(|| model.layer(i, &weights, shadow, None, &h_free, prev_free.as_ref()));
+            .then(|| model.layer(i, &weights, &shadow, &h_free, prev_free.as_ref()));
         if opts.layer(i) {
             type Pick = Option<fn(&LayerOutput) -> &Tensor>;
             let layer_in = flat(&h_prod);
@@ -239,7 +238,11 @@ fn identity(model: &Glm5Next, ids: &[i64], run_id: &str, opts: &TraceOptions) ->
         },
         settings,
         tags: opts.tags.clone(),
-        injections: Vec::new(),
+        injections: opts
+            .faults
+            .iter()
+            .filter_map(|f| serde_json::to_value(f).ok())
+            .collect(),
         conventions: conventions(model),
         deviations: Vec::new(),
     }

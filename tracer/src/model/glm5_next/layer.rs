@@ -10,6 +10,7 @@ use super::kda;
 use super::kpool::KpoolSelection;
 use super::mla;
 use super::ops::Ops;
+use crate::model::fault::Fault;
 
 /// What one layer hands to the tracer.
 #[derive(Debug)]
@@ -55,6 +56,7 @@ pub fn forward(
             )
         }
     };
+    let attn_out = plant(ops, index, "attn_out", attn_out);
     let streams = hyper::expand(&mixing, &attn_out, &streams);
     let mixing = hyper::mixing(ops, "ffn", &streams);
     let normed = ops.rms_norm(&mixing.collapsed, "post_attention_layernorm");
@@ -64,16 +66,41 @@ pub fn forward(
     } else {
         (ops.mlp(&normed, "mlp"), None)
     };
+    let mlp_out = plant(ops, index, "mlp_out", mlp_out);
     let streams = hyper::expand(&mixing, &mlp_out, &streams);
-    let s = streams.size()[0];
+    let size = streams.size();
+    let layer_out = plant(ops, index, "layer_out", streams.reshape([size[0], -1]));
+    let streams = layer_out.view(size.as_slice());
     let out = LayerOutput {
         attn_out,
         mlp_out,
-        layer_out: streams.reshape([s, -1]),
+        layer_out,
         tokens,
         selection,
         experts,
         kv_latent,
     };
     (streams, out)
+}
+
+/// Writes the non-finite values planted at `site` of layer `index` into `x`
+/// `[S, width]` (a copy: the caller's tensor is left alone).
+fn plant(ops: &Ops<'_>, index: i64, site: &str, x: Tensor) -> Tensor {
+    let mut x = x;
+    for fault in ops.faults.iter().filter(|f| f.layer() == index) {
+        if let Fault::NonFinite {
+            site: at,
+            token,
+            channel,
+            value,
+            ..
+        } = fault
+            && at == site
+            && *token < x.size()[0]
+        {
+            x = x.copy();
+            let _ = x.get(*token).get(*channel).fill_(value.value());
+        }
+    }
+    x
 }

@@ -31,6 +31,7 @@ pub use layer::LayerOutput;
 use ops::Ops;
 
 use super::ModelError;
+use super::fault::{Fault, FaultError, NON_FINITE_SITES};
 use super::layer::{Fallbacks, Numerics, Weights, rms_norm};
 use super::weights::Checkpoint;
 
@@ -142,6 +143,63 @@ impl Glm5Next {
         Ok(weights)
     }
 
+    /// Checks a fault against the model and, given the prompt's length, its
+    /// token. Only `non_finite` is planted in this engine; a channel of
+    /// `layer_out` indexes a token's streams end to end (`hc_mult x hidden`).
+    ///
+    /// # Errors
+    /// An index that does not fit. (Whether the kind is planted at all is
+    /// [`Glm5Next::supports_fault`]'s answer.)
+    pub fn check_fault(&self, fault: &Fault, tokens: Option<i64>) -> Result<(), FaultError> {
+        let c = &self.config;
+        let layer = fault.layer();
+        if !(0..c.num_hidden_layers).contains(&layer) {
+            return Err(FaultError::Layer {
+                got: layer,
+                layers: c.num_hidden_layers,
+            });
+        }
+        if let Fault::NonFinite {
+            site,
+            token,
+            channel,
+            ..
+        } = fault
+        {
+            if !NON_FINITE_SITES.contains(&site.as_str()) {
+                return Err(FaultError::Site { got: site.clone() });
+            }
+            let width = if site == "layer_out" {
+                c.hc_mult * c.hidden_size
+            } else {
+                c.hidden_size
+            };
+            if !(0..width).contains(channel) {
+                return Err(FaultError::Channel {
+                    got: *channel,
+                    hidden: width,
+                });
+            }
+            if let Some(n) = tokens
+                && !(0..n).contains(token)
+            {
+                return Err(FaultError::Token {
+                    got: *token,
+                    tokens: n,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this engine plants `fault`'s kind: `non_finite` only (the
+    /// others act on GLM-5's layers: its KV slots, FP8 scales by linear
+    /// name, input outliers, indexer keys).
+    #[must_use]
+    pub fn supports_fault(fault: &Fault) -> bool {
+        matches!(fault, Fault::NonFinite { .. })
+    }
+
     /// The streams entering layer 0 `[S, hc_mult, hidden]` (fp32): each
     /// token's embedding copied into every stream.
     ///
@@ -169,21 +227,21 @@ impl Glm5Next {
         })
     }
 
-    /// Layer `i` on `streams` in `numerics`; returns the streams leaving it.
+    /// Layer `i` on `streams` in `pass`; returns the streams leaving it.
     pub fn layer(
         &self,
         i: i64,
         weights: &Weights,
-        numerics: Numerics,
-        fallbacks: Option<&Fallbacks>,
+        pass: &Pass<'_>,
         streams: &Tensor,
         shared: Option<&Tensor>,
     ) -> (Tensor, LayerOutput) {
         let ops = Ops {
             config: &self.config,
             weights,
-            numerics,
-            fallbacks,
+            numerics: pass.numerics,
+            fallbacks: pass.fallbacks,
+            faults: pass.faults,
         };
         layer::forward(&ops, i, streams, shared)
     }
@@ -198,12 +256,36 @@ impl Glm5Next {
         for i in 0..self.config.num_hidden_layers {
             let weights = self.load_layer(i)?;
             let shared = layers.last().and_then(|l| l.tokens.as_ref());
-            let (next, out) = self.layer(i, &weights, numerics, None, &streams, shared);
+            let (next, out) = self.layer(i, &weights, &Pass::plain(numerics), &streams, shared);
             streams = next;
             layers.push(out);
         }
         let logits = self.head()?.logits(&streams, streams.kind());
         Ok(Forward { layers, logits })
+    }
+}
+
+/// How one pass computes: its numerics, and for production where its FP8
+/// fallbacks are counted and which faults it carries.
+#[derive(Debug, Clone, Copy)]
+pub struct Pass<'a> {
+    /// The numerics.
+    pub numerics: Numerics,
+    /// Where FP8 linears are counted (`None`: not counted).
+    pub fallbacks: Option<&'a Fallbacks>,
+    /// Faults planted (checked by [`Glm5Next::check_fault`]).
+    pub faults: &'a [Fault],
+}
+
+impl Pass<'_> {
+    /// A shadow's or an untraced pass: nothing counted, nothing planted.
+    #[must_use]
+    pub fn plain(numerics: Numerics) -> Pass<'static> {
+        Pass {
+            numerics,
+            fallbacks: None,
+            faults: &[],
+        }
     }
 }
 

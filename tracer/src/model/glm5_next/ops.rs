@@ -8,6 +8,7 @@ use tch::{Kind, Tensor};
 
 use super::config::Glm5NextConfig;
 use crate::fp8::gemm;
+use crate::model::fault::Fault;
 use crate::model::layer::{Fallbacks, Numerics, Weights, rms_norm};
 
 /// One layer's weights in one path's numerics.
@@ -21,6 +22,8 @@ pub struct Ops<'a> {
     pub numerics: Numerics,
     /// Where production's FP8 linears are counted.
     pub fallbacks: Option<&'a Fallbacks>,
+    /// Faults planted in this pass (production only).
+    pub faults: &'a [Fault],
 }
 
 impl Ops<'_> {
