@@ -101,3 +101,34 @@ fn delta_rule(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor) -> 
     }
     Tensor::stack(&outs, 0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_delta_rule_overwrites_what_a_key_held_instead_of_adding_to_it() {
+        // One head, dk = dv = 4, no decay (g = 0), full write strength (beta = 1).
+        // Tokens 0 and 1 write values under one-hot keys e0 and e1; token 2 writes
+        // a new value under e0 again. Each token queries with its own key, so it
+        // reads back exactly what it wrote (scaled by dk^-1/2 and the L2 norm's eps).
+        let key = |i: usize| {
+            let mut v = [0.0_f32; 4];
+            v[i] = 1.0;
+            v
+        };
+        let keys: Vec<f32> = [key(0), key(1), key(0)].concat();
+        let values: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0, -1.0, 0.5, 0.0, 2.0, 7.0, -3.0, 1.0, 0.0];
+        let k = Tensor::from_slice(&keys).view([3, 1, 4]);
+        let v = Tensor::from_slice(&values).view([3, 1, 4]);
+        let g = Tensor::zeros([3, 1, 4], (Kind::Float, tch::Device::Cpu));
+        let beta = Tensor::ones([3, 1], (Kind::Float, tch::Device::Cpu));
+        let out = delta_rule(&k, &k, &v, &g, &beta).view([3, 4]);
+        let unit = 1.0 / (1.0_f64 + 1e-6).sqrt(); // l2norm's `+ eps` inside the root
+        // A key of norm `unit` writes `v - unit * held`, read back times `unit / 2`.
+        let expected = Tensor::from_slice(&values).view([3, 4]) * (unit * unit * 0.5);
+        // Token 2 replaced token 0's value: it reads 7, -3, 1, 0, not their sum with 1, 2, 3, 4
+        // (up to the eps of the key's norm, which leaves 1e-6 of the old value).
+        assert!(out.allclose(&expected, 1e-5, 1e-5, false), "{out}");
+    }
+}
