@@ -3,10 +3,11 @@ of the reference-engine test, saves it with `save_pretrained`, runs transformers
 forward on a prompt and saves what each layer computed: run under transformers 5.24
 (installed apart, first on PYTHONPATH), by tests/python/test_reference_glm5_next.py.
 
-usage: glm5_next_reference.py MODEL_DIR LENGTH OUT.pt [--softplus-gate]
+usage: glm5_next_reference.py MODEL_DIR LENGTH OUT.pt [--softplus-gate] [--bf16]
 
 --softplus-gate: the KDA forget gate without its lower bound (`linear_lower_bound` None,
 `-exp(A_log) * softplus`), the branch the shipped config (-5.0) does not take.
+--bf16: the model in bf16 (the modules transformers keeps in fp32 stay fp32), saved so.
 
 The parameters HF initialises to constants are drawn at random first (vary_constants).
 OUT.pt holds `version`, `ids` [S], `layer_out` {layer: [S, hc_mult, hidden]} (the
@@ -59,9 +60,10 @@ def vary_constants(model: torch.nn.Module) -> None:
 def main() -> None:
     model_dir, length, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     gate = {"linear_lower_bound": None} if "--softplus-gate" in sys.argv[4:] else {}
+    dtype = torch.bfloat16 if "--bf16" in sys.argv[4:] else torch.float32
     model = tiny_family.glm5_next(
         layers=len(LAYER_TYPES),
-        dtype=torch.float32,
+        dtype=dtype,
         layer_types=LAYER_TYPES,
         indexer_types=INDEXER_TYPES,
         swiglu_limit=SWIGLU_LIMIT,

@@ -272,10 +272,13 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
                 let cpu = |t: &Tensor| t.to_device(Device::Cpu);
                 let mut tensors: Vec<(String, Tensor)> = Vec::new();
                 for (l, layer) in forward.layers.iter().enumerate() {
-                    tensors.push((
-                        format!("layer_out.{l}"),
-                        cpu(&layer.layer_out.to_kind(Kind::Float)),
-                    ));
+                    for (site, t) in [
+                        ("attn_out", &layer.attn_out),
+                        ("mlp_out", &layer.mlp_out),
+                        ("layer_out", &layer.layer_out),
+                    ] {
+                        tensors.push((format!("{site}.{l}"), cpu(&t.to_kind(Kind::Float))));
+                    }
                     if let Some(tokens) = &layer.tokens {
                         tensors.push((format!("topk.{l}"), cpu(tokens)));
                     }

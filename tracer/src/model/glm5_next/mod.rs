@@ -123,7 +123,7 @@ impl Glm5Next {
     /// A tensor missing or unreadable.
     pub fn load_layer(&self, i: i64) -> Result<Weights, ModelError> {
         let prefix = format!("{}layers.{i}.", self.prefix);
-        let weights = self.load(&prefix)?;
+        let mut weights = self.load(&prefix)?;
         for name in required(&self.config, i) {
             if !weights.contains_key(&name) {
                 return Err(ModelError::Weights {
@@ -139,6 +139,9 @@ impl Glm5Next {
                     ),
                 });
             }
+        }
+        if self.config.is_moe(i) {
+            fuse_experts(&mut weights, self.config.n_routed_experts);
         }
         Ok(weights)
     }
@@ -309,7 +312,24 @@ impl Head {
     }
 }
 
-/// The tensors layer `i` reads, by name within the layer.
+/// Each routed expert's gate and up projections as one
+/// `mlp.experts.{e}.gate_up_proj.weight` `[2 * moe_intermediate, hidden]`,
+/// gate rows first: the layout transformers loads the per-expert checkpoint
+/// into (`MergeModulelist` + `Concatenate`) and multiplies in one GEMM.
+fn fuse_experts(weights: &mut Weights, experts: i64) {
+    for e in 0..experts {
+        let name = |p: &str| format!("mlp.experts.{e}.{p}.weight");
+        if let (Some(gate), Some(up)) = (
+            weights.remove(&name("gate_proj")),
+            weights.remove(&name("up_proj")),
+        ) {
+            weights.insert(name("gate_up_proj"), Tensor::cat(&[gate, up], 0));
+        }
+    }
+}
+
+/// The tensors layer `i` reads, by name within the layer (as the checkpoint
+/// names them: before [`fuse_experts`]).
 fn required(c: &Glm5NextConfig, i: i64) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     let mut add = |prefix: &str, leaves: &[&str]| {

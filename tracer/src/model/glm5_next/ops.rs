@@ -109,10 +109,23 @@ impl Ops<'_> {
         self.linear(&(gate.silu() * up), &format!("{prefix}.down_proj"))
     }
 
+    /// One routed expert as `Glm5NextTextExperts` runs it: one fused
+    /// gate-and-up GEMM (`gate_up_proj`, fused at load), split, the same
+    /// clamp as [`Ops::mlp`], then the down projection.
+    fn routed_expert(&self, x: &Tensor, expert: i64) -> Tensor {
+        let limit = self.config.swiglu_limit;
+        let prefix = format!("mlp.experts.{expert}");
+        let gate_up = self.linear(x, &format!("{prefix}.gate_up_proj"));
+        let half = gate_up.size()[1] / 2;
+        let gate = gate_up.narrow(1, 0, half).clamp_max(limit);
+        let up = gate_up.narrow(1, half, half).clamp(-limit, limit);
+        self.linear(&(gate.silu() * up), &format!("{prefix}.down_proj"))
+    }
+
     /// `Glm5NextTextMoE`: the sigmoid router with correction bias and
     /// group-limited top-k in fp32, the routed experts in the path's
-    /// numerics (accumulated in expert order, as transformers' loop does),
-    /// plus the shared experts. Returns the output and the experts chosen.
+    /// numerics (their weighted outputs summed in fp32), plus the shared
+    /// experts. Returns the output and the experts chosen.
     pub fn moe(&self, x: &Tensor) -> (Tensor, Tensor) {
         let c = self.config;
         let (s, e, groups) = (x.size()[0], c.n_routed_experts, c.n_group);
@@ -140,24 +153,27 @@ impl Ops<'_> {
             weights = &weights / (weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-20);
         }
         let weights = weights * c.routed_scaling_factor;
-        let mut out = Tensor::zeros([s, c.hidden_size], (self.kind(), x.device()));
+        // One row per (token, slot), weighted in fp32 and summed over the slots
+        // in fp32 before one cast: transformers 5.24's default experts path
+        // (`grouped_mm_experts_forward`), not its eager loop's bf16 index_add.
+        let k = c.num_experts_per_tok;
+        let mut rows = Tensor::zeros([s * k, c.hidden_size], (Kind::Float, x.device()));
         for expert in 0..e {
             let hits = top.eq(expert).nonzero();
             if hits.size()[0] == 0 {
                 continue;
             }
             let (tokens, slots) = (hits.select(1, 0), hits.select(1, 1));
-            let ye = self.mlp(
-                &x.index_select(0, &tokens),
-                &format!("mlp.experts.{expert}"),
-            );
+            let ye = self.routed_expert(&x.index_select(0, &tokens), expert);
             let w = weights
-                .index(&[Some(tokens.shallow_clone()), Some(slots)])
+                .index(&[Some(tokens.shallow_clone()), Some(slots.shallow_clone())])
                 .unsqueeze(1);
-            // The expert's output times the fp32 routing weight promotes to fp32.
-            let ye = (ye.to_kind(Kind::Float) * w).to_kind(out.kind());
-            out = out.index_add(0, &tokens, &ye);
+            rows = rows.index_copy(0, &(tokens * k + slots), &(ye.to_kind(Kind::Float) * w));
         }
+        let out = rows
+            .view([s, k, c.hidden_size])
+            .sum_dim_intlist(1, false, Kind::Float)
+            .to_kind(self.kind());
         (out + self.mlp(x, "mlp.shared_experts"), top)
     }
 }
