@@ -3,8 +3,10 @@ transformers 5.24's `Glm5Next` on the same `save_pretrained` checkpoint of a tin
 model, both in fp32 on CPU: per-layer hidden states (the hyper-connection streams) of KDA
 and MLA layers, dense and MoE, the k-pool indexer's selections (own and shared) and the
 logits. The prompt sees up to 12 complete pools of 16 tokens against k = 4, so the sparse
-regime and the incomplete-pool tail are both exercised. Then the same checkpoint traced:
-a v2 run whose selections `shadowtrace analyze` reads in k-pool units."""
+regime and the incomplete-pool tail are both exercised. Also in bf16 (the dtype of every
+step, bitwise through the first MLA and MoE layers) and with the unbounded KDA forget gate.
+Then the same checkpoint traced: a v2 run whose selections `shadowtrace analyze` reads in
+k-pool units, and a NaN planted in production located at its layer."""
 
 import json
 import os
