@@ -129,8 +129,11 @@ impl Glm5Next {
                 return Err(ModelError::Weights {
                     path: PathBuf::from(format!("{prefix}{name}")),
                     what: format!(
-                        "not in the checkpoint, needed by layer {i} ({:?}, {})",
-                        self.config.mixer(i),
+                        "not in the checkpoint, needed by layer {i} ({}, {})",
+                        match self.config.mixer(i) {
+                            Mixer::Kda => "KDA",
+                            Mixer::Mla => "MLA",
+                        },
                         if self.config.is_moe(i) {
                             "MoE"
                         } else {
@@ -393,4 +396,67 @@ fn required(c: &Glm5NextConfig, i: i64) -> Vec<String> {
         names.extend(mlp.iter().map(|p| format!("mlp.{p}.weight")));
     }
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer checkpoint (an MLA layer with its indexer, dense MLP) holding
+    /// every tensor the layer needs but `missing`, each a placeholder: only the
+    /// names are read before a forward pass.
+    fn checkpoint(dir: &Path, missing: &str) {
+        let config = serde_json::json!({
+            "model_type": "glm5_next",
+            "text_config": {
+                "vocab_size": 8, "hidden_size": 4, "num_hidden_layers": 1,
+                "num_attention_heads": 1, "kv_lora_rank": 2, "q_lora_rank": 2,
+                "v_head_dim": 2, "qk_nope_head_dim": 2, "index_topk": 16, "index_head_dim": 2,
+                "index_n_heads": 1, "intermediate_size": 4, "moe_intermediate_size": 2,
+                "n_shared_experts": 1, "n_routed_experts": 2, "routed_scaling_factor": 1.0,
+                "num_experts_per_tok": 1, "layer_types": ["indexed_attention"],
+                "mlp_layer_types": ["dense"]
+            }
+        });
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let (c, _) = Glm5NextConfig::read(&dir.join("config.json")).unwrap();
+        let mut names: Vec<String> = required(&c, 0)
+            .into_iter()
+            .map(|n| format!("model.language_model.layers.0.{n}"))
+            .collect();
+        names.extend(["model.language_model.embed_tokens.weight".to_owned()]);
+        let tensors: Vec<(String, Tensor)> = names
+            .into_iter()
+            .filter(|n| !n.ends_with(missing))
+            .map(|n| (n, Tensor::zeros([1], (Kind::Float, Device::Cpu))))
+            .collect();
+        Tensor::write_safetensors(&tensors, dir.join("model.safetensors")).unwrap();
+    }
+
+    #[test]
+    fn a_layer_missing_a_tensor_its_structure_needs_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        checkpoint(dir.path(), "indexer.index_kpool_compress_gate");
+        let model = Glm5Next::open(dir.path(), Device::Cpu).unwrap();
+        let err = model.load_layer(0).unwrap_err().to_string();
+        assert!(
+            err.contains(
+                "model.language_model.layers.0.self_attn.indexer.index_kpool_compress_gate"
+            ) && err.contains("needed by layer 0 (MLA, dense)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_without_the_decoder_embeddings_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        checkpoint(dir.path(), "embed_tokens.weight");
+        let err = Glm5Next::open(dir.path(), Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no model.language_model.embed_tokens.weight"),
+            "{err}"
+        );
+    }
 }
