@@ -104,9 +104,16 @@ def rust_dump(tmp: Path, path: str) -> dict:
     return load_file(out)
 
 
-def test_every_layer_of_the_fp32_path_matches_transformers_glm5_next(reference: tuple[Path, dict]) -> None:
-    tmp, hf = reference
-    rust = rust_dump(tmp, "fp32")
+@pytest.fixture(scope="module")
+def rust_fp32(reference: tuple[Path, dict]) -> dict:
+    return rust_dump(reference[0], "fp32")
+
+
+def test_every_layer_of_the_fp32_path_matches_transformers_glm5_next(
+    reference: tuple[Path, dict], rust_fp32: dict
+) -> None:
+    _, hf = reference
+    rust = rust_fp32
     assert sorted(hf["layer_out"]) == list(range(6))
     for i, want in hf["layer_out"].items():
         got = rust[f"layer_out.{i}"].view(want.shape)  # a token's streams end to end
@@ -120,10 +127,10 @@ def test_every_layer_of_the_fp32_path_matches_transformers_glm5_next(reference: 
 
 
 def test_the_k_pool_selections_agree_with_transformers_and_the_shared_layer_reuses_them(
-    reference: tuple[Path, dict],
+    reference: tuple[Path, dict], rust_fp32: dict
 ) -> None:
-    tmp, hf = reference
-    rust = rust_dump(tmp, "fp32")
+    _, hf = reference
+    rust = rust_fp32
     sparse_rows = 0
     for i, want in hf["topk"].items():
         got, scores = rust[f"topk.{i}"], rust[f"index_scores.{i}"]
