@@ -17,9 +17,10 @@ use clap::{Parser, ValueEnum};
 use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::deviation::{Deviation, Effect};
 use shadowtrace_tracer::model::fault::Fault;
+use shadowtrace_tracer::model::glm5_next::{Glm5Next, is_glm5_next};
 use shadowtrace_tracer::model::{Model, Numerics};
 use shadowtrace_tracer::suspects::prompts::read_prompt;
-use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace};
+use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace, trace_glm5_next};
 use tch::{Device, Kind, Tensor};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -32,13 +33,17 @@ enum Path {
     Fp8,
 }
 
-/// Run the reference GLM-5 / DeepSeek-V3.2 engine on prompts, traced or not.
+/// Run the reference GLM-5 / DeepSeek-V3.2 / GLM-5.3-Flash engine on prompts, traced or not.
 ///
 /// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8
 /// path (FP8 linears, the --fp8-indexer variant, any --deviation and --fault) against the
 /// shadow the SHADOWTRACE_* variables ask for, one run per prompt under
 /// SHADOWTRACE_DIR (or --out). Without, one untraced pass per prompt in
 /// --path numerics. See `shadowtrace env` for the variables.
+///
+/// GLM-5.3-Flash (model_type glm5_next): its k-pool indexer runs in the path's own
+/// numerics (--fp8-indexer none); --fault plants non_finite faults only (a layer_out
+/// channel indexes a token's hc_mult streams end to end); --deviation is refused.
 ///
 /// Exit codes: 0 success, 2 bad input (a prompt, a variable, an unknown
 /// --deviation or one outside the model's layers, a --fault whose layer, site,
@@ -103,12 +108,12 @@ fn main() -> ExitCode {
 
 fn run(args: &Args) -> Result<()> {
     let device = Device::cuda_if_available();
+    let config = std::fs::read(args.model.join("config.json")).unwrap_or_default();
+    if is_glm5_next(&config) {
+        return run_glm5_next(args, device);
+    }
     let model = Model::open(&args.model, device)?;
-    let name = args.name.clone().unwrap_or_else(|| {
-        args.model
-            .file_name()
-            .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
-    });
+    let name = model_name(args);
     let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
     // SIGTERM ends the trace at the next layer with every row sent written or counted,
     // instead of the default immediate death that would leave the run's rows unflushed.
@@ -163,12 +168,7 @@ fn run(args: &Args) -> Result<()> {
         }
         let started = std::time::Instant::now();
         let Some(out) = &out else {
-            let numerics = match args.path {
-                Path::Fp32 => Numerics::Plain(Kind::Float),
-                Path::Bf16 => Numerics::Plain(Kind::BFloat16),
-                Path::Fp8 => Numerics::Fp8,
-            };
-            let forward = tch::no_grad(|| model.forward(&ids, numerics))?;
+            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;
             println!(
                 "{}: {} ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
                 path.display(),
@@ -196,20 +196,7 @@ fn run(args: &Args) -> Result<()> {
             }
             continue;
         };
-        let stem = path.file_stem().map_or_else(
-            || format!("prompt{i}"),
-            |s| s.to_string_lossy().into_owned(),
-        );
-        let run_id: String = format!("{name}-{stem}")
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || "._-".contains(c) {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
+        let run_id = run_id(&name, path, i);
         let manifest = tch::no_grad(|| trace(&model, &ids, &run_id, &out.join(&run_id), &opts))
             .with_context(|| format!("tracing {}", path.display()))?;
         eprintln!(
@@ -221,4 +208,138 @@ fn run(args: &Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// GLM-5.3-Flash: its own engine (`model::glm5_next`). Deviations and every
+/// fault kind but `non_finite` act on GLM-5's layers: refused here, not ignored.
+fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
+    let model = Glm5Next::open(&args.model, device)?;
+    if !args.deviation.is_empty() {
+        bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
+    }
+    let name = model_name(args);
+    let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
+        .context("installing the SIGTERM handler")?;
+    opts.stop = Some(stop);
+    // The default names no choice; the manifest records `none` either way.
+    if !["trtllm", "none"].contains(&args.fp8_indexer.as_str()) {
+        bail!(
+            "--fp8-indexer {}: glm5_next's k-pool indexer runs in the path's own numerics \
+             (no engine FP8 indexer variant is implemented for it): give none",
+            args.fp8_indexer
+        );
+    }
+    opts.fp8_indexer = None;
+    opts.fp8_indexer_name = "none".to_owned();
+    for f in &args.fault {
+        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
+        if !Glm5Next::supports_fault(&fault) {
+            bail!("--fault {f}: glm5_next (GLM-5.3-Flash) plants non_finite faults only");
+        }
+        model
+            .check_fault(&fault, None)
+            .with_context(|| format!("--fault {f}"))?;
+        opts.faults.push(fault);
+    }
+    let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    if out.is_none() && !args.fault.is_empty() {
+        bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
+    }
+    if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
+        bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");
+    }
+    for (i, path) in args.prompts.iter().enumerate() {
+        let ids = read_prompt(path, model.config.vocab_size)?;
+        for (fault, f) in opts.faults.iter().zip(&args.fault) {
+            model
+                .check_fault(fault, Some(ids.len() as i64))
+                .with_context(|| format!("--fault {f} on {}", path.display()))?;
+        }
+        let started = std::time::Instant::now();
+        let Some(out) = &out else {
+            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;
+            println!(
+                "{}: glm5_next ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
+                path.display(),
+                forward.layers.len(),
+                ids.len(),
+                args.path,
+                started.elapsed().as_secs_f64()
+            );
+            if let Some(dump) = &args.dump {
+                let cpu = |t: &Tensor| t.to_device(Device::Cpu);
+                let mut tensors: Vec<(String, Tensor)> = Vec::new();
+                for (l, layer) in forward.layers.iter().enumerate() {
+                    for (site, t) in [
+                        ("attn_out", &layer.attn_out),
+                        ("mlp_out", &layer.mlp_out),
+                        ("layer_out", &layer.layer_out),
+                    ] {
+                        tensors.push((format!("{site}.{l}"), cpu(&t.to_kind(Kind::Float))));
+                    }
+                    if let Some(tokens) = &layer.tokens {
+                        tensors.push((format!("topk.{l}"), cpu(tokens)));
+                    }
+                    if let Some(sel) = &layer.selection {
+                        tensors.push((format!("index_scores.{l}"), cpu(&sel.scores)));
+                        tensors.push((format!("pools.{l}"), cpu(&sel.pools)));
+                    }
+                }
+                tensors.push(("logits".to_owned(), cpu(&forward.logits)));
+                Tensor::write_safetensors(&tensors, dump)
+                    .with_context(|| format!("writing {}", dump.display()))?;
+            }
+            continue;
+        };
+        let run_id = run_id(&name, path, i);
+        let manifest =
+            tch::no_grad(|| trace_glm5_next(&model, &ids, &run_id, &out.join(&run_id), &opts))
+                .with_context(|| format!("tracing {}", path.display()))?;
+        eprintln!(
+            "traced {} ({} tokens) into {} in {:.1} s",
+            path.display(),
+            ids.len(),
+            out.join(manifest.run_id()).display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+/// The model's name in the manifests: --name, else the directory's.
+fn model_name(args: &Args) -> String {
+    args.name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
+    })
+}
+
+/// An untraced pass's numerics.
+fn numerics(path: Path) -> Numerics {
+    match path {
+        Path::Fp32 => Numerics::Plain(Kind::Float),
+        Path::Bf16 => Numerics::Plain(Kind::BFloat16),
+        Path::Fp8 => Numerics::Fp8,
+    }
+}
+
+/// A run's id: the model's name and the prompt file's stem, path-safe.
+fn run_id(name: &str, prompt: &std::path::Path, i: usize) -> String {
+    let stem = prompt.file_stem().map_or_else(
+        || format!("prompt{i}"),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    format!("{name}-{stem}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
 }

@@ -7,12 +7,16 @@
 //! Checked against transformers 5.17.0 (`tests/python/test_reference_engine.py`):
 //! per-layer hidden states, logits and indexer top-k of tiny configs of both
 //! architectures with identical weights.
+//!
+//! GLM-5.3-Flash (`glm5_next`: KDA and MLA layers, a k-pool indexer,
+//! hyper-connection streams) is its own engine, [`glm5_next`].
 
 pub mod config;
 pub mod convention;
 pub mod deviation;
 pub mod fault;
 pub mod fp8_checkpoint;
+pub mod glm5_next;
 pub mod layer;
 pub mod rope;
 pub mod synthetic;

@@ -8,6 +8,7 @@
 //! the embeddings. The indexer's shadow scores the pre-quantization q and k
 //! the local shadow computes from the production input (`shadow_input` raw).
 
+mod glm5_next;
 pub mod options;
 pub mod stats;
 
@@ -16,6 +17,7 @@ use std::sync::atomic::Ordering;
 
 use tch::{Kind, Tensor};
 
+pub use glm5_next::trace_glm5_next;
 pub use options::{Mode, TraceOptions};
 use shadowtrace_schemas::manifest::{
     Dtypes, Engine, Manifest, Model as ModelId, Parallelism, Prompt, RunIdentity, Shadow,
@@ -141,7 +143,14 @@ pub fn trace(
                         prod_topk: &prod.topk,
                         shadow,
                     };
-                    record_topk(&writer, seq, i, c.index_topk, &scores, opts.band)?;
+                    record_topk(
+                        &writer,
+                        seq,
+                        i,
+                        (c.index_topk, SelectionUnit::TOKEN),
+                        &scores,
+                        opts.band,
+                    )?;
                     seq += 1;
                 }
                 if !opts.site(site) {
@@ -345,20 +354,22 @@ struct IndexerScores<'a> {
 /// The `indexer` capture `seq` of one layer: a `topk` row per query, and an
 /// `events` row per non-finite kind among production's visible scores
 /// (token: the first query holding it; channel: its first key), so that a
-/// NaN made in the indexer is an onset like any other.
+/// NaN made in the indexer is an onset like any other. `k` and the keys are
+/// in `unit`s: query t sees `(t + 1) / unit.tokens` keys (complete k-pools).
 fn record_topk(
     writer: &RunWriter,
     seq: i64,
     layer: i64,
-    k: i64,
+    (k, unit): (i64, SelectionUnit),
     scores: &IndexerScores<'_>,
     band: f32,
 ) -> Result<(), TraceError> {
     let (prod_scores, shadow_scores) = (scores.prod, scores.shadow.map(|(s, _)| s));
-    for (kind, token, key, count) in stats::indexer_nonfinite(prod_scores) {
+    let per_key = i64::from(unit.tokens);
+    for (kind, token, key, count) in stats::pooled_indexer_nonfinite(prod_scores, per_key) {
         let shadow_finite = shadow_scores.map(|s| {
             s.get(token)
-                .narrow(0, 0, token + 1)
+                .narrow(0, 0, (token + 1) / per_key)
                 .isfinite()
                 .all()
                 .int64_value(&[])
@@ -382,7 +393,8 @@ fn record_topk(
         });
     }
     let s = prod_scores.size()[0];
-    let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, prod_scores.device()));
+    let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, prod_scores.device()))
+        .floor_divide_scalar(i64::from(unit.tokens));
     let prod = topk_with_margin(prod_scores, k, &visible)?.attended(scores.prod_topk);
     let shadow = scores
         .shadow
@@ -401,9 +413,9 @@ fn record_topk(
             layer: layer as i32,
             token: t as i32,
             indexer_layer: layer as i32,
-            unit: SelectionUnit::TOKEN,
+            unit,
             k: k as i32,
-            visible: (t + 1) as i32,
+            visible: ((t + 1) / i64::from(unit.tokens)) as i32,
             prod: prod_row,
             shadow: shadow_row,
             boundary_band: Some(band),

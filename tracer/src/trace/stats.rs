@@ -110,11 +110,21 @@ pub fn nonfinite(x: &Tensor) -> Vec<(&'static str, i64, i64, i64)> {
 /// not a score. (kind, first query, first key, count over the visible scores.)
 #[must_use]
 pub fn indexer_nonfinite(scores: &Tensor) -> Vec<(&'static str, i64, i64, i64)> {
+    pooled_indexer_nonfinite(scores, 1)
+}
+
+/// [`indexer_nonfinite`] where a key is a pool of `tokens_per_key`
+/// consecutive tokens, visible once the query sees its last token.
+#[must_use]
+pub fn pooled_indexer_nonfinite(
+    scores: &Tensor,
+    tokens_per_key: i64,
+) -> Vec<(&'static str, i64, i64, i64)> {
     let size = scores.size();
     let device = scores.device();
-    let keys = Tensor::arange(size[1], (Kind::Int64, device)).unsqueeze(0);
+    let last = (Tensor::arange(size[1], (Kind::Int64, device)) + 1) * tokens_per_key - 1;
     let queries = Tensor::arange(size[0], (Kind::Int64, device)).unsqueeze(1);
-    let visible = keys.le_tensor(&queries);
+    let visible = last.unsqueeze(0).le_tensor(&queries);
     nonfinite(&scores.where_self(&visible, &scores.zeros_like()))
 }
 
