@@ -101,6 +101,21 @@ def install(module: Any) -> None:
     layout = select(layouts(module.__name__), {module.__name__: module}, f"{NAME} {_version()}")
     patch(cls, layout, _Tracer, getattr(module, rope_name))
     module._shadowtrace_layout = layout
+    module._shadowtrace_scores = scores_source(getattr(module, f"{prefix}Indexer"))
+
+
+def scores_source(indexer: type) -> str:
+    """Where production's indexer scores will come from, read off the indexer's source (for
+    `doctor`): captured when its forward makes one top-k call, else recomputed (each forward
+    then counts `indexer_scores_recomputed`)."""
+    try:
+        calls = inspect.getsource(indexer.forward).count(".topk(")
+    except (OSError, TypeError):
+        calls = -1
+    if calls == 1:
+        return "indexer scores captured from its top-k call"
+    shows = f"{indexer.__name__}.forward shows {max(calls, 0)} top-k calls, expected 1"
+    return f"indexer scores recomputed ({shows})"
 
 
 def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -> None:
