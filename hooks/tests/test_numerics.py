@@ -1,6 +1,8 @@
 """The hooks' shadow numerics reproduce the golden vectors (tests/golden/numerics_v1.json,
-made from PyTorch's own FP8 casts and float64 torch math) and the Rust tracer's rules."""
+made from PyTorch's own FP8 casts and float64 torch math) and the Rust tracer's rules; the
+golden top-k vectors go through the live device-side comparison (selection.compare)."""
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -8,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shadowtrace_hooks import numerics
+from shadowtrace_hooks import numerics, selection
+from shadowtrace_hooks.transfer import Packet
 
 GOLDEN = json.loads(
     (Path(__file__).resolve().parents[2] / "tests" / "golden" / "numerics_v1.json").read_text()
@@ -86,14 +89,40 @@ def test_fp8_engine_variants_match_the_float64_reference(variant: str) -> None:
     assert_scores_close(got, f64(GOLDEN["indexer"]["scores_f64"][f"fp8_{variant}"]))
 
 
+def shadow_columns(scores: torch.Tensor, k: int, q_pos: list[int], band: float) -> list[dict]:
+    """The live device-side comparison (selection.compare, read back by selection.columns as
+    the writer's thread does) with `scores` [T, S] as the shadow's and a production that
+    selected nothing: per row, the shadow's selection, k-th score, margin and boundary."""
+    packet = Packet()
+    nothing = torch.full((scores.shape[0], k), -1)
+    pos = torch.tensor(q_pos)
+    spec = selection.compare(packet, nothing, pos, scores.shape[1], k, shadow_scores=scores, band=band)
+    cols = selection.columns(spec, packet.ship().arrays(), np.array(q_pos) + 1, k)
+    rows = []
+    for i in range(len(q_pos)):
+        row = {}
+        for name in ("shadow_only_gaps", "shadow_boundary_gaps", "shadow_boundary_offsets"):
+            lists = cols[name]
+            null = bool(np.ma.getmaskarray(lists.offsets)[i])
+            offsets = np.ma.getdata(lists.offsets)
+            row[name] = None if null else lists.values[offsets[i] : offsets[i + 1]].tolist()
+        for name in ("shadow_selected", "shadow_kth_score", "shadow_kth_margin"):
+            row[name] = None if np.ma.getmaskarray(cols[name])[i] else cols[name][i]
+        row["selected"] = list(itertools.accumulate(row.pop("shadow_only_gaps")))
+        gaps = row.pop("shadow_boundary_gaps")
+        row["boundary"] = None if gaps is None else list(itertools.accumulate(gaps))
+        rows.append(row)
+    return rows
+
+
 @pytest.mark.parametrize("case", GOLDEN["topk"], ids=lambda c: c["name"])
 def test_selection_matches_torch_topk_and_its_kth_score(case: dict) -> None:
     k, visible = case["k"], case["visible"]
     scores = f32(case["scores"], (1, -1))
-    q_pos = torch.tensor([visible - 1])
-    sel = numerics.select(scores, k, q_pos, band=0.0)
-    got = sel.indices.values[sel.indices.offsets[0] : sel.indices.offsets[1]].tolist()
+    (row,) = shadow_columns(scores, k, [visible - 1], band=0.0)
+    got = row["selected"]
     expected = sorted(i for i in case["torch_topk_indices"] if i < visible)
+    assert row["shadow_selected"] == len(got)
     if case["name"] in ("boundary_ties", "all_tied"):
         # which tied key wins is unspecified; the tie's score and the count are not
         kth = f32([case["kth_score"]], (1,)).item()
@@ -102,25 +131,25 @@ def test_selection_matches_torch_topk_and_its_kth_score(case: dict) -> None:
     else:
         assert got == expected
     if visible <= k:
-        # A dense row: null, as the topk table defines it (masked here, null in the file).
-        assert np.ma.getmaskarray(sel.kth_score)[0]
-        assert np.ma.getmaskarray(sel.kth_margin)[0]
-        assert sel.boundary_indices is not None
-        assert np.ma.getmaskarray(sel.boundary_indices.offsets)[0]
-        assert len(sel.boundary_indices.values) == 0
+        # A dense row: null, as the topk table defines it.
+        assert row["shadow_kth_score"] is None
+        assert row["shadow_kth_margin"] is None
+        assert row["boundary"] is None
     else:
         kth, nxt = f32([case["kth_score"], case["next_score"]], (2,)).tolist()
-        assert sel.kth_score[0] == np.float32(kth)
-        assert sel.kth_margin[0] == np.float32(kth - nxt)
+        assert row["shadow_kth_score"] == np.float32(kth)
+        assert row["shadow_kth_margin"] == np.float32(kth - nxt)
 
 
 def test_the_boundary_band_lists_the_keys_near_the_kth_score_ascending() -> None:
     scores = torch.tensor([[5.0, 1.0, 3.0, 2.95, 3.02, 0.0, -math.inf]])
-    sel = numerics.select(scores, 2, torch.tensor([5]), band=0.1)
-    assert sel.indices.values.tolist() == [0, 4]
-    assert sel.kth_score[0] == np.float32(3.02)
-    assert sel.boundary_indices.values.tolist() == [2, 3, 4]
-    assert sel.boundary_scores.values.tolist() == pytest.approx([3.0, 2.95, 3.02])
+    (row,) = shadow_columns(scores, 2, [5], band=0.1)
+    assert row["selected"] == [0, 4]
+    assert row["shadow_kth_score"] == np.float32(3.02)
+    assert row["boundary"] == [2, 3, 4]
+    # offsets from the k-th score, in fp32 as the device computed them
+    expected = [np.float32(v) - np.float32(3.02) for v in (3.0, 2.95, 3.02)]
+    assert row["shadow_boundary_offsets"] == pytest.approx(expected, abs=0.0)
 
 
 def test_a_row_is_dense_by_its_visible_keys_never_because_its_kth_score_is_nan() -> None:
@@ -128,22 +157,25 @@ def test_a_row_is_dense_by_its_visible_keys_never_because_its_kth_score_is_nan()
     # k = 2. Row 0 sees one key (dense); row 1 sees four, two of them NaN: sparse, with a
     # NaN k-th score and no key within a band of it.
     scores = torch.tensor([[1.0, -inf, -inf, -inf], [math.nan, math.nan, 2.0, 1.0]])
-    sel = numerics.select(scores, 2, torch.tensor([0, 3]), band=0.5)
-    assert np.ma.getmaskarray(sel.kth_score).tolist() == [True, False]
-    assert np.ma.getmaskarray(sel.kth_margin).tolist() == [True, False]
-    assert math.isnan(sel.kth_score[1])
-    assert sel.boundary_indices is not None
-    assert sel.boundary_scores is not None
-    for lists in (sel.boundary_indices, sel.boundary_scores):
-        assert np.ma.getmaskarray(lists.offsets).tolist() == [True, False, False]
-        assert len(lists.values) == 0
+    dense, sparse = shadow_columns(scores, 2, [0, 3], band=0.5)
+    assert dense["shadow_kth_score"] is None
+    assert dense["shadow_kth_margin"] is None
+    assert dense["boundary"] is None
+    assert math.isnan(sparse["shadow_kth_score"])
+    assert sparse["boundary"] == []
 
 
 def test_members_drop_padding_and_keys_beyond_the_visible_range() -> None:
     indices = torch.tensor([[3, -1, 0, 7], [2, 1, 0, 3], [0, -1, -1, -1]])
-    lists = numerics.members(indices, torch.tensor([4, 2, 1]))
-    assert lists.offsets.tolist() == [0, 2, 4, 5]
-    assert lists.values.tolist() == [0, 3, 0, 1, 0]
+    packet = Packet()
+    spec = selection.compare(
+        packet, indices, torch.tensor([3, 1, 0]), 8, 4, sampled=torch.ones(3, dtype=torch.bool)
+    )
+    cols = selection.columns(spec, packet.ship().arrays(), np.array([4, 2, 1]), 4, np.ones(3, dtype=bool))
+    assert cols["prod_selected"].tolist() == [2, 2, 1]
+    lists = cols["prod_gaps"]
+    assert np.ma.getdata(lists.offsets).tolist() == [0, 2, 4, 5]
+    assert lists.values.tolist() == [0, 3, 0, 1, 0]  # gap-coded: rows [0, 3], [0, 1], [0]
 
 
 def test_dequantization_is_exact_for_power_of_two_scales() -> None:

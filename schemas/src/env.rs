@@ -382,6 +382,22 @@ mod tests {
         assert_eq!(r["SHADOWTRACE_TOKENS"], json!({"kind": "all"}));
         assert_eq!(r["SHADOWTRACE_QUEUE_MB"], json!(256));
         assert_eq!(r["SHADOWTRACE_TOPK_LISTS"], json!({"kind": "none"}));
+        assert_eq!(r["SHADOWTRACE_SHADOW_SCOPE"], json!("layer"));
+    }
+
+    #[test]
+    fn shadow_scope_reads_as_layer_or_indexer() {
+        let read = |v: &str| resolve(with(&[("SHADOWTRACE_SHADOW_SCOPE", v)]));
+        assert_eq!(
+            read(" indexer ").unwrap()["SHADOWTRACE_SHADOW_SCOPE"],
+            json!("indexer")
+        );
+        assert_eq!(
+            read("layer").unwrap()["SHADOWTRACE_SHADOW_SCOPE"],
+            json!("layer")
+        );
+        let err = read("Indexer").unwrap_err();
+        assert_eq!(err.expected, "one of layer, indexer");
     }
 
     #[test]

@@ -6,6 +6,9 @@ ways, each in a process of its own:
 - installed, SHADOWTRACE unset: the .pth runs and imports nothing;
 - capture only: SHADOWTRACE=1 with SHADOWTRACE_SHADOW=none (production statistics at every
   site and token, production top-k summaries and boundaries, no shadow);
+- On: SHADOWTRACE=1 with SHADOWTRACE_SHADOW_SCOPE=indexer (issue 15's "On": per-token
+  statistics at every site, the fp32 local indexer shadow and the top-k overlap, no layer
+  re-run);
 - fp32 local shadow: SHADOWTRACE=1 with the defaults (every layer, site and token; each
   layer and the indexer re-run in fp32 on production's input);
 - fp32 local,free: the same with the free chain from the embeddings as well;
@@ -19,7 +22,12 @@ over the unhooked process (CUDA: torch's peak allocated; CPU: the kernel's peak 
 set, VmHWM); the bytes each traced forward wrote; and what tracing did not do: disabled
 captures with their reason, dropped rows, shadows that did not run. Exits 1 when any
 capture was disabled, a row was dropped, a run was not complete or wrote fewer rows than
-the model's layers, sites and tokens call for (work that was claimed and skipped).
+the model's layers, sites and tokens call for (work that was claimed and skipped). Prints
+the bytes written per layer and 1k tokens, what fell back to a slower path (production's
+indexer scores recomputed because their capture failed), and issue 15's goals, each met or
+missed: installed and off <= 1.01x, capture only <= 1.05x, On <= 1.15x, and issue 14's
+volume goal (default settings, 8192 tokens: <= 1 MB per layer). Goals do not set the exit
+status; skipped work does.
 
 usage: python tests/python/bench_hooks_overhead.py [--layers 4] [--tokens 8192] [--repeat 3]
        [--tiny] [--only NAME,...] [--keep-runs DIR]
@@ -49,11 +57,18 @@ MODES = {
     "unhooked": None,
     "installed, SHADOWTRACE unset": {},
     "capture only (SHADOW=none)": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "none"},
+    "On (fp32 indexer shadow)": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW_SCOPE": "indexer"},
     "fp32 local shadow": {"SHADOWTRACE": "1"},
     "fp32 local,free": {"SHADOWTRACE": "1", "SHADOWTRACE_MODE": "local,free"},
     "bf16 local shadow": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "bf16"},
 }
 SITES = ("layer_in", "attn_out", "mlp_out", "layer_out")
+# (row, ratio at most) of issue 15; the volume goal of issue 14 in bytes per layer
+GOALS = (("installed, SHADOWTRACE unset", 1.01), ("capture only (SHADOW=none)", 1.05),
+         ("On (fp32 indexer shadow)", 1.15))  # fmt: skip
+VOLUME_ROW, VOLUME_GOAL, VOLUME_TOKENS = "fp32 local shadow", 1_000_000, 8192
+# counters that say a slower path ran instead of the one the row claims
+FALLBACKS = ("indexer_scores_recomputed",)
 
 
 def _rss(key: str) -> int:
@@ -109,14 +124,19 @@ def expected_rows(env: dict, layers: int, tokens: int) -> dict[str, int]:
     shadowed site once per shadow mode; layer_in is recorded for prod only), one top-k row
     per query token and layer, the kept logits row."""
     shadowed = env.get("SHADOWTRACE_SHADOW", "fp32") != "none"
+    shadowed = shadowed and env.get("SHADOWTRACE_SHADOW_SCOPE", "layer") == "layer"
     modes = len(env.get("SHADOWTRACE_MODE", "local").split(",")) if shadowed else 1
     per_layer = 1 + (len(SITES) - 1) * modes
     return {"hidden": layers * per_layer * tokens, "topk": layers * tokens, "logits": 1}
 
 
-def audit(runs: Path, env: dict, args: argparse.Namespace, forwards: int) -> tuple[int, list[str]]:
-    """Bytes the mode's runs hold, and every way they fall short of what was timed."""
+def audit(
+    runs: Path, env: dict, args: argparse.Namespace, forwards: int
+) -> tuple[int, list[str], dict[str, int]]:
+    """Bytes the mode's runs hold, every way they fall short of what was timed, and the
+    fallbacks they took (counter totals)."""
     problems = []
+    fallbacks: dict[str, int] = {}
     manifests = sorted(runs.glob("*/manifest.json"))
     if len(manifests) != forwards:
         problems.append(f"{len(manifests)} runs for {forwards} forwards")
@@ -131,14 +151,18 @@ def audit(runs: Path, env: dict, args: argparse.Namespace, forwards: int) -> tup
             problems.append(f"{rid}: status {m['status']}")
         counters = m["counters"]
         for name in ("hook_errors", "dropped_rows", "sites_disabled", "shadow_skipped_decode_steps",
-                     "queue_wait_timeouts", "undecoded_shipments"):  # fmt: skip
+                     "queue_wait_timeouts", "undecoded_shipments",
+                     "topk_scores_skipped_capture_failed"):  # fmt: skip
             if counters.get(name):
                 problems.append(f"{rid}: {name} = {counters[name]}")
+        for name in FALLBACKS:
+            if counters.get(name):
+                fallbacks[name] = fallbacks.get(name, 0) + counters[name]
         for table, n in want.items():
             got = m["tables"][table]["rows"]
             if got < n:
                 problems.append(f"{rid}: {table} has {got} rows, the forward calls for {n}")
-    return size, problems
+    return size, problems, fallbacks
 
 
 def main() -> int:
@@ -147,7 +171,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="small widths: checks the script, not a figure")
-    parser.add_argument("--only", help="comma list of modes to run (the unhooked one always runs)")
+    parser.add_argument(
+        "--only", help="comma list of the rows to run, each by the start of its name (unhooked always runs)"
+    )
     parser.add_argument(
         "--keep-runs", type=Path, help="write the traced runs here instead of a temporary directory"
     )
@@ -160,9 +186,11 @@ def main() -> int:
     base += ["--repeat", str(args.repeat)] + (["--tiny"] if args.tiny else [])
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
     paths = os.pathsep.join(site.getsitepackages() + [p for p in sys.path if p])
-    chosen = (
-        MODES if not args.only else {k: v for k, v in MODES.items() if v is None or k in args.only.split(",")}
-    )
+    # --only names rows by the start of their names ("installed" for "installed, SHADOWTRACE unset")
+    wanted = [w.strip() for w in (args.only or "").split(",") if w.strip()]
+    chosen = {
+        k: v for k, v in MODES.items() if v is None or not wanted or any(k.startswith(w) for w in wanted)
+    }
     results, audits = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep_runs or Path(tmp)
@@ -181,7 +209,7 @@ def main() -> int:
             if env and env.get("SHADOWTRACE"):
                 audits[name] = audit(runs, env, args, results[name]["forwards"])
             elif env is not None and runs.exists():
-                audits[name] = (0, [f"SHADOWTRACE unset wrote {runs}"])
+                audits[name] = (0, [f"SHADOWTRACE unset wrote {runs}"], {})
     first = results["unhooked"]
     print(
         f"GLM-5 widths{' (tiny)' if args.tiny else ''}, {args.layers} layers (first dense), "
@@ -189,20 +217,48 @@ def main() -> int:
         f"weights {first['weights'] / 2**30:.2f} GiB, median of {args.repeat} forwards after one warm-up"
     )
     base_time = statistics.median(first["seconds"])
-    print(f"  {'process':30} {'s/forward':>9} {'ratio':>7} {'extra peak':>13} {'written/forward':>15}")
+    print(f"  {'process':30} {'s/forward':>9} {'ratio':>7} {'extra peak':>13} {'written/forward':>15} "
+          f"{'per layer, 1k tok':>17}")  # fmt: skip
     failed = False
+    ratios, per_layer = {}, {}
     for name, r in results.items():
         median = statistics.median(r["seconds"])
+        ratios[name] = median / base_time
         extra = (r["peak"] - first["peak"]) / 2**20
-        size, problems = audits.get(name, (0, []))
-        written = f"{size / r['forwards'] / 2**20:11.2f} MiB" if name in audits else f"{'-':>15}"
-        print(f"  {name:30} {median:9.3f} {median / base_time:6.3f}x {extra:9.1f} MiB {written}")
+        size, problems, fallbacks = audits.get(name, (0, [], {}))
+        written, rate = f"{'-':>15}", f"{'-':>17}"
+        if name in audits:
+            per_forward = size / r["forwards"]
+            per_layer[name] = per_forward / args.layers
+            written = f"{per_forward / 2**20:11.2f} MiB"
+            rate = f"{per_layer[name] / (args.tokens / 1000) / 1e3:13.1f} kB"
+        print(f"  {name:30} {median:9.3f} {ratios[name]:6.3f}x {extra:9.1f} MiB {written} {rate}")
+        for counter, n in fallbacks.items():
+            print(f"      FALLBACK: {counter} = {n} (a slower path than the row claims)")
         for p in problems:
             print(f"      NOT DONE: {p}")
         failed = failed or bool(problems)
+    print(goals(ratios, per_layer, args))
     if failed:
         print("some traced work was not done (above): these figures do not time what they claim")
     return 1 if failed else 0
+
+
+def goals(ratios: dict[str, float], per_layer: dict[str, float], args: argparse.Namespace) -> str:
+    """Each goal this run measured, met or missed (not a figure with --tiny)."""
+    lines = ["goals" + (" (tiny widths: not a figure)" if args.tiny else "") + ":"]
+    for name, most in GOALS:
+        if name in ratios:
+            verdict = "met" if ratios[name] <= most else "missed"
+            lines.append(f"  {name}: {ratios[name]:.3f}x, goal <= {most:.2f}x: {verdict}")
+    if VOLUME_ROW in per_layer:
+        mb = per_layer[VOLUME_ROW] / 1e6
+        at = f"at {args.tokens} tokens" + (
+            "" if args.tokens == VOLUME_TOKENS else f" (the goal is at {VOLUME_TOKENS})"
+        )
+        verdict = "met" if per_layer[VOLUME_ROW] <= VOLUME_GOAL else "missed"
+        lines.append(f"  volume, {VOLUME_ROW} {at}: {mb:.3f} MB per layer, goal <= 1 MB: {verdict}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

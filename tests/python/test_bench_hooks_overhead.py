@@ -21,10 +21,18 @@ def test_the_tiny_benchmark_runs_every_process_and_audits_their_runs(tmp_path: P
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = out.stdout.splitlines()
+    table = lines[: lines.index("goals (tiny widths: not a figure):")]
     for name in bench.MODES:
-        (row,) = [line for line in lines if line.strip().startswith(name)]
+        (row,) = [line for line in table if line.strip().startswith(name)]
         assert "x" in row, row
     assert "NOT DONE" not in out.stdout
+    assert "FALLBACK" not in out.stdout, "production's indexer scores were captured, not recomputed"
+    assert "goals (tiny widths: not a figure):" in lines
+    for name, _ in bench.GOALS:
+        (goal,) = [line for line in lines if line.strip().startswith(f"{name}: ")]
+        assert goal.endswith((": met", ": missed")), goal
+    (volume,) = [line for line in lines if line.strip().startswith("volume, fp32 local shadow at 64 tokens")]
+    assert "MB per layer, goal <= 1 MB" in volume
     # each traced mode wrote one complete run per forward (warm-up and timed)
     for i, env in enumerate(bench.MODES.values()):
         if env and env.get("SHADOWTRACE"):
@@ -46,9 +54,35 @@ def test_the_audit_names_a_disabled_capture_and_rows_a_forward_did_not_write(tmp
                 "settings": {"disabled_sites": {"indexer_shadow:1": "OutOfMemoryError: CUDA out of memory"}},
                 "tables": tables}  # fmt: skip
     (run / "manifest.json").write_text(json.dumps(manifest))
-    _, problems = bench.audit(tmp_path, env, args, forwards=1)
+    _, problems, _ = bench.audit(tmp_path, env, args, forwards=1)
     assert problems == [
         "r0: capture indexer_shadow:1 disabled: OutOfMemoryError: CUDA out of memory",
         "r0: hook_errors = 1",
         "r0: topk has 15 rows, the forward calls for 20",
     ]
+
+
+def test_each_goal_reads_met_or_missed_against_its_bound() -> None:
+    ratios = {"unhooked": 1.0, "installed, SHADOWTRACE unset": 1.01, "capture only (SHADOW=none)": 1.06,
+              "On (fp32 indexer shadow)": 1.149}  # fmt: skip
+    args = Namespace(tiny=False, tokens=8192)
+    text = bench.goals(ratios, {"fp32 local shadow": 1_000_001.0}, args)
+    assert text.splitlines() == [
+        "goals:",
+        "  installed, SHADOWTRACE unset: 1.010x, goal <= 1.01x: met",
+        "  capture only (SHADOW=none): 1.060x, goal <= 1.05x: missed",
+        "  On (fp32 indexer shadow): 1.149x, goal <= 1.15x: met",
+        "  volume, fp32 local shadow at 8192 tokens: 1.000 MB per layer, goal <= 1 MB: missed",
+    ]
+    # rows not run say nothing; a volume measured at another length says so
+    text = bench.goals({"unhooked": 1.0}, {"fp32 local shadow": 5e5}, Namespace(tiny=True, tokens=64))
+    assert text.splitlines() == [
+        "goals (tiny widths: not a figure):",
+        "  volume, fp32 local shadow at 64 tokens (the goal is at 8192): 0.500 MB per layer, "
+        "goal <= 1 MB: met",
+    ]
+
+
+def test_the_on_row_records_every_site_for_prod_only_and_one_topk_row_per_token() -> None:
+    env = bench.MODES["On (fp32 indexer shadow)"]
+    assert bench.expected_rows(env, 2, 10) == {"hidden": 2 * 4 * 10, "topk": 20, "logits": 1}

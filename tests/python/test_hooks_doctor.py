@@ -28,7 +28,9 @@ def test_the_doctor_names_the_layout_it_hooked_in_each_transformers_release(vers
     cache = "past_key_values=" if version < "5.24" else "cache="
     assert f"transformers {version}\n" in out.stdout
     for module in ("glm_moe_dsa.modeling_glm_moe_dsa", "deepseek_v32.modeling_deepseek_v32"):
-        assert f"transformers.models.{module}: hooked, layout {cache}" in out.stdout
+        (line,) = [x for x in out.stdout.splitlines() if f"transformers.models.{module}:" in x]
+        assert f"transformers.models.{module}: hooked, layout {cache}" in line
+        assert line.endswith("; indexer scores captured from its top-k call"), line
 
 
 def test_the_doctor_says_why_a_layout_it_was_not_written_for_is_not_hooked(tmp_path: Path) -> None:

@@ -85,6 +85,8 @@ def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
     (manifest,) = manifests(runs)
     assert manifest["status"] == "complete"
     assert_nothing_disabled(manifest)
+    # production's indexer scores were captured from its top-k call, never recomputed
+    assert "indexer_scores_recomputed" not in manifest["counters"]
     assert manifest["model"]["architecture"] == {"glm": "glm_moe_dsa", "deepseek": "deepseek_v32"}[model]
     assert manifest["engine"]["name"] == "transformers"
     assert manifest["engine"]["version"] == version

@@ -76,4 +76,5 @@ def _module(name: str, sess: session.Session) -> str:
     layout = getattr(module, "_shadowtrace_layout", None)
     if layout is None:
         return "found, not hooked (the adapter installed nothing on it)"
-    return f"hooked, layout {layout.name} ({layout.source})"
+    scores = getattr(module, "_shadowtrace_scores", None)
+    return f"hooked, layout {layout.name} ({layout.source})" + (f"; {scores}" if scores else "")

@@ -9,10 +9,10 @@ runs on the engine's device:
 - `index_scores`: I[t,s] = sum_h w[t,h] * relu(q[t,h] . k[s]) * D^-0.5 in fp32, causal
   (key s visible to query t iff s <= q_pos[t], the query's own key included);
 - `fp8_scores`: the same from FP8 codes and their scales, the product a kernel computes;
-- `select`: top-k rows in the stored form (valid indices ascending), the k-th score, its
-  margin to the (k+1)-th, and the keys within a band of the k-th score; a row is dense
-  (at most k visible keys) by its visible keys alone, and a dense row's k-th score, margin
-  and boundary lists are null, as the topk table defines them.
+- `Lists`: a list column in flat form, as the writer takes it.
+
+Top-k selections, k-th scores, margins and boundary keys are `selection.compare`'s, on the
+device.
 """
 
 import math
@@ -87,26 +87,42 @@ def causal_mask(q_pos: torch.Tensor, keys: int) -> torch.Tensor:
 
 
 def index_scores(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor, softmax_scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    q_pos: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    q_pos_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """fp32 scores [T, S] with -inf where masked, from q [T,H,D], k [S,D], w [T,H], scaled
     by D^-0.5 unless `softmax_scale` says otherwise (1.0 when w already holds it).
 
     Inputs are taken at their precision and upcast: the shadow's precision is whatever
-    produced q, k and w.
+    produced q, k and w. Query rows go in chunks that bound the [rows, H, S] intermediate;
+    with `q_pos_host` (q_pos on the host) each chunk scores only the keys up to its last
+    visible one, about half the work of a prefill, without asking the device where that is.
     """
     t, h, d = q.shape
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     keys = k.shape[0]
-    out = torch.empty(t, keys, dtype=torch.float32, device=q.device)
+    if q_pos_host is None:
+        out = torch.empty(t, keys, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.full((t, keys), -math.inf, dtype=torch.float32, device=q.device)
     kt = k.float().t()
     rows = max(1, _ROW_CHUNK_ELEMENTS // max(1, h * keys))
     for start in range(0, t, rows):
-        qc = q[start : start + rows].float()
-        dots = torch.matmul(qc, kt).relu_()  # [rows, H, S]
-        wc = w[start : start + rows].float().unsqueeze(1)  # [rows, 1, H]
-        out[start : start + rows] = torch.bmm(wc, dots).squeeze(1) * scale
-    return out.masked_fill_(~causal_mask(q_pos, keys), -math.inf)
+        stop = min(start + rows, t)
+        end = keys if q_pos_host is None else min(keys, int(q_pos_host[start:stop].max()) + 1)
+        if end <= 0:
+            continue
+        qc = q[start:stop].float()
+        dots = torch.matmul(qc, kt[:, :end]).relu_()  # [rows, H, end]
+        wc = w[start:stop].float().unsqueeze(1)  # [rows, 1, H]
+        chunk = torch.bmm(wc, dots).squeeze(1) * scale
+        out[start:stop, :end] = chunk.masked_fill_(~causal_mask(q_pos[start:stop], end), -math.inf)
+    return out
 
 
 def fp8_scores(
@@ -191,81 +207,3 @@ class Lists:
 
     values: np.ndarray
     offsets: np.ndarray
-
-
-@dataclass
-class Selection:
-    """Top-k rows of one path in the topk table's form. A dense row's k-th score and margin
-    are masked (numpy masked arrays, written as null) and its boundary lists null; a sparse
-    row whose scores are NaN keeps its NaN."""
-
-    indices: Lists
-    kth_score: np.ndarray
-    kth_margin: np.ndarray
-    boundary_indices: Lists | None
-    boundary_scores: Lists | None
-
-
-def _lists_from_mask(mask: torch.Tensor, values: torch.Tensor | None = None) -> tuple[Lists, Lists | None]:
-    rows, cols = mask.nonzero(as_tuple=True)  # row-major: ascending column within a row
-    counts = torch.bincount(rows, minlength=mask.shape[0])
-    offsets = np.zeros(mask.shape[0] + 1, dtype=np.int32)
-    np.cumsum(counts.cpu().numpy(), out=offsets[1:])
-    indices = Lists(cols.to(torch.int32).cpu().numpy(), offsets)
-    if values is None:
-        return indices, None
-    return indices, Lists(values[rows, cols].float().cpu().numpy(), offsets.copy())
-
-
-def members(indices: torch.Tensor, visible: torch.Tensor) -> Lists:
-    """Selected keys as stored: per row the indices that are valid (>= 0 and below the row's
-    visible-key count), ascending. Engines pad with -1; HF's short rows also pick masked keys."""
-    keys = int(
-        max(int(visible.max()) if visible.numel() else 0, int(indices.max()) + 1 if indices.numel() else 0)
-    )
-    # Invalid entries all land in one spare column, dropped after: a scatter of False
-    # could otherwise overwrite a valid key sharing their clamped position.
-    mask = torch.zeros(indices.shape[0], keys + 1, dtype=torch.bool, device=indices.device)
-    idx = indices.long()
-    valid = (idx >= 0) & (idx < visible[:, None])
-    mask.scatter_(1, torch.where(valid, idx, keys), True)
-    return _lists_from_mask(mask[:, :keys])[0]
-
-
-def _null_rows(lists: Lists, rows: np.ndarray) -> Lists:
-    """`lists` with `rows` null: their offsets masked (their lists are empty)."""
-    mask = np.zeros(len(lists.offsets), dtype=bool)
-    mask[:-1] = rows
-    return Lists(lists.values, np.ma.masked_array(lists.offsets, mask=mask))
-
-
-def select(scores: torch.Tensor, k: int, q_pos: torch.Tensor, band: float | None) -> Selection:
-    """Top-k of each row of `scores` [T, S] (-inf where masked) with the k-th score, its
-    margin to the (k+1)-th and, with a band, the keys whose score lies within it of the
-    k-th score. A row is dense when it sees at most k keys (never because its k-th score is
-    NaN): its k-th score and margin are masked and its boundary lists null."""
-    keys = scores.shape[1]
-    visible = q_pos + 1
-    take = min(k + 1, keys)
-    values, idx = scores.topk(take, dim=-1)
-    dense = visible <= k
-    chosen = idx[:, :k] if take > k else idx
-    indices = members(chosen, visible)
-    kth = values[:, min(k, take) - 1]
-    margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
-    margin = torch.where(dense, torch.full_like(margin, math.nan), margin)
-    kth = torch.where(dense, torch.full_like(kth, math.nan), kth)
-    boundary = scores_b = None
-    dense_rows = dense.cpu().numpy()
-    if band is not None:
-        near = ((scores - kth[:, None]).abs() <= band) & ~dense[:, None] & torch.isfinite(scores)
-        boundary, scores_b = _lists_from_mask(near, scores)
-        assert scores_b is not None
-        boundary, scores_b = _null_rows(boundary, dense_rows), _null_rows(scores_b, dense_rows)
-    return Selection(
-        indices,
-        np.ma.masked_array(kth.cpu().numpy(), mask=dense_rows),
-        np.ma.masked_array(margin.cpu().numpy(), mask=dense_rows),
-        boundary,
-        scores_b,
-    )

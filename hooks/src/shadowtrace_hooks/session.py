@@ -89,7 +89,12 @@ class Settings:
         self.sites = values["SHADOWTRACE_SITES"]
         precision = values["SHADOWTRACE_SHADOW"]
         self.precision: str | None = None if precision == "none" else precision
-        self.modes: list[str] = values["SHADOWTRACE_MODE"] if self.precision else []
+        # `modes`: the shadow modes the run records; `layer_modes`: those the decoder layers
+        # are re-run in (none with scope indexer, whose one shadow is the local indexer's).
+        self.scope: str = values["SHADOWTRACE_SHADOW_SCOPE"]
+        modes = values["SHADOWTRACE_MODE"] if self.precision else []
+        self.layer_modes: list[str] = modes if self.scope == "layer" else []
+        self.modes: list[str] = modes if self.scope == "layer" or not modes else ["local"]
         self.tokens = values["SHADOWTRACE_TOKENS"]
         self.tags: dict[str, str] = values["SHADOWTRACE_TAGS"]
         self.queue: str = values["SHADOWTRACE_QUEUE"]
@@ -147,6 +152,7 @@ class Settings:
         """The settings that shape a trace, for the manifest."""
         return {
             "layers": self.values["SHADOWTRACE_LAYERS"],
+            "shadow_scope": self.scope,
             "sites": self.values["SHADOWTRACE_SITES"],
             "tokens": self.tokens,
             "boundary_band": self.band,

@@ -104,12 +104,19 @@ def events_device(
     total = counts.sum(-1, dtype=torch.int64)
     for i, kind in enumerate(KINDS):
         row = (counts[i] > 0).to(torch.int8).argmax()  # the first row holding it (0 if none)
-        values = x.detach()[row]
+        # index_select, not x[row]: indexing by a 0-d tensor reads it on the host (a sync).
+        values = x.detach().index_select(0, row.reshape(1))[0]
         where = values.isnan() if kind == "nan" else values == (math.inf if kind == "pos_inf" else -math.inf)
         if valid is not None:
-            where = where & (torch.arange(x.shape[-1], device=x.device) < valid[row])
+            where = where & (
+                torch.arange(x.shape[-1], device=x.device) < valid.index_select(0, row.reshape(1))
+            )
         channel = where.to(torch.int8).argmax()
-        finite = torch.full((), -1, device=x.device) if shadow_finite is None else shadow_finite[row].long()
+        finite = (
+            torch.full((), -1, device=x.device)
+            if shadow_finite is None
+            else shadow_finite.index_select(0, row.reshape(1))[0].long()
+        )
         rows.append(torch.stack([total[i], row.long(), channel.long(), finite.long()]))
     return torch.stack(rows)
 

@@ -16,6 +16,12 @@ and against the released wheels by the conformance tests): the KV cache argument
   position_ids, <cache>)` returns int32 top-k [B, S, topk]: site `indexer`. GLM-5.2's shared
   layers (`indexer_types == "shared"`) have no indexer and are not recorded.
 
+Production's indexer scores are captured, not recomputed: the indexer ends in
+`index_scores.topk(...)` (5.17 to 5.24, both families), and a torch function mode entered for
+the indexer's call (`_TopkInput`) keeps that call's input. Where the capture finds no single
+top-k call of the expected shape, the scores are recomputed in HF's order of operations
+instead, counted `indexer_scores_recomputed`.
+
 The shadow recomputes the indexer from the same hidden_states and q_resid with the module's
 weights upcast (shadow_input `raw`; HF has no FP8 q/k, so there is no `dequant` row), and
 re-runs each decoder layer in the shadow precision on the production input (`local`) and
@@ -32,6 +38,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +101,21 @@ def install(module: Any) -> None:
     layout = select(layouts(module.__name__), {module.__name__: module}, f"{NAME} {_version()}")
     patch(cls, layout, _Tracer, getattr(module, rope_name))
     module._shadowtrace_layout = layout
+    module._shadowtrace_scores = scores_source(getattr(module, f"{prefix}Indexer"))
+
+
+def scores_source(indexer: type) -> str:
+    """Where production's indexer scores will come from, read off the indexer's source (for
+    `doctor`): captured when its forward makes one top-k call, else recomputed (each forward
+    then counts `indexer_scores_recomputed`)."""
+    try:
+        calls = inspect.getsource(indexer.forward).count(".topk(")
+    except (OSError, TypeError):
+        calls = -1
+    if calls == 1:
+        return "indexer scores captured from its top-k call"
+    shows = f"{indexer.__name__}.forward shows {max(calls, 0)} top-k calls, expected 1"
+    return f"indexer scores recomputed ({shows})"
 
 
 def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -> None:
@@ -202,8 +224,28 @@ class _Step:
         self.scratch: Any = None
 
 
+class _TopkInput(torch.overrides.TorchFunctionMode):
+    """Within one indexer call, keeps the input of its top-k call: production's scores.
+    Every other torch call passes through untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: torch.Tensor | None = None
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.topk or func is torch.topk:
+            self.calls += 1
+            self.scores = args[0] if args else (kwargs or {}).get("input")
+        return func(*args, **(kwargs or {}))
+
+
 class _Tracer:
     """Hooks of one model instance, registered on its first traced call."""
+
+    # The indexers end in `index_scores.topk(...)`: production's scores are captured there.
+    # Adapters whose indexers select otherwise (subclasses) say False.
+    CAPTURES_TOPK_SCORES = True
 
     @classmethod
     def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: _Inputs) -> "_Tracer":
@@ -228,6 +270,8 @@ class _Tracer:
         self.inner = inner = self._decoder()
         self.rotary = getattr(inner, "rotary_emb", None)
         self.indexers = 0
+        self._topk_input: _TopkInput | None = None  # entered for the indexer call running now
+        self._captured: tuple[int, _TopkInput] | None = None  # (layer, mode) of the last call
         for i, layer in enumerate(inner.layers):
             layer.register_forward_pre_hook(
                 functools.partial(self._hook, "layer_in", self._layer_in, i), with_kwargs=True
@@ -240,6 +284,11 @@ class _Tracer:
             indexer = self._indexer_module(layer)
             if indexer is not None:
                 self.indexers += 1
+                if self.CAPTURES_TOPK_SCORES:
+                    # Registered before the recording hook, so the mode is gone when it runs;
+                    # always called, so an indexer that raises leaves no mode behind.
+                    indexer.register_forward_pre_hook(functools.partial(self._guard_enter, i))
+                    indexer.register_forward_hook(functools.partial(self._scores_exit, i), always_call=True)
                 indexer.register_forward_hook(
                     functools.partial(self._hook, "indexer", self._indexer, i), with_kwargs=True
                 )
@@ -357,7 +406,7 @@ class _Tracer:
         self.step = _Step(position_ids.to(device), decode=past_len > 0)
         if hit:
             self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device)
-        elif self.step.decode and self.settings.modes:
+        elif self.step.decode and self.settings.layer_modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
 
@@ -393,7 +442,7 @@ class _Tracer:
         step.layer_input = hidden.detach().clone()
         step.layer_kwargs = bound
         step.prod_sites, step.shadow_sites = {}, {}
-        if layer == 0 and "free" in self.settings.modes and not step.decode:
+        if layer == 0 and "free" in self.settings.layer_modes and not step.decode:
             step.free = hidden.detach().to(self.dtype)
 
     def _site(self, site: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -409,7 +458,7 @@ class _Tracer:
             return
         prod_out = (output[0] if isinstance(output, tuple) else output).detach()
         shadows: dict[str, torch.Tensor] = {}
-        if self.settings.modes and not step.decode:
+        if self.settings.layer_modes and not step.decode:
             shadows = (
                 self.sess.guarded(f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module)
                 or {}
@@ -469,9 +518,9 @@ class _Tracer:
         dtype = self.dtype
         kwargs = self._shadow_kwargs(step)
         inputs = {}
-        if "local" in self.settings.modes:
+        if "local" in self.settings.layer_modes:
             inputs["local"] = step.layer_input.to(dtype)
-        if "free" in self.settings.modes and step.free is not None:
+        if "free" in self.settings.layer_modes and step.free is not None:
             inputs["free"] = step.free
         outputs = {}
         mode = [""]
@@ -555,6 +604,51 @@ class _Tracer:
                 site_shadows = {m: v[b].flatten(1) for m, v in layer_shadows.items()}
                 run.hidden(layer, site, prod[b].flatten(1), site_shadows, rows)
 
+    def _guard_enter(self, layer: int, module: torch.nn.Module, args: tuple) -> None:
+        self._captured = None
+        if self.step is not None and self.runs:
+            self.sess.guarded("transformers:indexer_capture", self.runs[0], self._scores_enter, layer)
+
+    def _scores_enter(self, layer: int) -> None:
+        """Before a traced indexer call: the mode that keeps its top-k input."""
+        if self._topk_input is not None:
+            return
+        if not self.settings.layer(layer) or not self.settings.site("indexer"):
+            return
+        mode = _TopkInput()
+        mode.__enter__()
+        self._topk_input = mode
+
+    def _scores_exit(self, layer: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        """After the indexer call (also when it raised): the mode leaves, what it kept stays
+        for the recording hook that follows."""
+        mode, self._topk_input = self._topk_input, None
+        if mode is None:
+            return
+        try:
+            mode.__exit__(None, None, None)
+        except Exception as e:  # a mode stack another mode left unbalanced: no capture
+            self.sess.count("hook_errors")
+            self.sess.warn_once("transformers:indexer_capture_exit", f"indexer score capture: {e}")
+            return
+        self._captured = (layer, mode)
+
+    def _captured_scores(self, layer: int, batch: int, seq: int) -> torch.Tensor | None:
+        """Production's scores [B, S, keys] of this layer's indexer call, as its top-k saw
+        them; None when the call did not show exactly one top-k over fp32 [B, S, keys]."""
+        captured, self._captured = self._captured, None
+        if captured is None or captured[0] != layer or captured[1].calls != 1:
+            return None
+        scores = captured[1].scores
+        if (
+            not isinstance(scores, torch.Tensor)
+            or scores.dtype != torch.float32
+            or scores.dim() != 3
+            or tuple(scores.shape[:2]) != (batch, seq)
+        ):
+            return None
+        return scores.detach()
+
     def _indexer(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.settings.layer(layer) or not self.settings.site("indexer"):
             return
@@ -584,7 +678,9 @@ class _Tracer:
                     continue
                 keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
                 keys.append(k[b])
-                out[b] = numerics.index_scores(q[b], torch.cat(keys), w[b], step.positions[b])
+                out[b] = numerics.index_scores(
+                    q[b], torch.cat(keys), w[b], step.positions[b], q_pos_host=step.positions_host[b]
+                )
         return out
 
     def _record_indexer(
@@ -593,8 +689,8 @@ class _Tracer:
         step = self.step
         assert step is not None
         hidden, q_resid = bound["hidden_states"], bound["q_resid"]
-        cos, sin = bound["position_embeddings"]
-        prod_q, prod_k, prod_w = _indexer_qkw(module, hidden, q_resid, cos, sin, self.rope, None)
+        captured = self._captured_scores(layer, hidden.shape[0], hidden.shape[1])
+        recomputed = None
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
             positions = step.positions_host[b]
@@ -604,9 +700,27 @@ class _Tracer:
                 run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], None, {})
                 run.count("topk_scores_skipped_cached_prefix", len(q_pos))
                 continue
-            keys = run.state.setdefault(("indexer_keys", layer), [])
-            keys.append(prod_k[b])
-            prod_scores = _hf_scores(prod_q[b], torch.cat(keys), prod_w[b], q_pos, module.softmax_scale)
+            if captured is not None:
+                # Masked keys read -inf whatever HF's mask added (a float mask adds a finite
+                # minimum), as the topk table's scores are defined.
+                scores = captured[b]
+                prod_scores = scores.masked_fill(~numerics.causal_mask(q_pos, scores.shape[-1]), -math.inf)
+            else:
+                keys = run.state.get(("indexer_keys", layer))
+                if keys is None and run.step > 0:
+                    # Earlier steps' scores were captured and their keys not kept: this
+                    # step's selection is recorded without scores.
+                    run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], None, {})
+                    run.count("topk_scores_skipped_capture_failed", len(q_pos))
+                    continue
+                if recomputed is None:
+                    cos, sin = bound["position_embeddings"]
+                    recomputed = _indexer_qkw(module, hidden, q_resid, cos, sin, self.rope, None)
+                prod_q, prod_k, prod_w = recomputed
+                keys = run.state.setdefault(("indexer_keys", layer), [])
+                keys.append(prod_k[b])
+                prod_scores = _hf_scores(prod_q[b], torch.cat(keys), prod_w[b], q_pos, module.softmax_scale)
+                run.count("indexer_scores_recomputed")
             # A NaN or Inf among production's visible scores is an event of its own, so that
             # it can be the onset (the top-k rows alone cannot say it). The shadow's finiteness
             # there is unknown: only its selection is kept.
@@ -624,11 +738,11 @@ class _Tracer:
             return
         logits = out.logits if hasattr(out, "logits") else out[0]
         kept = logits.shape[1]
-        mode = "free" if "free" in self.settings.modes and step.free is not None else "local"
+        mode = "free" if "free" in self.settings.layer_modes and step.free is not None else "local"
         stream = step.free if mode == "free" else step.final_stream
         want_shadow = (
             self.dtype is not None
-            and bool(self.settings.modes)
+            and bool(self.settings.layer_modes)
             and (not step.decode or step.scratch is not None)
         )
         head = self._head()
@@ -703,13 +817,13 @@ def _indexer_qkw(
 def _hf_scores(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """The production scores in HF's own order of operations (relu after the softmax scale,
-    then the head-weighted sum as a matmul), so its k-th score and margin are the ones the
-    production top-k saw."""
-    scores = torch.relu(
-        torch.matmul(q.float().transpose(0, 1), k.float().t().unsqueeze(0)) * scale
-    )  # [H,S,T]
-    index = torch.matmul(w.unsqueeze(-2), scores.transpose(0, 1)).squeeze(-2)  # [S,T]
+    """The production scores of one batch row as HF's indexer computes them, with its very
+    operand shapes ([1, S, H, D] @ [1, 1, D, T], relu after the softmax scale, then the
+    head-weighted sum as a matmul), so that the kernels sum in its order and the k-th score
+    and margin are bit for bit the ones the production top-k saw. The fallback of a failed
+    capture."""
+    scores = torch.relu(torch.matmul(q.float()[None], k.t().float()[None, None]) * scale)  # [1,S,H,T]
+    index = torch.matmul(w[None].unsqueeze(-2), scores).squeeze(-2)[0]  # [S,T]
     return index.masked_fill(~numerics.causal_mask(q_pos, k.shape[0]), float("-inf"))
 
 

@@ -81,6 +81,8 @@ class GenericTracer(hf._Tracer):
 
     # Model-specific subclasses that trace their indexers (hf_glm5_next, hf_deepseek_v4).
     TRACES_INDEXERS = False
+    # Their indexers are traced by their own `_indexer`, which reads no captured top-k input.
+    CAPTURES_TOPK_SCORES = False
 
     @classmethod
     def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: hf._Inputs) -> Any:

@@ -73,7 +73,7 @@ def start(tracer: Any, cache: Any, past_len: int, seq: int, device: torch.device
     """The shadows of a hit's first step: local ones are counted as skipped; the free chain
     is recomputed from the embeddings over the whole prompt when every row's prefix ids are
     known. Returns what that chain computed at this step's positions, or None."""
-    modes = tracer.settings.modes
+    modes = tracer.settings.layer_modes
     if "local" in modes:
         for run in tracer.runs:
             run.count("shadow_skipped_cached_prefix")

@@ -1,0 +1,121 @@
+"""Production's indexer scores are captured from HF's own top-k call, not recomputed: tiny
+random GLM-5 and DeepSeek-V3.2 models of transformers traced in-process, the captured rows
+against the recompute they replace (forced by a capture that keeps nothing) and against the
+indices HF's indexer returned."""
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import tiny_models
+import torch
+from shadowtrace_hooks import session, startup
+from shadowtrace_hooks.adapters import hf
+
+K, LENGTH = 16, 80  # most rows see more than k keys: sparse rows, with k-th scores and margins
+
+
+def trace(out: Path, model: torch.nn.Module, **env: str) -> tuple[dict, list[dict[str, Any]], torch.Tensor]:
+    """One traced forward of `model` into `out`: its manifest, topk rows by (layer, token),
+    and the logits."""
+    environ = {"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(out), "SHADOWTRACE_TOPK_LISTS": "all", **env}
+    assert startup.activate(environ) is not None
+    try:
+        with torch.no_grad():
+            logits = model(tiny_models.prompt(LENGTH)).logits
+    finally:
+        session.stop()
+    (run,) = out.iterdir()
+    manifest = json.loads((run / "manifest.json").read_text())
+    rows = sorted(pq.read_table(run / "topk").to_pylist(), key=lambda r: (r["layer"], r["token"]))
+    return manifest, rows, logits
+
+
+def bits(value: float | None) -> bytes | None:
+    return None if value is None else struct.pack("<f", value)
+
+
+def keys(gaps: list[int]) -> list[int]:
+    out, at = [], 0
+    for i, gap in enumerate(gaps):
+        at = gap if i == 0 else at + gap
+        out.append(at)
+    return out
+
+
+def never_kept(
+    self: hf._TopkInput, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+) -> Any:
+    return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_captured_scores_give_the_recomputes_kth_scores_margins_and_boundaries_bit_for_bit(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build = getattr(tiny_models, family)
+    captured, rows, logits = trace(tmp_path / "captured", build(index_topk=K))
+    untraced = build(index_topk=K)
+    with torch.no_grad():
+        assert torch.equal(logits, untraced(tiny_models.prompt(LENGTH)).logits)
+    with monkeypatch.context() as m:
+        m.setattr(hf._TopkInput, "__torch_function__", never_kept)
+        recomputed, again, _ = trace(tmp_path / "recomputed", build(index_topk=K))
+
+    layers = untraced.config.num_hidden_layers
+    assert "indexer_scores_recomputed" not in captured["counters"]
+    assert recomputed["counters"]["indexer_scores_recomputed"] == layers  # one per indexer call
+    for manifest in (captured, recomputed):
+        assert manifest["settings"].get("disabled_sites") is None
+        assert manifest["counters"].get("hook_errors", 0) == 0
+    assert len(rows) == len(again) == layers * LENGTH
+    sparse = [r for r in rows if r["visible"] > K]
+    assert len(sparse) == layers * (LENGTH - K)
+    assert all(r["prod_boundary_gaps"] for r in sparse), "the band holds at least the k-th key"
+    for a, b in zip(rows, again, strict=True):
+        assert (a["layer"], a["token"]) == (b["layer"], b["token"])
+        for name in ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "jaccard", "jaccard_no_churn"):
+            assert bits(a[name]) == bits(b[name]), (name, a["layer"], a["token"])
+        for name in ("prod_gaps", "prod_boundary_gaps", "prod_boundary_selected", "churn_prod_only"):
+            assert a[name] == b[name], (name, a["layer"], a["token"])
+        offsets = [bits(v) for v in a["prod_boundary_offsets"] or []]
+        assert offsets == [bits(v) for v in b["prod_boundary_offsets"] or []]
+
+
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_the_captured_scores_rank_exactly_the_keys_hf_returned(tmp_path: Path, family: str) -> None:
+    model = getattr(tiny_models, family)(index_topk=K)
+    returned: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+
+        def keep(module: torch.nn.Module, args: tuple, output: torch.Tensor, i: int = i) -> None:
+            returned[i] = output[0].clone()
+
+        layer.self_attn.indexer.register_forward_hook(keep)
+    # A band wider than any score: every visible key is a boundary candidate, listed with
+    # its score's offset from the k-th score and whether production selected it.
+    manifest, rows, _ = trace(tmp_path, model, SHADOWTRACE_BOUNDARY_BAND="1e30")
+    assert "indexer_scores_recomputed" not in manifest["counters"]
+    checked = 0
+    for row in rows:
+        chosen = returned[row["layer"]][row["token"]].tolist()
+        visible = row["visible"]
+        assert keys(row["prod_gaps"]) == sorted({s for s in chosen if 0 <= s < visible})
+        if visible <= K:
+            continue
+        candidates = keys(row["prod_boundary_gaps"])
+        assert candidates == list(range(visible)), "every visible key, ascending"
+        offsets, selected = row["prod_boundary_offsets"], row["prod_boundary_selected"]
+        assert selected == [s in chosen for s in candidates]
+        assert sum(selected) == K
+        # HF's top-k picked the k highest captured scores: none selected below the k-th,
+        # none left out above it, and the k-th itself selected.
+        assert all(o >= 0 for o, s in zip(offsets, selected, strict=True) if s)
+        assert all(o <= 0 for o, s in zip(offsets, selected, strict=True) if not s)
+        assert any(o == 0 and s for o, s in zip(offsets, selected, strict=True))
+        assert row["prod_kth_margin"] >= 0  # NaN fails too
+        checked += 1
+    assert checked == model.config.num_hidden_layers * (LENGTH - K)
