@@ -166,6 +166,20 @@ pub enum LoadError {
         #[source]
         source: polars::prelude::PolarsError,
     },
+    /// arrow-rs failed to decode a column of a file that passed the checks
+    /// above (`load::RowGroup`).
+    #[error("parquet file {path}: row group {row_group}, column {column}: {source}")]
+    DecodeColumn {
+        /// The part file.
+        path: PathBuf,
+        /// The row group.
+        row_group: usize,
+        /// The column (empty for the footer).
+        column: String,
+        /// What arrow-rs said.
+        #[source]
+        source: parquet::errors::ParquetError,
+    },
     /// An OS-level read failure.
     #[error("{path}: {source}")]
     Io {
@@ -238,6 +252,7 @@ impl LoadError {
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }
+            | LoadError::DecodeColumn { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(
