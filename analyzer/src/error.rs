@@ -166,16 +166,14 @@ pub enum LoadError {
         #[source]
         source: polars::prelude::PolarsError,
     },
-    /// arrow-rs failed to decode a column of a file that passed the checks
-    /// above (`load::RowGroup`).
-    #[error("parquet file {path}: row group {row_group}, column {column}: {source}")]
-    DecodeColumn {
+    /// arrow-rs failed to read a file that passed the checks above
+    /// (`load::RowGroup`).
+    #[error("parquet file {path}: {part}: {source}")]
+    ArrowDecode {
         /// The part file.
         path: PathBuf,
-        /// The row group.
-        row_group: usize,
-        /// The column (empty for the footer).
-        column: String,
+        /// Which part of it: the footer, or a row group's column.
+        part: String,
         /// What arrow-rs said.
         #[source]
         source: parquet::errors::ParquetError,
@@ -252,7 +250,7 @@ impl LoadError {
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }
-            | LoadError::DecodeColumn { path, .. }
+            | LoadError::ArrowDecode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(

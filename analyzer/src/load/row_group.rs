@@ -48,7 +48,8 @@ impl PartFile {
     pub fn arrow_metadata(&self) -> Result<ArrowReaderMetadata, LoadError> {
         let file = self.open_file()?;
         let options = ArrowReaderOptions::new().with_skip_arrow_metadata(true);
-        ArrowReaderMetadata::load(&file, options).map_err(|source| self.decode_error(0, "", source))
+        ArrowReaderMetadata::load(&file, options)
+            .map_err(|source| self.decode_error("footer".to_owned(), source))
     }
 
     /// The named columns of row group `index` (`metadata` from
@@ -90,7 +91,7 @@ impl PartFile {
         name: &str,
         rows: usize,
     ) -> Result<ArrayRef, LoadError> {
-        let fail = |source| self.decode_error(index, name, source);
+        let fail = |source| self.decode_error(format!("row group {index}, column {name}"), source);
         let root = metadata
             .schema()
             .index_of(name)
@@ -130,11 +131,10 @@ impl PartFile {
         })
     }
 
-    fn decode_error(&self, row_group: usize, column: &str, source: ParquetError) -> LoadError {
-        LoadError::DecodeColumn {
+    fn decode_error(&self, part: String, source: ParquetError) -> LoadError {
+        LoadError::ArrowDecode {
             path: self.path.clone(),
-            row_group,
-            column: column.to_owned(),
+            part,
             source,
         }
     }
