@@ -166,6 +166,18 @@ pub enum LoadError {
         #[source]
         source: polars::prelude::PolarsError,
     },
+    /// arrow-rs failed to read a file that passed the checks above
+    /// (`load::RowGroup`).
+    #[error("parquet file {path}: {part}: {source}")]
+    ArrowDecode {
+        /// The part file.
+        path: PathBuf,
+        /// Which part of it: the footer, or a row group's column.
+        part: String,
+        /// What arrow-rs said.
+        #[source]
+        source: parquet::errors::ParquetError,
+    },
     /// An OS-level read failure.
     #[error("{path}: {source}")]
     Io {
@@ -238,6 +250,7 @@ impl LoadError {
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }
+            | LoadError::ArrowDecode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(

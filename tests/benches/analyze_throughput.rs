@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use shadowtrace_analyzer::metrics::topk_check;
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_tracer::record::{Boundary, Selection, SelectionUnit, TopkRow};
 use shadowtrace_tracer::synth::{
@@ -109,6 +110,16 @@ fn write_trace(dir: &Path, run_id: &str, version: u32, seed: u64, layers: i32, t
     );
 }
 
+/// Cores and load average: the figures depend on what else the machine runs.
+fn machine() -> String {
+    let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
+    let load = std::fs::read_to_string("/proc/loadavg").map_or_else(
+        |_| "unknown".to_owned(),
+        |l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+    );
+    format!("{cores} cores, load average {load} (1, 5, 15 min)")
+}
+
 fn topk_bytes(run: &Path) -> u64 {
     std::fs::read_dir(run.join("topk"))
         .unwrap()
@@ -170,6 +181,7 @@ fn main() {
         topk_bytes(&v1_run) as f64 / 1e9
     );
 
+    println!("machine: {}", machine());
     let (rust_secs, analysis) = timed_analyze(&v2_runs[..1], rows_per_run);
     let run = &analysis.runs[0];
     let layer = &run.topk[0];
@@ -179,6 +191,16 @@ fn main() {
         rayon::current_num_threads(),
         layer.layer,
         layer.jaccard.map_or(f64::NAN, |s| s.mean)
+    );
+    // Where analyze's time goes: the check of every summary against its
+    // lists, timed alone on the same run.
+    let v2_run = shadowtrace_analyzer::Run::open(&v2_runs[0]).unwrap();
+    let start = Instant::now();
+    let check = topk_check::check_run(&v2_run).unwrap().unwrap();
+    let check_secs = start.elapsed().as_secs_f64();
+    assert_eq!(check.rows_checked, rows_per_run, "every summary checked");
+    println!(
+        "  of which the summary check (every row's differences and boundary candidates decoded): {check_secs:.2} s alone"
     );
 
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/polars_jaccard.py");
@@ -222,6 +244,7 @@ fn main() {
         verdict(rows / rust_secs >= 184_000.0)
     );
 
+    println!("machine: {}", machine());
     let (all_secs, _) = timed_analyze(&v2_runs, rows_per_run);
     println!(
         "shadowtrace analyze ({runs} runs in one call): {all_secs:.2} s, {:.0} rows/s (target {runs} GLM-5.1-sized runs < 60 s: {})",

@@ -1,18 +1,22 @@
 //! A v2 run's top-k summaries are checked against its own lists: a planted
 //! disagreement is counted in `analyze` (field and note) and is a problem
-//! for `inspect`; rounding within the tolerance is not.
+//! for `inspect`, with the first disagreeing row named; rounding within the
+//! tolerance is not. Parts of several row groups (checked in parallel) are
+//! checked whole.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::{Array, ArrayRef, Float32Array, Int32Array, RecordBatch};
+use arrow_array::types::Int32Type;
+use arrow_array::{Array, ArrayRef, Float32Array, Int32Array, ListArray, RecordBatch};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::properties::WriterProperties;
-use shadowtrace_analyzer::metrics::topk_check::{self, SummaryCheck};
+use shadowtrace_analyzer::metrics::topk_check::{self, RowAt, SummaryCheck};
 use shadowtrace_analyzer::{Options, Run, analyze, inspect};
 use shadowtrace_tracer::WriterOptions;
+use shadowtrace_tracer::writer::TopkLists;
 
 use crate::analyze_verdicts::clean;
 
@@ -20,9 +24,34 @@ fn topk_part(run: &Path) -> PathBuf {
     run.join("topk/part-00000.parquet")
 }
 
-/// Rewrites the run's top-k part with `edit` applied to the first sparse
-/// row that has a shadow, keeping the footer keys.
-fn plant(run: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) {
+/// Where each planted row is.
+fn row_at(batch: &RecordBatch, row: usize) -> RowAt {
+    let int = |name: &str| {
+        batch
+            .column(batch.schema().index_of(name).unwrap())
+            .as_any()
+            .downcast_ref::<Int32Array>()
+            .unwrap()
+            .value(row)
+    };
+    RowAt {
+        step: int("step"),
+        layer: int("layer"),
+        token: int("token"),
+    }
+}
+
+/// Rewrites the run's top-k part with `edit` applied to the sparse rows
+/// with a shadow picked by `pick` (their order among such rows, given how
+/// many there are), keeping
+/// the footer keys, in row groups of `row_group_rows` when given; returns
+/// where the edited rows are.
+fn plant_rows(
+    run: &Path,
+    pick: impl Fn(usize) -> Vec<usize>,
+    row_group_rows: Option<usize>,
+    edit: impl Fn(&str, &ArrayRef, &[usize]) -> Option<ArrayRef>,
+) -> Vec<RowAt> {
     let path = topk_part(run);
     let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(&path).unwrap()).unwrap();
     let kv = builder
@@ -38,32 +67,54 @@ fn plant(run: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) 
     let (k, visible) = (column("k"), column("visible"));
     let ints = |a: &ArrayRef| a.as_any().downcast_ref::<Int32Array>().unwrap().clone();
     let (k, visible, shadow) = (ints(&k), ints(&visible), column("shadow_selected"));
-    let row = (0..batch.num_rows())
-        .find(|&i| visible.value(i) > k.value(i) && shadow.is_valid(i))
-        .unwrap();
+    let sparse: Vec<usize> = (0..batch.num_rows())
+        .filter(|&i| visible.value(i) > k.value(i) && shadow.is_valid(i))
+        .collect();
+    let rows: Vec<usize> = pick(sparse.len()).iter().map(|&p| sparse[p]).collect();
     let columns: Vec<ArrayRef> = schema
         .fields()
         .iter()
         .zip(batch.columns())
-        .map(|(f, c)| edit(f.name(), c, row).unwrap_or_else(|| c.clone()))
+        .map(|(f, c)| edit(f.name(), c, &rows).unwrap_or_else(|| c.clone()))
         .collect();
-    let batch = RecordBatch::try_new(schema.clone(), columns).unwrap();
+    let edited = RecordBatch::try_new(schema.clone(), columns).unwrap();
     let props = WriterProperties::builder()
         .set_key_value_metadata(kv)
+        .set_max_row_group_row_count(row_group_rows)
         .build();
     let mut writer =
         ArrowWriter::try_new(File::create(&path).unwrap(), schema, Some(props)).unwrap();
-    writer.write(&batch).unwrap();
+    writer.write(&edited).unwrap();
     writer.close().unwrap();
+    rows.iter().map(|&r| row_at(&batch, r)).collect()
+}
+
+/// [`plant_rows`] on the first sparse row with a shadow, one row group.
+fn plant(run: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) -> RowAt {
+    plant_rows(
+        run,
+        |_| vec![0],
+        None,
+        |name, c, rows| edit(name, c, rows[0]),
+    )[0]
 }
 
 fn with_i32(c: &ArrayRef, row: usize, f: impl Fn(i32) -> i32) -> ArrayRef {
+    with_i32_rows(c, &[row], f)
+}
+
+fn with_i32_rows(c: &ArrayRef, rows: &[usize], f: impl Fn(i32) -> i32) -> ArrayRef {
     let a = c.as_any().downcast_ref::<Int32Array>().unwrap();
     Arc::new(
         (0..a.len())
             .map(|i| {
-                a.is_valid(i)
-                    .then(|| if i == row { f(a.value(i)) } else { a.value(i) })
+                a.is_valid(i).then(|| {
+                    if rows.contains(&i) {
+                        f(a.value(i))
+                    } else {
+                        a.value(i)
+                    }
+                })
             })
             .collect::<Int32Array>(),
     )
@@ -81,13 +132,42 @@ fn with_f32(c: &ArrayRef, row: usize, f: impl Fn(f32) -> f32) -> ArrayRef {
     )
 }
 
+/// A `list<i32>` column with row `row`'s list replaced by `f` of it.
+fn with_list(c: &ArrayRef, row: usize, f: impl Fn(Vec<i32>) -> Vec<i32>) -> ArrayRef {
+    let a = c.as_any().downcast_ref::<ListArray>().unwrap();
+    let rows = (0..a.len()).map(|i| {
+        a.is_valid(i).then(|| {
+            let values = a.value(i);
+            let values: Vec<i32> = values
+                .as_any()
+                .downcast_ref::<Int32Array>()
+                .unwrap()
+                .values()
+                .to_vec();
+            let values = if i == row { f(values) } else { values };
+            values.into_iter().map(Some).collect::<Vec<_>>()
+        })
+    });
+    Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(rows))
+}
+
 fn run_with(tmp: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) -> PathBuf {
+    run_with_lists(tmp, TopkLists::None, edit).0
+}
+
+fn run_with_lists(
+    tmp: &Path,
+    lists: TopkLists,
+    edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>,
+) -> (PathBuf, RowAt) {
     let dir = tmp.join("planted");
-    clean("planted")
-        .write(&dir, WriterOptions::default())
-        .unwrap();
-    plant(&dir, edit);
-    dir
+    let options = WriterOptions {
+        topk_lists: lists,
+        ..WriterOptions::default()
+    };
+    clean("planted").write(&dir, options).unwrap();
+    let at = plant(&dir, edit);
+    (dir, at)
 }
 
 fn checked(dir: &Path) -> SummaryCheck {
@@ -129,17 +209,92 @@ fn a_writer_run_s_summaries_agree_with_its_lists() {
 #[test]
 fn a_shared_count_that_contradicts_the_differences_is_counted_and_a_problem() {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = run_with(tmp.path(), |name, c, row| {
+    let (dir, at) = run_with_lists(tmp.path(), TopkLists::None, |name, c, row| {
         (name == "shared").then(|| with_i32(c, row, |v| v - 1))
     });
     let check = checked(&dir);
     assert_eq!((check.rows_disagreeing, check.shared), (1, 1), "{check:?}");
+    assert_eq!(check.first_disagreeing, Some(at));
     let mut run = Run::open(&dir).unwrap();
     run.problems.extend(topk_check::problem(&run).unwrap());
     let text = inspect::render_run(&run);
+    let place = format!(
+        "the first at step {}, layer {}, token {}",
+        at.step, at.layer, at.token
+    );
     assert!(
-        text.contains("PROBLEMS") && text.contains("1 of ") && text.contains("shared 1"),
+        text.contains("PROBLEMS")
+            && text.contains("1 of ")
+            && text.contains("shared 1")
+            && text.contains(&place),
         "{text}"
+    );
+}
+
+#[test]
+fn disagreements_in_several_row_groups_are_all_counted_and_the_first_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("planted");
+    clean("planted")
+        .write(&dir, WriterOptions::default())
+        .unwrap();
+    // Row groups of 4 rows: the second and the last sparse rows lie in
+    // different ones, read and checked in parallel.
+    let at = plant_rows(
+        &dir,
+        |n| vec![n - 1, 1],
+        Some(4),
+        |name, c, rows| (name == "shared").then(|| with_i32_rows(c, rows, |v| v + 2)),
+    );
+    let groups = ParquetRecordBatchReaderBuilder::try_new(File::open(topk_part(&dir)).unwrap())
+        .unwrap()
+        .metadata()
+        .num_row_groups();
+    assert!(groups > 2, "{groups} row groups");
+    let check = checked(&dir);
+    assert_eq!((check.rows_disagreeing, check.shared), (2, 2), "{check:?}");
+    assert_eq!(check.first_disagreeing, Some(at[0].min(at[1])));
+    assert!(at[1] < at[0], "the second sparse row comes first: {at:?}");
+}
+
+#[test]
+fn a_sampled_full_list_short_of_a_key_is_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Merge the first two gaps: the list loses its first key, and holds
+    // one key fewer than prod_selected.
+    let (dir, at) = run_with_lists(tmp.path(), TopkLists::All, |name, c, row| {
+        (name == "prod_gaps").then(|| {
+            with_list(c, row, |mut gaps| {
+                let first = gaps.remove(0);
+                gaps[0] += first;
+                gaps
+            })
+        })
+    });
+    let check = checked(&dir);
+    assert_eq!(
+        (check.rows_disagreeing, check.full_list, check.shared),
+        (1, 1, 0),
+        "{check:?}"
+    );
+    assert_eq!(check.first_disagreeing, Some(at));
+}
+
+#[test]
+fn a_stored_churn_free_jaccard_off_by_more_than_rounding_is_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = run_with(tmp.path(), |name, c, row| {
+        (name == "jaccard_no_churn").then(|| with_f32(c, row, |v| v - 1e-3))
+    });
+    let check = checked(&dir);
+    assert_eq!(
+        (
+            check.rows_disagreeing,
+            check.jaccard_no_churn,
+            check.jaccard
+        ),
+        (1, 1, 0),
+        "{check:?}"
     );
 }
 

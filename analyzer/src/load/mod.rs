@@ -4,6 +4,7 @@
 //! strict mode, fatal.
 
 mod part_file;
+mod row_group;
 mod run;
 
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use std::path::{Path, PathBuf};
 use part_file::spec_of;
 pub use part_file::{PartFile, polars_type};
 use polars::prelude::DataFrame;
+pub use row_group::{BoolListColumn, ListColumn, Nullable, RowGroup};
 pub use run::Run;
 use shadowtrace_schemas::{MANIFEST_FILE, SCHEMA_VERSION, Table};
 

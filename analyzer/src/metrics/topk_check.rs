@@ -17,15 +17,15 @@
 //! this check makes the drift a counted disagreement (`analyze`) and a
 //! problem (`inspect`).
 
+use arrow_array::types::{Float32Type, Int32Type};
 use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::columns::topk as c;
 use shadowtrace_schemas::selection::{
-    BoundaryView, ChurnCounts, Counts, churn_from_boundaries, keys_from_gaps,
+    BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
-use crate::frame::{bool_list, i32s, list, opt_f32s, opt_i32s};
-use crate::load::Run;
+use crate::load::{BoolListColumn, ListColumn, Nullable, PartFile, RowGroup, Run};
 use crate::{AnalyzeError, RunProblem};
 
 /// Largest difference between a stored Jaccard and the one its counts give
@@ -60,6 +60,17 @@ pub const COLUMNS: [&str; 24] = [
     c::TOKEN,
 ];
 
+/// Where a row is: its step, layer and query token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct RowAt {
+    /// Forward step.
+    pub step: i32,
+    /// Layer.
+    pub layer: i32,
+    /// Query token.
+    pub token: i32,
+}
+
 /// Rows checked and the disagreements found, by check.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SummaryCheck {
@@ -77,6 +88,9 @@ pub struct SummaryCheck {
     pub churn: usize,
     /// A sampled full prod list against prod_selected and the differences.
     pub full_list: usize,
+    /// The first disagreeing row, by (step, layer, token): where to look.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_disagreeing: Option<RowAt>,
 }
 
 impl SummaryCheck {
@@ -88,9 +102,15 @@ impl SummaryCheck {
         self.jaccard_no_churn += other.jaccard_no_churn;
         self.churn += other.churn;
         self.full_list += other.full_list;
+        // The smallest, whatever order parts and threads finish in.
+        self.first_disagreeing = match (self.first_disagreeing, other.first_disagreeing) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
     }
 
-    /// One line for a person: `3 of 120 rows (shared 1, churn 2)`.
+    /// One line for a person: `3 of 120 top-k rows' summaries disagree with
+    /// their lists (shared 1, churn 2); the first at step 0, layer 4, token 2900`.
     #[must_use]
     pub fn text(&self) -> String {
         let kinds: Vec<String> = [
@@ -104,8 +124,14 @@ impl SummaryCheck {
         .filter(|(_, n)| *n > 0)
         .map(|(name, n)| format!("{name} {n}"))
         .collect();
+        let first = self.first_disagreeing.map_or_else(String::new, |at| {
+            format!(
+                "; the first at step {}, layer {}, token {}",
+                at.step, at.layer, at.token
+            )
+        });
         format!(
-            "{} of {} top-k rows' summaries disagree with their lists ({})",
+            "{} of {} top-k rows' summaries disagree with their lists ({}){first}",
             self.rows_disagreeing,
             self.rows_checked,
             kinds.join(", ")
@@ -121,121 +147,200 @@ fn close(stored: Option<f32>, counted: f64) -> bool {
     stored.is_none_or(|s| (f64::from(s) - counted).abs() <= JACCARD_TOLERANCE)
 }
 
-/// Checks every row of a v2 `topk` frame ([`COLUMNS`]).
+/// The columns of one row group the check reads ([`COLUMNS`]).
+struct Columns<'a> {
+    step: &'a [i32],
+    layer: &'a [i32],
+    token: &'a [i32],
+    k: &'a [i32],
+    visible: &'a [i32],
+    prod_selected: &'a [i32],
+    shadow_selected: Nullable<'a, Int32Type>,
+    shared: Nullable<'a, Int32Type>,
+    band: Nullable<'a, Float32Type>,
+    churn: [Nullable<'a, Int32Type>; 4],
+    jaccard: Nullable<'a, Float32Type>,
+    jaccard_no_churn: Nullable<'a, Float32Type>,
+    prod_only: ListColumn<'a, i32>,
+    shadow_only: ListColumn<'a, i32>,
+    boundary: [(ListColumn<'a, i32>, ListColumn<'a, f32>, BoolListColumn<'a>); 2],
+    prod_gaps: ListColumn<'a, i32>,
+}
+
+impl<'a> Columns<'a> {
+    fn of(g: &'a RowGroup) -> Result<Columns<'a>, AnalyzeError> {
+        Ok(Columns {
+            step: g.values::<Int32Type>(c::STEP)?,
+            layer: g.values::<Int32Type>(c::LAYER)?,
+            token: g.values::<Int32Type>(c::TOKEN)?,
+            k: g.values::<Int32Type>(c::K)?,
+            visible: g.values::<Int32Type>(c::VISIBLE)?,
+            prod_selected: g.values::<Int32Type>(c::PROD_SELECTED)?,
+            shadow_selected: g.nullable::<Int32Type>(c::SHADOW_SELECTED)?,
+            shared: g.nullable::<Int32Type>(c::SHARED)?,
+            band: g.nullable::<Float32Type>(c::BOUNDARY_BAND)?,
+            churn: [
+                g.nullable::<Int32Type>(c::CHURN_SHARED)?,
+                g.nullable::<Int32Type>(c::CHURN_PROD_ONLY)?,
+                g.nullable::<Int32Type>(c::CHURN_SHADOW_ONLY)?,
+                g.nullable::<Int32Type>(c::CHURN_UNSELECTED)?,
+            ],
+            jaccard: g.nullable::<Float32Type>(c::JACCARD)?,
+            jaccard_no_churn: g.nullable::<Float32Type>(c::JACCARD_NO_CHURN)?,
+            prod_only: g.list::<Int32Type>(c::PROD_ONLY_GAPS)?,
+            shadow_only: g.list::<Int32Type>(c::SHADOW_ONLY_GAPS)?,
+            boundary: [
+                (
+                    g.list::<Int32Type>(c::PROD_BOUNDARY_GAPS)?,
+                    g.list::<Float32Type>(c::PROD_BOUNDARY_OFFSETS)?,
+                    g.bool_list(c::PROD_BOUNDARY_SELECTED)?,
+                ),
+                (
+                    g.list::<Int32Type>(c::SHADOW_BOUNDARY_GAPS)?,
+                    g.list::<Float32Type>(c::SHADOW_BOUNDARY_OFFSETS)?,
+                    g.bool_list(c::SHADOW_BOUNDARY_SELECTED)?,
+                ),
+            ],
+            prod_gaps: g.list::<Int32Type>(c::PROD_GAPS)?,
+        })
+    }
+}
+
+/// One worker's buffers for a row's decoded lists: no allocation per row.
+#[derive(Default)]
+struct Scratch {
+    prod_only: Vec<i32>,
+    shadow_only: Vec<i32>,
+    keys: [Vec<i32>; 2],
+    selected: [Vec<bool>; 2],
+    full: Vec<i32>,
+}
+
+/// Decodes a gap-coded list into `out`; `false` where the list is null.
+fn decode(list: &ListColumn<'_, i32>, i: usize, out: &mut Vec<i32>) -> bool {
+    out.clear();
+    list.get(i)
+        .map(|gaps| extend_keys_from_gaps(gaps, out))
+        .is_some()
+}
+
+/// Checks row `i`; `None` for a row without a shadow (no summary to check).
+fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck> {
+    let (Some(shadow_n), Some(shared_n)) = (t.shadow_selected.get(i), t.shared.get(i)) else {
+        return None;
+    };
+    let mut row = SummaryCheck {
+        rows_checked: 1,
+        ..SummaryCheck::default()
+    };
+    let prod_only_listed = decode(&t.prod_only, i, &mut s.prod_only);
+    let differences = prod_only_listed & decode(&t.shadow_only, i, &mut s.shadow_only);
+    if differences {
+        let from_prod = i64::from(t.prod_selected[i]) - s.prod_only.len() as i64;
+        let from_shadow = i64::from(shadow_n) - s.shadow_only.len() as i64;
+        row.shared =
+            usize::from(from_prod != i64::from(shared_n) || from_shadow != i64::from(shared_n));
+    }
+    let recorded = (|| {
+        let [a, b, c, d] = &t.churn;
+        Some(ChurnCounts {
+            shared: count(a.get(i)?),
+            prod_only: count(b.get(i)?),
+            shadow_only: count(c.get(i)?),
+            unselected: count(d.get(i)?),
+        })
+    })();
+    let counts = Counts {
+        prod_selected: count(t.prod_selected[i]),
+        shadow_selected: count(shadow_n),
+        shared: count(shared_n),
+        churn: recorded.unwrap_or_default(),
+    };
+    row.jaccard = usize::from(!close(t.jaccard.get(i), counts.overlap().jaccard()));
+    if recorded.is_some() {
+        row.jaccard_no_churn = usize::from(!close(
+            t.jaccard_no_churn.get(i),
+            counts.overlap_no_churn().jaccard(),
+        ));
+    }
+    if let (Some(band), Some(recorded), true) = (t.band.get(i), recorded, differences)
+        && t.visible[i] > t.k[i]
+    {
+        let mut listed = true;
+        let mut offsets: [&[f32]; 2] = [&[], &[]];
+        for (path, (gaps, offs, flags)) in t.boundary.iter().enumerate() {
+            listed &= decode(gaps, i, &mut s.keys[path]) & flags.fill(i, &mut s.selected[path]);
+            match offs.get(i) {
+                Some(o) => offsets[path] = o,
+                None => listed = false,
+            }
+        }
+        if listed {
+            let view = |path: usize| BoundaryView {
+                keys: &s.keys[path],
+                offsets: offsets[path],
+                selected: &s.selected[path],
+            };
+            let recount =
+                churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), band);
+            row.churn = usize::from(recount != recorded);
+        }
+    }
+    if decode(&t.prod_gaps, i, &mut s.full) {
+        let full = &s.full;
+        let ascending = full.windows(2).all(|w| w[0] < w[1]);
+        let holds_prod_only = !prod_only_listed
+            || s.prod_only
+                .iter()
+                .all(|key| full.binary_search(key).is_ok());
+        row.full_list =
+            usize::from(full.len() != count(t.prod_selected[i]) || !ascending || !holds_prod_only);
+    }
+    if row.shared + row.jaccard + row.jaccard_no_churn + row.churn + row.full_list > 0 {
+        row.rows_disagreeing = 1;
+        row.first_disagreeing = Some(RowAt {
+            step: t.step[i],
+            layer: t.layer[i],
+            token: t.token[i],
+        });
+    }
+    Some(row)
+}
+
+/// Rows a worker checks at a time: large enough that splitting costs
+/// nothing, small enough that both cores share a row group.
+const ROWS_PER_TASK: usize = 4096;
+
+/// Checks every row of one row group of a v2 `topk` part ([`COLUMNS`]), in
+/// parallel over rows.
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
-pub fn check(frame: &polars::prelude::DataFrame) -> Result<SummaryCheck, AnalyzeError> {
-    let k = i32s(frame, c::K)?;
-    let visible = i32s(frame, c::VISIBLE)?;
-    let prod_selected = i32s(frame, c::PROD_SELECTED)?;
-    let shadow_selected = opt_i32s(frame, c::SHADOW_SELECTED)?;
-    let shared = opt_i32s(frame, c::SHARED)?;
-    let band = opt_f32s(frame, c::BOUNDARY_BAND)?;
-    let churn_columns = [
-        opt_i32s(frame, c::CHURN_SHARED)?,
-        opt_i32s(frame, c::CHURN_PROD_ONLY)?,
-        opt_i32s(frame, c::CHURN_SHADOW_ONLY)?,
-        opt_i32s(frame, c::CHURN_UNSELECTED)?,
-    ];
-    let jaccard = opt_f32s(frame, c::JACCARD)?;
-    let jaccard_no_churn = opt_f32s(frame, c::JACCARD_NO_CHURN)?;
-    let prod_only = list::<i32>(frame, c::PROD_ONLY_GAPS)?;
-    let shadow_only = list::<i32>(frame, c::SHADOW_ONLY_GAPS)?;
-    let boundary = [
-        (
-            list::<i32>(frame, c::PROD_BOUNDARY_GAPS)?,
-            list::<f32>(frame, c::PROD_BOUNDARY_OFFSETS)?,
-            bool_list(frame, c::PROD_BOUNDARY_SELECTED)?,
-        ),
-        (
-            list::<i32>(frame, c::SHADOW_BOUNDARY_GAPS)?,
-            list::<f32>(frame, c::SHADOW_BOUNDARY_OFFSETS)?,
-            bool_list(frame, c::SHADOW_BOUNDARY_SELECTED)?,
-        ),
-    ];
-    let prod_gaps = list::<i32>(frame, c::PROD_GAPS)?;
-
-    let mut out = SummaryCheck::default();
-    let mut selected = [Vec::new(), Vec::new()];
-    for i in 0..frame.height() {
-        let (Some(shadow_n), Some(shared_n)) = (shadow_selected[i], shared[i]) else {
-            continue;
-        };
-        let mut row = SummaryCheck {
-            rows_checked: 1,
-            ..SummaryCheck::default()
-        };
-        let po = prod_only.get(i).map(keys_from_gaps);
-        let so = shadow_only.get(i).map(keys_from_gaps);
-        if let (Some(po), Some(so)) = (&po, &so) {
-            let from_prod = i64::from(prod_selected[i]) - po.len() as i64;
-            let from_shadow = i64::from(shadow_n) - so.len() as i64;
-            row.shared =
-                usize::from(from_prod != i64::from(shared_n) || from_shadow != i64::from(shared_n));
-        }
-        let recorded = (|| {
-            let [a, b, c, d] = &churn_columns;
-            Some(ChurnCounts {
-                shared: count(a[i]?),
-                prod_only: count(b[i]?),
-                shadow_only: count(c[i]?),
-                unselected: count(d[i]?),
-            })
-        })();
-        let counts = Counts {
-            prod_selected: count(prod_selected[i]),
-            shadow_selected: count(shadow_n),
-            shared: count(shared_n),
-            churn: recorded.unwrap_or_default(),
-        };
-        row.jaccard = usize::from(!close(jaccard[i], counts.overlap().jaccard()));
-        if recorded.is_some() {
-            row.jaccard_no_churn = usize::from(!close(
-                jaccard_no_churn[i],
-                counts.overlap_no_churn().jaccard(),
-            ));
-        }
-        let keys: Vec<Vec<i32>> = boundary
-            .iter()
-            .map(|(gaps, _, _)| gaps.get(i).map(keys_from_gaps).unwrap_or_default())
-            .collect();
-        let listed = boundary
-            .iter()
-            .zip(&mut selected)
-            .all(|((gaps, offsets, flags), out)| {
-                gaps.get(i).is_some() && offsets.get(i).is_some() && flags.fill(i, out)
-            });
-        if let (Some(band), Some(recorded), true, Some(po), Some(so)) =
-            (band[i], recorded, listed, &po, &so)
-            && visible[i] > k[i]
-        {
-            let view = |path: usize| BoundaryView {
-                keys: &keys[path],
-                offsets: boundary[path].1.get(i).unwrap_or(&[]),
-                selected: &selected[path],
-            };
-            row.churn =
-                usize::from(churn_from_boundaries(po, so, view(0), view(1), band) != recorded);
-        }
-        if let Some(full) = prod_gaps.get(i).map(keys_from_gaps) {
-            let ascending = full.windows(2).all(|w| w[0] < w[1]);
-            let holds_prod_only = po
-                .as_ref()
-                .is_none_or(|po| po.iter().all(|key| full.binary_search(key).is_ok()));
-            row.full_list = usize::from(
-                full.len() != count(prod_selected[i]) || !ascending || !holds_prod_only,
-            );
-        }
-        row.rows_disagreeing = usize::from(
-            row.shared + row.jaccard + row.jaccard_no_churn + row.churn + row.full_list > 0,
-        );
-        out.add(&row);
-    }
-    Ok(out)
+pub fn check(group: &RowGroup) -> Result<SummaryCheck, AnalyzeError> {
+    let t = Columns::of(group)?;
+    let tasks = group.rows.div_ceil(ROWS_PER_TASK);
+    Ok((0..tasks)
+        .into_par_iter()
+        .map_init(Scratch::default, |scratch, task| {
+            let rows = task * ROWS_PER_TASK..group.rows.min((task + 1) * ROWS_PER_TASK);
+            let mut out = SummaryCheck::default();
+            for i in rows {
+                if let Some(row) = check_row(&t, i, scratch) {
+                    out.add(&row);
+                }
+            }
+            out
+        })
+        .reduce(SummaryCheck::default, |mut a, b| {
+            a.add(&b);
+            a
+        }))
 }
 
 /// Checks every v2 top-k part of a run; `None` for a v1 run (no summary).
+/// Row groups are read and checked in parallel, each column of one decoded
+/// as a task of its own ([`RowGroup`]), so at most a few row groups'
+/// lists are in memory at once.
 ///
 /// # Errors
 /// When a part cannot be read or a column is missing.
@@ -243,29 +348,29 @@ pub fn check_run(run: &Run) -> Result<Option<SummaryCheck>, AnalyzeError> {
     if run.manifest.schema_version < 2 {
         return Ok(None);
     }
-    let parts: Vec<_> = run
+    let parts: Vec<&PartFile> = run
         .files
         .get(&shadowtrace_schemas::Table::Topk)
         .into_iter()
         .flatten()
         .collect();
-    // Parts in parallel: a v2 part's differences and candidates are small.
-    let per_part: Vec<Result<SummaryCheck, AnalyzeError>> = parts
+    let metadata = parts
         .par_iter()
-        .map(|part| {
-            let mut frame = part.read(Some(&COLUMNS))?;
-            let mut total = SummaryCheck::default();
-            for chunk in frame.split_chunks() {
-                total.add(&check(&chunk)?);
-            }
-            Ok(total)
-        })
+        .map(|part| part.arrow_metadata())
+        .collect::<Result<Vec<_>, _>>()?;
+    let groups: Vec<(&PartFile, _, usize)> = parts
+        .iter()
+        .zip(&metadata)
+        .flat_map(|(part, m)| (0..m.metadata().num_row_groups()).map(move |g| (*part, m, g)))
         .collect();
-    let mut total = SummaryCheck::default();
-    for part in per_part {
-        total.add(&part?);
-    }
-    Ok(Some(total))
+    groups
+        .par_iter()
+        .map(|(part, metadata, index)| check(&part.read_row_group(metadata, *index, &COLUMNS)?))
+        .try_reduce(SummaryCheck::default, |mut a, b| {
+            a.add(&b);
+            Ok(a)
+        })
+        .map(Some)
 }
 
 /// The problem `inspect` reports for a run whose top-k summaries disagree
