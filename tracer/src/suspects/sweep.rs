@@ -8,8 +8,9 @@
 //! a path whose layer input is bit-identical to an earlier path's (every
 //! path at layer 0; a deviation's path before its layer, or while it has
 //! changed nothing) shares that path's fp32 reference selection, and, where
-//! the same deviations act in the layer, its output. The numbers are those
-//! of computing every path on its own (`tracer/tests/suspects_sweep.rs`).
+//! the same deviations act in the layer, its output: the numbers of
+//! computing every path on its own, since a layer is a deterministic function
+//! of its input, its top-k and the deviations acting in it.
 
 use std::rc::Rc;
 use std::time::Instant;
