@@ -2,7 +2,10 @@
 //! checkpoints with the real structure of GLM-5.1 and DeepSeek-V3.2 at small
 //! width, traces a grid of prompts through the reference engine (production
 //! FP8 path against an fp32 shadow), plants faults in one cell, then
-//! analyses the grid and writes the report.
+//! analyses the grid and writes the report, with a suspects section: every
+//! deviation beside the clean production path on both shapes, and how each
+//! verdict depends on the synthetic checkpoint's assumptions
+//! (`shadowtrace_tracer::suspects::demo`).
 
 #![allow(
     clippy::print_stderr,
@@ -36,6 +39,12 @@ const FILLER: &str = include_str!("../../demo/corpus/filler.txt");
 /// shadowtrace finds, not how GLM-5.1 or DeepSeek-V3.2 behave. The cell
 /// glm-tool-3k carries planted faults: noise on the indexer's keys at layer
 /// 1 (a top-k selection collapse) and a NaN at layer 3 mlp_out, token 2500.
+///
+/// The suspects section then runs every deviation (shadowtrace suspects
+/// --list) beside the clean production path on checkpoints of both shapes,
+/// and again with each assumption of the synthetic weights switched
+/// (indexer_scale 8 -> 1; indexer-key outliers none -> 4 channels x 16), and
+/// reports which deviations move top-k and logits, per model and assumption.
 #[derive(Debug, Parser)]
 #[command(name = "shadowtrace demo", version)]
 struct Args {
