@@ -2,7 +2,10 @@
 //! checkpoints with the real structure of GLM-5.1 and DeepSeek-V3.2 at small
 //! width, traces a grid of prompts through the reference engine (production
 //! FP8 path against an fp32 shadow), plants faults in one cell, then
-//! analyses the grid and writes the report.
+//! analyses the grid and writes the report, with a suspects section: every
+//! deviation beside the clean production path on both shapes, and how each
+//! verdict depends on the synthetic checkpoint's assumptions
+//! (`shadowtrace_tracer::suspects::demo`).
 
 #![allow(
     clippy::print_stderr,
@@ -19,6 +22,10 @@ use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::model::fault::{Fault, NonFiniteValue};
 use shadowtrace_tracer::model::{Model, synthetic};
+use shadowtrace_tracer::suspects::demo::{self as suspects_demo, ModelSweep};
+use shadowtrace_tracer::suspects::prompts::demo_prompt;
+use shadowtrace_tracer::suspects::report::{Report, Thresholds};
+use shadowtrace_tracer::suspects::sweep::{PathSpec, SweepOptions, SweepPrompt, plan, sweep};
 use shadowtrace_tracer::trace::{Mode, TraceOptions, trace};
 use tch::Device;
 
@@ -32,6 +39,12 @@ const FILLER: &str = include_str!("../../demo/corpus/filler.txt");
 /// shadowtrace finds, not how GLM-5.1 or DeepSeek-V3.2 behave. The cell
 /// glm-tool-3k carries planted faults: noise on the indexer's keys at layer
 /// 1 (a top-k selection collapse) and a NaN at layer 3 mlp_out, token 2500.
+///
+/// The suspects section then runs every deviation (shadowtrace suspects
+/// --list) beside the clean production path on checkpoints of both shapes,
+/// and again with each assumption of the synthetic weights switched
+/// (indexer_scale 8 -> 1; indexer-key outliers none -> 4 channels x 16), and
+/// reports which deviations move top-k and logits, per model and assumption.
 #[derive(Debug, Parser)]
 #[command(name = "shadowtrace demo", version)]
 struct Args {
@@ -45,6 +58,18 @@ struct Args {
     /// Decoder layers of each synthetic model (the first is dense, the rest MoE).
     #[arg(long, default_value_t = 4)]
     layers: i64,
+    /// Prompt lengths of the suspects section: every deviation beside the
+    /// clean production path on tool and no-tool prompts, and each synthetic
+    /// assumption switched on the tool prompt at the longest.
+    #[arg(long, value_delimiter = ',', default_values_t = [3072])]
+    suspects_lengths: Vec<usize>,
+    /// Decoder layers of the suspects section's checkpoints (the grid's
+    /// shapes, seeds and assumptions; the first layer dense, the rest MoE).
+    #[arg(long, default_value_t = 2)]
+    suspects_layers: i64,
+    /// Leave the suspects section out (it says so in its place).
+    #[arg(long)]
+    no_suspects: bool,
 }
 
 /// A prompt of `length` byte-level token ids: the three tool schemas first
@@ -95,7 +120,7 @@ fn main() -> anyhow::Result<()> {
             "synthetic/glm-5.1-shaped",
             "glm",
             synthetic::glm51_config(args.layers),
-            51,
+            51_i64,
         ),
         (
             "synthetic/deepseek-v3.2-shaped",
@@ -149,6 +174,15 @@ fn main() -> anyhow::Result<()> {
     )?;
     print!("{}", render_terminal(&analysis));
     let files = write_report(&report_dir, &analysis)?;
+    let section = if args.no_suspects {
+        "## Suspects (synthetic weights)\n\nNot run: `shadowtrace demo --no-suspects`.\n".to_owned()
+    } else {
+        let sweeps = suspects_section(&args, &models, device)?;
+        println!();
+        print!("{}", suspects_demo::render_terminal(&sweeps));
+        suspects_demo::render_markdown(&sweeps)
+    };
+    append_section(&report_dir.join(REPORT_FILE), &section)?;
     println!(
         "report: {} ({})",
         report_dir.join(REPORT_FILE).display(),
@@ -174,6 +208,113 @@ fn main() -> anyhow::Result<()> {
         runs_dir.display()
     );
     Ok(())
+}
+
+/// The suspects section: every deviation on each model as drawn (tool and
+/// no-tool prompts at every suspects length), then with each synthetic
+/// assumption switched (tool prompt, longest length), on checkpoints of the
+/// grid's shapes and seeds with `--suspects-layers` layers. Each sweep's
+/// own report goes to `report/suspects/MODEL-VARIANT/`.
+fn suspects_section(
+    args: &Args,
+    models: &[(&str, &str, serde_json::Value, i64)],
+    device: Device,
+) -> anyhow::Result<Vec<ModelSweep>> {
+    let Some(&longest) = args.suspects_lengths.iter().max() else {
+        bail!("--suspects-lengths: give at least one length, or --no-suspects");
+    };
+    if args.suspects_layers < 1 {
+        bail!(
+            "--suspects-layers {}: give at least 1",
+            args.suspects_layers
+        );
+    }
+    let variants = suspects_demo::variants();
+    eprintln!(
+        "suspects: every deviation on {} models, {} variants of the synthetic assumptions",
+        models.len(),
+        variants.len()
+    );
+    let mut sweeps = Vec::new();
+    for (name, short, config, seed) in models {
+        let model_name = name.trim_start_matches("synthetic/").to_owned();
+        for (v, variant) in variants.iter().enumerate() {
+            let slug = variant
+                .label
+                .replace(|c: char| !c.is_ascii_alphanumeric(), "-");
+            let dir = args
+                .out
+                .join("models")
+                .join(format!("{short}-suspects-{slug}"));
+            let mut config = config.clone();
+            config["num_hidden_layers"] = args.suspects_layers.into();
+            synthetic::write_with(&dir, &config, *seed, &variant.params)
+                .with_context(|| format!("writing {}", dir.display()))?;
+            let model = Model::open(&dir, device)?;
+            let mut prompts = Vec::new();
+            let lengths: Vec<usize> = if v == 0 {
+                args.suspects_lengths.clone()
+            } else {
+                vec![longest]
+            };
+            for &length in &lengths {
+                for (kind, tool) in [("tool", true), ("no_tool", false)] {
+                    if v == 0 || tool {
+                        prompts.push(SweepPrompt {
+                            kind: kind.to_owned(),
+                            ids: demo_prompt(tool, length),
+                        });
+                    }
+                }
+            }
+            let (paths, not_run) = plan(&model, None, &PathSpec::every_deviation());
+            let started = Instant::now();
+            let mut result =
+                tch::no_grad(|| sweep(&model, &prompts, &paths, &SweepOptions::default(), |_| {}))
+                    .with_context(|| format!("sweeping {model_name} ({})", variant.label))?;
+            result.not_run = not_run;
+            eprintln!(
+                "  {model_name}, {}: {} paths x {} prompts x {} layers, {:.1} s",
+                variant.label,
+                paths.len(),
+                prompts.len(),
+                model.config.num_hidden_layers,
+                started.elapsed().as_secs_f64()
+            );
+            let synthetic_params = serde_json::from_slice::<serde_json::Value>(&model.config_bytes)
+                .ok()
+                .and_then(|c| c.get("synthetic_params").cloned());
+            let report = Report::new(
+                &model_name,
+                synthetic_params,
+                Thresholds::default(),
+                result,
+                None,
+            );
+            let dir = args
+                .out
+                .join("report")
+                .join("suspects")
+                .join(format!("{short}-{slug}"));
+            shadowtrace_tracer::suspects::write_report(&dir, &report)?;
+            sweeps.push(ModelSweep {
+                model: model_name.clone(),
+                variant: variant.label.clone(),
+                report,
+            });
+        }
+    }
+    Ok(sweeps)
+}
+
+/// Appends `section` to the report the analyzer wrote.
+fn append_section(report: &Path, section: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(report)
+        .with_context(|| format!("opening {}", report.display()))?;
+    writeln!(file, "\n{section}").with_context(|| format!("writing {}", report.display()))
 }
 
 /// Removes an earlier demo; refuses a directory that holds anything else.

@@ -16,7 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::Model;
-use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind};
+use shadowtrace_tracer::model::deviation::Deviation;
 use shadowtrace_tracer::model::fp8_checkpoint::{planned_bytes, write_fp8};
 use shadowtrace_tracer::model::synthetic::{self, SyntheticParams};
 use shadowtrace_tracer::suspects::prompts::{demo_prompt, read_prompt};
@@ -227,10 +227,7 @@ fn checkpoint(args: &CheckpointArgs) -> Result<()> {
 /// deviation alone.
 fn requested_paths(entries: &[String], layers: i64) -> Result<Vec<PathSpec>> {
     if entries.is_empty() {
-        return Ok(DeviationKind::ALL
-            .iter()
-            .map(|&kind| PathSpec::of(vec![Deviation { kind, layer: None }]))
-            .collect());
+        return Ok(PathSpec::every_deviation());
     }
     entries
         .iter()

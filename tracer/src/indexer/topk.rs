@@ -83,7 +83,24 @@ pub fn topk_with_margin(
                 dense,
             });
         }
-        let (values, indices) = scores.f_topk(k + 1, -1, true, true)?;
+        // Only the sparse rows are selected: a dense row's result is replaced
+        // below, and each row's top-k depends on that row alone, so the
+        // sparse rows come out as a top-k of every row gives them. At 3k
+        // tokens and k = 2048 that is a third of the rows.
+        let sparse = dense.f_logical_not()?.f_nonzero()?.f_view([-1])?;
+        let n_sparse = sparse.size()[0];
+        let (values, indices) = if n_sparse == t {
+            scores.f_topk(k + 1, -1, true, true)?
+        } else {
+            let (v, i) = scores
+                .f_index_select(0, &sparse)?
+                .f_topk(k + 1, -1, true, true)?;
+            let float = (Kind::Float, scores.device());
+            (
+                Tensor::f_full([t, k + 1], f64::NAN, float)?.f_index_copy(0, &sparse, &v)?,
+                Tensor::f_full([t, k + 1], -1, options)?.f_index_copy(0, &sparse, &i)?,
+            )
+        };
         let kth = values.f_select(1, k - 1)?;
         let margin = kth.f_sub(&values.f_select(1, k)?)?;
         let sparse_indices = indices.f_narrow(1, 0, k)?;

@@ -136,6 +136,46 @@ impl Fallbacks {
     }
 }
 
+/// Query rows scored at once by [`causal_scores`]: its `[H, rows, keys]`
+/// intermediates stay within 16 MiB.
+fn causal_chunk_rows(heads: i64, keys: i64) -> i64 {
+    (((4 << 20) / (heads * keys).max(1)) / 16 * 16).max(16)
+}
+
+/// The fp32 indexer scores `[S, T]` of q `[S, H, D]` and k `[T, D]` with
+/// head weights w `[S, H]`, as transformers computes them (relu of the
+/// scaled dot products, summed over heads with the weights), for the keys
+/// each query row can see when query i sits at position i; keys past a
+/// row's chunk are -inf, the caller masks the rest. Computed in chunks of
+/// query rows against the keys up to the chunk's last: half the work and a
+/// sliver of the memory of the full `[H, S, T]` product, and on the CPU the
+/// same bits (a test compares it with the full product).
+fn causal_scores(q: &Tensor, k: &Tensor, w: &Tensor) -> Tensor {
+    let (s, heads, dim) = (q.size()[0], q.size()[1], q.size()[2]);
+    let t = k.size()[0];
+    let scores = Tensor::full([s, t], f64::NEG_INFINITY, (Kind::Float, q.device()));
+    let rows = causal_chunk_rows(heads, t);
+    let mut start = 0;
+    while start < s {
+        let n = rows.min(s - start);
+        let keys = (start + n).min(t);
+        let dots = q
+            .narrow(0, start, n)
+            .transpose(0, 1)
+            .matmul(&k.narrow(0, 0, keys).tr().unsqueeze(0));
+        let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, n, keys]
+        let part = w
+            .narrow(0, start, n)
+            .unsqueeze(1)
+            .matmul(&dots.transpose(0, 1))
+            .squeeze_dim(1); // [n, keys]
+        let mut view = scores.narrow(0, start, n).narrow(1, 0, keys);
+        view.copy_(&part);
+        start += n;
+    }
+    scores
+}
+
 /// transformers' RMSNorm: fp32 statistics, the weight times the result in
 /// the input's kind.
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
@@ -512,7 +552,10 @@ impl Layer<'_> {
         let topk = if dev.ties_reversed {
             deviation::topk_ties_reversed(&scores, take)
         } else {
-            scores.topk(take, -1, true, true).1
+            // Unsorted: attention and every reader use the set, and torch
+            // picks the same set either way (sorting is a pass after the
+            // selection that costs more than the selection at k = 2048).
+            scores.topk(take, -1, true, false).1
         };
         (topk, scores)
     }
@@ -555,10 +598,7 @@ impl Layer<'_> {
         }
         quantized.unwrap_or_else(|| {
             let causal = positions.unsqueeze(0).le_tensor(&positions.unsqueeze(1));
-            let dots = qf.transpose(0, 1).matmul(&kf.tr().unsqueeze(0));
-            let dots = (dots * (dim as f64).powf(-0.5)).relu(); // [H, S, T]
-            let scores = w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1); // [S, T]
-            scores.masked_fill(&causal.logical_not(), f64::NEG_INFINITY)
+            causal_scores(&qf, &kf, w).masked_fill(&causal.logical_not(), f64::NEG_INFINITY)
         })
     }
 
@@ -617,5 +657,37 @@ impl Layer<'_> {
             out = out.index_add(0, &tokens, &ye);
         }
         (out + self.mlp(x, "mlp.shared_experts"), top)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The product over every key, as the layer computed it before chunking.
+    fn full_scores(q: &Tensor, k: &Tensor, w: &Tensor) -> Tensor {
+        let dim = q.size()[2] as f64;
+        let dots = (q.transpose(0, 1).matmul(&k.tr().unsqueeze(0)) * dim.powf(-0.5)).relu();
+        w.unsqueeze(1).matmul(&dots.transpose(0, 1)).squeeze_dim(1)
+    }
+
+    #[test]
+    fn chunked_causal_scores_are_the_full_products_bits_where_keys_are_visible() {
+        tch::manual_seed(3);
+        // GLM's and DeepSeek's demo indexer heads; several chunks each.
+        for (s, heads) in [(2100_i64, 4_i64), (1100, 8)] {
+            let q = Tensor::randn([s, heads, 128], (Kind::Float, tch::Device::Cpu));
+            let k = Tensor::randn([s, 128], (Kind::Float, tch::Device::Cpu));
+            let w = Tensor::randn([s, heads], (Kind::Float, tch::Device::Cpu));
+            assert!(causal_chunk_rows(heads, s) * 2 < s, "more than two chunks");
+            let positions = Tensor::arange(s, (Kind::Int64, tch::Device::Cpu));
+            let hidden = positions
+                .unsqueeze(0)
+                .le_tensor(&positions.unsqueeze(1))
+                .logical_not();
+            let want = full_scores(&q, &k, &w).masked_fill(&hidden, f64::NEG_INFINITY);
+            let got = causal_scores(&q, &k, &w).masked_fill(&hidden, f64::NEG_INFINITY);
+            assert!(got.equal(&want), "s {s}, heads {heads}: not bit-identical");
+        }
     }
 }

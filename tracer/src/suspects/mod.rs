@@ -10,8 +10,11 @@
 //! - [`rank`]: the distance to observed runs, and the ranking;
 //! - [`report`]: terminal, Markdown and JSON; [`plot`]: Jaccard against
 //!   prompt length;
-//! - [`prompts`]: the demo's tool and no-tool prompts, or a user's files.
+//! - [`prompts`]: the demo's tool and no-tool prompts, or a user's files;
+//! - [`demo`]: the demo's section: which deviations move top-k and logits,
+//!   per model, and how the verdicts depend on the synthetic assumptions.
 
+pub mod demo;
 pub mod plot;
 pub mod profile;
 pub mod prompts;

@@ -125,9 +125,22 @@ impl Cell {
     }
 }
 
+/// One layer's selection in the rows the top-k metric reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    /// Rows with at most k visible keys (row t sees t + 1): counted, never
+    /// averaged, so never built.
+    pub dense: usize,
+    /// The informative rows, from row k on, in order.
+    pub informative: Vec<Selection>,
+}
+
 /// One layer's selection as rows: keys, k-th scores and the boundary keys
-/// within `band`. `scores` `[S, S]` (fp32, -inf masked) and the keys the layer
-/// attended to, `topk` `[S, min(k, S)]`.
+/// within `band`, for the rows with more than `k` visible keys (the
+/// others select everything and carry no information). `scores` `[S, S]`
+/// (fp32, -inf masked) and the keys the layer attended to, `topk`
+/// `[S, min(k, S)]`. Each row is what the whole layer's selection gives
+/// it: a row's top-k and boundary depend on that row alone.
 ///
 /// # Errors
 /// A libtorch failure.
@@ -136,12 +149,24 @@ pub fn selection_rows(
     topk: &Tensor,
     k: i64,
     band: f32,
-) -> Result<Vec<Selection>, TraceError> {
+) -> Result<Rows, TraceError> {
     let s = scores.size()[0];
-    let visible = Tensor::arange_start(1, s + 1, (Kind::Int64, scores.device()));
-    topk_with_margin(scores, k, &visible)?
-        .attended(topk)
-        .rows(scores, Some(band))
+    let dense = s.min(k);
+    if dense == s {
+        return Ok(Rows {
+            dense: s as usize,
+            informative: Vec::new(),
+        });
+    }
+    let (scores, topk) = (scores.narrow(0, k, s - k), topk.narrow(0, k, s - k));
+    let visible = Tensor::arange_start(k + 1, s + 1, (Kind::Int64, scores.device()));
+    let informative = topk_with_margin(&scores, k, &visible)?
+        .attended(&topk)
+        .rows(&scores, Some(band))?;
+    Ok(Rows {
+        dense: dense as usize,
+        informative,
+    })
 }
 
 fn side(row: &Selection) -> RowSide<'_> {
@@ -156,23 +181,16 @@ fn side(row: &Selection) -> RowSide<'_> {
 }
 
 /// Mean churn-free and churn-included Jaccard of `prod` against `reference`
-/// over the rows with more than `k` visible keys (row t sees t + 1), and the
-/// informative and dense row counts.
+/// over the informative rows, and the informative and dense row counts.
 #[must_use]
 pub fn mean_jaccard(
-    prod: &[Selection],
-    reference: &[Selection],
-    k: i64,
+    prod: &Rows,
+    reference: &Rows,
     band: f32,
 ) -> (Option<f64>, Option<f64>, usize, usize) {
     let mut scratch = Vec::new();
     let (mut clean, mut all) = (Vec::new(), Vec::new());
-    let mut dense = 0;
-    for (t, (p, r)) in prod.iter().zip(reference).enumerate() {
-        if (t as i64) < k {
-            dense += 1;
-            continue;
-        }
+    for (p, r) in prod.informative.iter().zip(&reference.informative) {
         let (with, without) = row_overlap(side(p), side(r), band, &mut scratch);
         all.push(with.jaccard());
         clean.push(without.jaccard());
@@ -182,7 +200,7 @@ pub fn mean_jaccard(
         Summary::of(clean).map(|s| s.mean),
         Summary::of(all).map(|s| s.mean),
         n,
-        dense,
+        prod.dense,
     )
 }
 

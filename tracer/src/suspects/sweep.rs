@@ -3,7 +3,16 @@
 //! once and applied to every path's hidden state and to the fp32 reference
 //! chain of every prompt, so a sweep costs about one read of the weights plus
 //! compute, whatever the number of deviations.
+//!
+//! Work that does not depend on the path is done once per layer and prompt:
+//! a path whose layer input is bit-identical to an earlier path's (every
+//! path at layer 0; a deviation's path before its layer, or while it has
+//! changed nothing) shares that path's fp32 reference selection, and, where
+//! the same deviations act in the layer, its output: the numbers of
+//! computing every path on its own, since a layer is a deterministic function
+//! of its input, its top-k and the deviations acting in it.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -11,13 +20,12 @@ use shadowtrace_schemas::stats::{TopN, agreement};
 use tch::{Kind, Tensor};
 
 use super::profile::{
-    Cell, LayerMetrics, Onset, first_nonfinite, hidden_p95, mean_jaccard, selection_rows,
+    Cell, LayerMetrics, Onset, Rows, first_nonfinite, hidden_p95, mean_jaccard, selection_rows,
 };
 use crate::indexer::Fp8Indexer;
-use crate::model::deviation::{Deviation, Effect};
+use crate::model::deviation::{AtLayer, Deviation, DeviationKind, Effect};
 use crate::model::rope::Rope;
 use crate::model::{Layer, LayerOutput, Model, Numerics};
-use crate::record::Selection;
 use crate::trace::{TraceRunError, stats};
 
 /// Tokens at the end of each prompt whose logits are compared: every logits
@@ -43,6 +51,15 @@ impl PathSpec {
             name: "clean".to_owned(),
             deviations: Vec::new(),
         }
+    }
+
+    /// Every deviation, each alone at every layer, in the order `--list` gives.
+    #[must_use]
+    pub fn every_deviation() -> Vec<PathSpec> {
+        DeviationKind::ALL
+            .iter()
+            .map(|&kind| PathSpec::of(vec![Deviation { kind, layer: None }]))
+            .collect()
     }
 
     /// Deviations run together as one path.
@@ -227,6 +244,45 @@ struct PromptState {
     paths: Vec<PathState>,
 }
 
+/// One path's layer as the sweep computed it, for the paths after it.
+struct Computed {
+    /// The layer's input.
+    input: Tensor,
+    /// The top-k it was given (a layer that shares the previous one's).
+    prev: Option<Tensor>,
+    /// The deviations acting in the layer.
+    at: AtLayer,
+    out: LayerOutput,
+    prod_rows: Option<Rc<Rows>>,
+    ref_rows: Option<Rc<Rows>>,
+}
+
+/// Whether two tensors hold the same values bit for bit (same shape and kind).
+fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
+    a.kind() == b.kind() && a.size() == b.size() && a.equal(b)
+}
+
+fn same_topk(a: Option<&Tensor>, b: Option<&Tensor>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => same_tensor(a, b),
+        _ => false,
+    }
+}
+
+/// `out` again, its tensors shared.
+fn share(out: &LayerOutput) -> LayerOutput {
+    LayerOutput {
+        attn_out: out.attn_out.shallow_clone(),
+        mlp_out: out.mlp_out.shallow_clone(),
+        layer_out: out.layer_out.shallow_clone(),
+        topk: out.topk.shallow_clone(),
+        experts: out.experts.as_ref().map(Tensor::shallow_clone),
+        kv_latent: out.kv_latent.shallow_clone(),
+        index_scores: out.index_scores.as_ref().map(Tensor::shallow_clone),
+    }
+}
+
 /// Runs `paths` (clean first, as [`plan`] returns them) on every prompt,
 /// layer by layer; `progress` is called after each layer.
 ///
@@ -289,13 +345,53 @@ pub fn sweep(
         let reference = layer(Numerics::Plain(Kind::Float), &[]);
         for state in &mut states {
             let shadow = reference.forward(&state.h, &state.rope, state.prev.as_ref());
-            let mut clean: Option<(LayerOutput, Option<Vec<Selection>>)> = None;
+            // What this layer computed for earlier paths of this prompt: a
+            // path whose input (and shared top-k) is bit-identical to an
+            // earlier one's shares its reference selection, and, when the
+            // same deviations act in this layer, its output too. At layer 0
+            // every path starts from the same embeddings; a deviation planted
+            // at a later layer leaves its path identical to the clean one
+            // until there.
+            let mut computed: Vec<Computed> = Vec::with_capacity(paths.len());
             for (path, p) in paths.iter().zip(state.paths.iter_mut()) {
-                let out = layer(Numerics::Fp8, &path.deviations).forward(
-                    &p.h,
-                    &state.rope,
-                    p.prev.as_ref(),
-                );
+                let at = AtLayer::of(&path.deviations, i, c);
+                // Bit-identical input and shared top-k (torch's `equal`: a NaN
+                // anywhere makes two tensors differ, so such inputs recompute).
+                let same: Vec<bool> = computed
+                    .iter()
+                    .map(|d| {
+                        same_tensor(&d.input, &p.h) && same_topk(d.prev.as_ref(), p.prev.as_ref())
+                    })
+                    .collect();
+                let same_input = same.iter().position(|&s| s);
+                let same_layer = (0..computed.len()).find(|&j| same[j] && computed[j].at == at);
+                let (out, prod_rows) = if let Some(j) = same_layer {
+                    (share(&computed[j].out), computed[j].prod_rows.clone())
+                } else {
+                    let out = layer(Numerics::Fp8, &path.deviations).forward(
+                        &p.h,
+                        &state.rope,
+                        p.prev.as_ref(),
+                    );
+                    let rows = match out.index_scores.as_ref() {
+                        Some(scores) => {
+                            Some(Rc::new(selection_rows(scores, &out.topk, k, opts.band)?))
+                        }
+                        None => None,
+                    };
+                    (out, rows)
+                };
+                let ref_rows = match same_input.and_then(|j| computed[j].ref_rows.clone()) {
+                    Some(rows) => Some(rows),
+                    None if prod_rows.is_some() => reference
+                        .indexer_on(&p.h.to_kind(Kind::Float), &state.rope)
+                        .map(|(topk, scores)| selection_rows(&scores, &topk, k, opts.band))
+                        .transpose()?
+                        .map(Rc::new),
+                    None => None,
+                };
+                // The clean path runs first.
+                let clean_done = computed.first();
                 let mut metrics = LayerMetrics {
                     layer: i,
                     topk_jaccard: None,
@@ -307,31 +403,22 @@ pub fn sweep(
                     hidden_nonfinite_tokens: 0,
                     hidden_p95_vs_clean: None,
                 };
-                let mut rows = None;
-                if let (Some(scores), Some((ref_topk, ref_scores))) = (
-                    out.index_scores.as_ref(),
-                    reference.indexer_on(&p.h.to_kind(Kind::Float), &state.rope),
-                ) {
-                    let prod_rows = selection_rows(scores, &out.topk, k, opts.band)?;
-                    let ref_rows = selection_rows(&ref_scores, &ref_topk, k, opts.band)?;
-                    let (j, j_all, informative, dense) =
-                        mean_jaccard(&prod_rows, &ref_rows, k, opts.band);
+                if let (Some(prod), Some(reference)) = (&prod_rows, &ref_rows) {
+                    let (j, j_all, informative, dense) = mean_jaccard(prod, reference, opts.band);
                     metrics.topk_jaccard = j;
                     metrics.topk_jaccard_with_churn = j_all;
                     metrics.informative_rows = informative;
                     metrics.dense_rows = dense;
-                    if let Some((_, Some(clean_rows))) = &clean {
-                        metrics.topk_jaccard_vs_clean =
-                            mean_jaccard(&prod_rows, clean_rows, k, opts.band).0;
+                    if let Some(clean_rows) = clean_done.and_then(|d| d.prod_rows.as_ref()) {
+                        metrics.topk_jaccard_vs_clean = mean_jaccard(prod, clean_rows, opts.band).0;
                     }
-                    rows = Some(prod_rows);
                 }
                 let (p95, nonfinite) = hidden_p95(&out.layer_out, &shadow.layer_out);
                 metrics.hidden_p95 = p95;
                 metrics.hidden_nonfinite_tokens = nonfinite;
-                if let Some((clean_out, _)) = &clean {
+                if let Some(clean_done) = clean_done {
                     metrics.hidden_p95_vs_clean =
-                        hidden_p95(&out.layer_out, &clean_out.layer_out).0;
+                        hidden_p95(&out.layer_out, &clean_done.out.layer_out).0;
                 }
                 if p.cell.onset.is_none() {
                     let mut sites: Vec<(&str, &Tensor)> = Vec::new();
@@ -350,11 +437,16 @@ pub fn sweep(
                     });
                 }
                 p.cell.layers.push(metrics);
-                p.h = out.layer_out.shallow_clone();
-                p.prev = Some(out.topk.shallow_clone());
-                if clean.is_none() {
-                    clean = Some((out, rows));
-                }
+                let input = std::mem::replace(&mut p.h, out.layer_out.shallow_clone());
+                let prev = p.prev.replace(out.topk.shallow_clone());
+                computed.push(Computed {
+                    input,
+                    prev,
+                    at,
+                    out,
+                    prod_rows,
+                    ref_rows,
+                });
             }
             state.h = shadow.layer_out;
             state.prev = Some(shadow.topk);
