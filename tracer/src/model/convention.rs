@@ -60,7 +60,13 @@ pub fn rope_scaling(config: &ModelConfig) -> String {
 /// the hooks compute it (`dim ** -0.5 * heads ** -0.5` in doubles).
 #[must_use]
 pub fn head_weight_scale(config: &ModelConfig) -> f64 {
-    (config.index_head_dim as f64).powf(-0.5) * (config.index_n_heads as f64).powf(-0.5)
+    head_weight_scale_of(config.index_head_dim, config.index_n_heads)
+}
+
+/// `index_head_dim^-1/2 x index_n_heads^-1/2`, for any family's config.
+#[must_use]
+pub fn head_weight_scale_of(index_head_dim: i64, index_n_heads: i64) -> f64 {
+    (index_head_dim as f64).powf(-0.5) * (index_n_heads as f64).powf(-0.5)
 }
 
 /// The conventions of a run of `config` whose production indexer is `base`

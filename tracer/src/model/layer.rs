@@ -186,6 +186,63 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     weight.to_kind(kind) * normed
 }
 
+/// `x @ W.T` in `numerics`: the plain kind's matmul, or the FP8 linear (on
+/// the tensor cores when `numerics` is [`Numerics::Fp8`] on CUDA, emulated
+/// otherwise) with a bf16 result; every FP8 fallback counted in `fallbacks`.
+/// The GLM-5 layers and GLM-5.3-Flash's share it.
+pub(crate) fn linear_in(
+    numerics: Numerics,
+    fallbacks: Option<&Fallbacks>,
+    x: &Tensor,
+    weight: &Tensor,
+) -> Tensor {
+    match numerics {
+        Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
+        Numerics::Fp8 | Numerics::Fp8Emulated => {
+            let shape = x.size();
+            let x2 = x.reshape([-1, shape[shape.len() - 1]]);
+            let y = fp8_linear(numerics, fallbacks, &x2, weight);
+            let mut out = shape.clone();
+            let last = out.len() - 1;
+            out[last] = weight.size()[0];
+            y.view(out.as_slice()).to_kind(Kind::BFloat16)
+        }
+    }
+}
+
+fn fp8_linear(
+    numerics: Numerics,
+    fallbacks: Option<&Fallbacks>,
+    x: &Tensor,
+    weight: &Tensor,
+) -> Tensor {
+    let count = |f: fn(&Fallbacks) -> &AtomicU64| {
+        if let Some(fallbacks) = fallbacks {
+            Fallbacks::add(f(fallbacks));
+        }
+    };
+    let unquantized = || {
+        x.to_kind(Kind::Float)
+            .matmul(&weight.to_kind(Kind::Float).tr())
+    };
+    let Ok(operands) = gemm::quantize(x, weight) else {
+        count(|f| &f.quantize_failed);
+        return unquantized();
+    };
+    if numerics == Numerics::Fp8 && x.device().is_cuda() {
+        if let Ok(y) = gemm::scaled_mm(&operands) {
+            count(|f| &f.linears_tensor_cores);
+            return y;
+        }
+        count(|f| &f.scaled_mm_failed);
+    }
+    count(|f| &f.linears_emulated);
+    gemm::emulate(&operands).unwrap_or_else(|_| {
+        count(|f| &f.quantize_failed);
+        unquantized()
+    })
+}
+
 impl Layer<'_> {
     fn w(&self, name: &str) -> &Tensor {
         &self.weights[name]
@@ -229,47 +286,7 @@ impl Layer<'_> {
                 break;
             }
         }
-        match self.numerics {
-            Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
-            Numerics::Fp8 | Numerics::Fp8Emulated => {
-                let shape = x.size();
-                let x2 = x.reshape([-1, shape[shape.len() - 1]]);
-                let y = self.fp8_linear(&x2, weight);
-                let mut out = shape.clone();
-                let last = out.len() - 1;
-                out[last] = weight.size()[0];
-                y.view(out.as_slice()).to_kind(Kind::BFloat16)
-            }
-        }
-    }
-
-    /// An FP8 linear: on the tensor cores when the path is [`Numerics::Fp8`]
-    /// on CUDA, emulated otherwise; every fallback counted.
-    fn fp8_linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        let count = |f: fn(&Fallbacks) -> &AtomicU64| {
-            if let Some(fallbacks) = self.fallbacks {
-                Fallbacks::add(f(fallbacks));
-            }
-        };
-        let Ok(operands) = gemm::quantize(x, weight) else {
-            count(|f| &f.quantize_failed);
-            return x
-                .to_kind(Kind::Float)
-                .matmul(&weight.to_kind(Kind::Float).tr());
-        };
-        if self.numerics == Numerics::Fp8 && x.device().is_cuda() {
-            if let Ok(y) = gemm::scaled_mm(&operands) {
-                count(|f| &f.linears_tensor_cores);
-                return y;
-            }
-            count(|f| &f.scaled_mm_failed);
-        }
-        count(|f| &f.linears_emulated);
-        gemm::emulate(&operands).unwrap_or_else(|_| {
-            count(|f| &f.quantize_failed);
-            x.to_kind(Kind::Float)
-                .matmul(&weight.to_kind(Kind::Float).tr())
-        })
+        linear_in(self.numerics, self.fallbacks, x, weight)
     }
 
     /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.

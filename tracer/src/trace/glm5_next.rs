@@ -21,16 +21,14 @@ use std::sync::atomic::Ordering;
 use tch::{Kind, Tensor};
 
 use shadowtrace_schemas::Convention;
-use shadowtrace_schemas::manifest::{
-    Dtypes, Engine, Manifest, Model as ModelId, Parallelism, Prompt, RunIdentity, Shadow,
-};
+use shadowtrace_schemas::manifest::{Manifest, Model as ModelId, RunIdentity};
 
 use super::{
-    IndexerScores, Mode, SALT, TraceOptions, TraceRunError, record_kv_sentinels, record_site,
-    record_topk, stats,
+    IndexerScores, Mode, TraceOptions, TraceRunError, record_kv_sentinels, record_site,
+    record_topk, reference_identity, stats,
 };
 use crate::RunWriter;
-use crate::identity::{config_hash, default_device, salt_id, token_hash};
+use crate::identity::config_hash;
 use crate::model::glm5_next::{Glm5Next, LayerOutput, Pass};
 use crate::model::layer::{Fallbacks, Numerics};
 use crate::record::{LogitsRow, SelectionUnit};
@@ -182,7 +180,6 @@ pub fn trace_glm5_next(
 
 fn identity(model: &Glm5Next, ids: &[i64], run_id: &str, opts: &TraceOptions) -> RunIdentity {
     let c = &model.config;
-    let ids_u32: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap_or(0)).collect();
     let mut settings = serde_json::Map::new();
     settings.insert("fp8_indexer".to_owned(), "none".into());
     settings.insert("boundary_band".to_owned(), f64::from(opts.band).into());
@@ -203,58 +200,34 @@ fn identity(model: &Glm5Next, ids: &[i64], run_id: &str, opts: &TraceOptions) ->
         })
         .collect();
     settings.insert("layer_types".to_owned(), layer_types.into());
-    RunIdentity {
-        run_id: run_id.to_owned(),
-        model: ModelId {
-            name: opts.model_name.clone(),
-            architecture: "glm5_next".to_owned(),
-            config_hash: config_hash(&model.config_bytes),
-            revision: None,
-            num_layers: u32::try_from(c.num_hidden_layers).unwrap_or(0),
-            index_topk: u32::try_from(c.index_topk).ok(),
-        },
-        engine: Engine {
-            name: "shadowtrace-reference".to_owned(),
-            version: env!("CARGO_PKG_VERSION").to_owned(),
-            commit: None,
-            variant: Some("none".to_owned()),
-        },
-        device: default_device(),
-        dtypes: Dtypes {
-            prod: "fp8_e4m3".to_owned(),
-            shadow: (!opts.modes.is_empty()).then(|| opts.precision_name().to_owned()),
-            other: std::collections::BTreeMap::new(),
-        },
-        parallelism: Parallelism::SINGLE,
-        shadow: Shadow {
-            precision: (!opts.modes.is_empty()).then(|| opts.precision_name().to_owned()),
-            modes: opts.modes.iter().map(|m| m.name().to_owned()).collect(),
-        },
-        prompt: Prompt {
-            kind: opts.prompt_kind.clone(),
-            length: ids.len() as u64,
-            token_hash: token_hash(SALT, &ids_u32),
-            salt_id: Some(salt_id(SALT)),
-        },
+    let model_id = ModelId {
+        name: opts.model_name.clone(),
+        architecture: "glm5_next".to_owned(),
+        config_hash: config_hash(&model.config_bytes),
+        revision: None,
+        num_layers: u32::try_from(c.num_hidden_layers).unwrap_or(0),
+        index_topk: u32::try_from(c.index_topk).ok(),
+    };
+    reference_identity(
+        run_id,
+        model_id,
+        "none",
         settings,
-        tags: opts.tags.clone(),
-        injections: opts
-            .faults
-            .iter()
-            .filter_map(|f| serde_json::to_value(f).ok())
-            .collect(),
-        conventions: conventions(model),
-        deviations: Vec::new(),
-    }
+        ids,
+        opts,
+        (conventions(model), Vec::new()),
+    )
 }
 
 /// The indexer conventions GLM-5.3-Flash defines; production takes the
 /// model's (this engine runs no deviation on it).
 fn conventions(model: &Glm5Next) -> Vec<Convention> {
-    use crate::model::convention::{INDEXER_HEAD_WEIGHT_SCALE, INDEXER_WEIGHTS_PROJ_DTYPE};
+    use crate::model::convention::{
+        INDEXER_HEAD_WEIGHT_SCALE, INDEXER_WEIGHTS_PROJ_DTYPE, head_weight_scale_of,
+    };
     const ENGINE: &str = "shadowtrace-reference production";
     let c = &model.config;
-    let scale = (c.index_head_dim as f64).powf(-0.5) * (c.index_n_heads as f64).powf(-0.5);
+    let scale = head_weight_scale_of(c.index_head_dim, c.index_n_heads);
     vec![
         Convention {
             name: INDEXER_HEAD_WEIGHT_SCALE.to_owned(),

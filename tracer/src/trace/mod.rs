@@ -23,6 +23,8 @@ use shadowtrace_schemas::manifest::{
     Dtypes, Engine, Manifest, Model as ModelId, Parallelism, Prompt, RunIdentity, Shadow,
 };
 
+use shadowtrace_schemas::Convention;
+
 use crate::identity::{config_hash, default_device, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
@@ -426,7 +428,6 @@ fn record_topk(
 
 fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> RunIdentity {
     let c = &model.config;
-    let ids_u32: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap_or(0)).collect();
     let mut settings = serde_json::Map::new();
     settings.insert(
         "fp8_indexer".to_owned(),
@@ -442,21 +443,52 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
          fp8_indexer_fallbacks)"
             .into(),
     );
+    let model_id = ModelId {
+        name: opts.model_name.clone(),
+        architecture: c.model_type.clone(),
+        config_hash: config_hash(&model.config_bytes),
+        revision: None,
+        num_layers: u32::try_from(c.num_hidden_layers).unwrap_or(0),
+        index_topk: u32::try_from(c.index_topk).ok(),
+    };
+    let conventions = reference_conventions(c, model.arch, opts.fp8_indexer, &opts.deviations);
+    let deviations = opts
+        .deviations
+        .iter()
+        .map(|d| d.manifest_entry(&d.effect(c, opts.fp8_indexer, &opts.deviations)))
+        .collect();
+    reference_identity(
+        run_id,
+        model_id,
+        &opts.fp8_indexer_name,
+        settings,
+        ids,
+        opts,
+        (conventions, deviations),
+    )
+}
+
+/// The identity of a reference-engine run: what GLM-5, DeepSeek-V3.2 and
+/// GLM-5.3-Flash traces share, around the model, the engine variant, the
+/// settings and the conventions and deviations each engine derives.
+fn reference_identity(
+    run_id: &str,
+    model: ModelId,
+    variant: &str,
+    settings: serde_json::Map<String, serde_json::Value>,
+    ids: &[i64],
+    opts: &TraceOptions,
+    (conventions, deviations): (Vec<Convention>, Vec<serde_json::Value>),
+) -> RunIdentity {
+    let ids_u32: Vec<u32> = ids.iter().map(|&i| u32::try_from(i).unwrap_or(0)).collect();
     RunIdentity {
         run_id: run_id.to_owned(),
-        model: ModelId {
-            name: opts.model_name.clone(),
-            architecture: c.model_type.clone(),
-            config_hash: config_hash(&model.config_bytes),
-            revision: None,
-            num_layers: u32::try_from(c.num_hidden_layers).unwrap_or(0),
-            index_topk: u32::try_from(c.index_topk).ok(),
-        },
+        model,
         engine: Engine {
             name: "shadowtrace-reference".to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             commit: None,
-            variant: Some(opts.fp8_indexer_name.clone()),
+            variant: Some(variant.to_owned()),
         },
         device: default_device(),
         dtypes: Dtypes {
@@ -482,11 +514,7 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
             .iter()
             .filter_map(|f| serde_json::to_value(f).ok())
             .collect(),
-        conventions: reference_conventions(c, model.arch, opts.fp8_indexer, &opts.deviations),
-        deviations: opts
-            .deviations
-            .iter()
-            .map(|d| d.manifest_entry(&d.effect(c, opts.fp8_indexer, &opts.deviations)))
-            .collect(),
+        conventions,
+        deviations,
     }
 }

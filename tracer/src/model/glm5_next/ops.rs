@@ -2,14 +2,11 @@
 //! numerics: linears (FP8 block-scaled in production, counted as the GLM-5
 //! layers count theirs), RMSNorms, the clamped SwiGLU MLP and the MoE block.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use tch::{Kind, Tensor};
 
 use super::config::Glm5NextConfig;
-use crate::fp8::gemm;
 use crate::model::fault::Fault;
-use crate::model::layer::{Fallbacks, Numerics, Weights, rms_norm};
+use crate::model::layer::{Fallbacks, Numerics, Weights, linear_in, rms_norm};
 
 /// One layer's weights in one path's numerics.
 #[derive(Debug, Clone, Copy)]
@@ -41,49 +38,7 @@ impl Ops<'_> {
     /// `x @ W.T` for the linear `name` (`{name}.weight`) in the path's numerics.
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let weight = self.w(&format!("{name}.weight"));
-        match self.numerics {
-            Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
-            Numerics::Fp8 | Numerics::Fp8Emulated => {
-                let shape = x.size();
-                let x2 = x.reshape([-1, shape[shape.len() - 1]]);
-                let y = self.fp8_linear(&x2, weight);
-                let mut out = shape.clone();
-                let last = out.len() - 1;
-                out[last] = weight.size()[0];
-                y.view(out.as_slice()).to_kind(Kind::BFloat16)
-            }
-        }
-    }
-
-    /// As the GLM-5 layers' FP8 linear (`model::layer`): tensor cores on
-    /// CUDA for [`Numerics::Fp8`], the exact emulation otherwise; every
-    /// fallback counted.
-    fn fp8_linear(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        let count = |f: fn(&Fallbacks) -> &AtomicU64| {
-            if let Some(fallbacks) = self.fallbacks {
-                f(fallbacks).fetch_add(1, Ordering::Relaxed);
-            }
-        };
-        let unquantized = || {
-            x.to_kind(Kind::Float)
-                .matmul(&weight.to_kind(Kind::Float).tr())
-        };
-        let Ok(operands) = gemm::quantize(x, weight) else {
-            count(|f| &f.quantize_failed);
-            return unquantized();
-        };
-        if self.numerics == Numerics::Fp8 && x.device().is_cuda() {
-            if let Ok(y) = gemm::scaled_mm(&operands) {
-                count(|f| &f.linears_tensor_cores);
-                return y;
-            }
-            count(|f| &f.scaled_mm_failed);
-        }
-        count(|f| &f.linears_emulated);
-        gemm::emulate(&operands).unwrap_or_else(|_| {
-            count(|f| &f.quantize_failed);
-            unquantized()
-        })
+        linear_in(self.numerics, self.fallbacks, x, weight)
     }
 
     /// transformers' RMSNorm with the weight `{name}.weight`.
