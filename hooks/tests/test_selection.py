@@ -24,6 +24,7 @@ def run(
     shadow_scores: torch.Tensor | None = None,
     band: float | None = None,
     sampled: list[bool] | None = None,
+    prod_top_values: torch.Tensor | None = None,
 ) -> list[dict]:
     """compare, shipped and read back as the writer's thread does: one dict per row."""
     packet = Packet()
@@ -31,7 +32,8 @@ def run(
     keys = max(q_pos) + 1
     mask = None if sampled is None else torch.tensor(sampled)
     spec = selection.compare(packet, prod_topk, pos, keys, k, prod_scores=prod_scores,
-                             shadow_scores=shadow_scores, band=band, sampled=mask)  # fmt: skip
+                             shadow_scores=shadow_scores, band=band, sampled=mask,
+                             prod_top_values=prod_top_values)  # fmt: skip
     host = None if sampled is None else np.array(sampled)
     cols = selection.columns(spec, packet.ship().arrays(), np.array(q_pos) + 1, k, host)
     rows = []
@@ -205,3 +207,37 @@ def test_rows_compared_in_chunks_read_back_as_one(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(selection, "CHUNK_ELEMENTS", 7 * 30)  # 7 rows a chunk
     chunked = run(topk, q_pos, 4, prod_scores=prod, shadow_scores=shadow, band=0.1, sampled=[True] * 30)
     assert chunked == whole
+
+
+def test_the_kth_score_read_from_productions_own_topk_equals_a_second_topk_over_every_key() -> None:
+    """HF's indexer adds a finite float mask and calls topk(k) once; its returned scores give
+    the k-th score and margin (the margin from the best key left out) that a second top-k
+    over the masked scores gives, bit for bit: random rows, ties at the k-th, NaN scores."""
+    gen = torch.Generator().manual_seed(5)
+    t, k, band = 48, 8, 0.05
+    q_pos = list(range(t))
+    raw = torch.randn(t, t, generator=gen)
+    raw[30] = torch.round(raw[30])  # ties at the k-th score
+    raw[31, [0, 3, 9]] = math.nan  # fewer NaNs than k: they rank first and are selected
+    raw[32, :20] = math.nan  # more NaNs than k: a NaN k-th score
+    visible = torch.arange(t)[None, :] <= torch.tensor(q_pos)[:, None]
+    float_mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+    top = (raw + float_mask).topk(k, dim=-1)  # what production's top-k returned
+    prod_topk = top.indices.to(torch.int32)
+    prod_scores = causal(raw, q_pos)  # as the adapter records them: -inf where masked
+    shadow_scores = causal(raw + 0.05 * torch.randn(t, t, generator=gen), q_pos)
+    common = {"prod_scores": prod_scores, "shadow_scores": shadow_scores, "band": band}
+    second = run(prod_topk, q_pos, k, **common)
+    read = run(prod_topk, q_pos, k, **common, prod_top_values=top.values)
+    assert len(read) == t
+    for i, (a, b) in enumerate(zip(second, read, strict=True)):
+        for name in a:
+            same = a[name] == b[name] or (
+                isinstance(a[name], float) and math.isnan(a[name]) and math.isnan(b[name])
+            )
+            assert same, f"row {i}, {name}: {a[name]} by a second top-k, {b[name]} read"
+    assert math.isnan(read[32]["prod_kth_score"])
+    assert not math.isnan(read[31]["prod_kth_score"])
+    assert read[30]["prod_kth_margin"] == 0.0  # the tie
+    with pytest.raises(ValueError, match="prod_top_values"):
+        run(prod_topk, q_pos, k, **common, prod_top_values=top.values[:, :-1])

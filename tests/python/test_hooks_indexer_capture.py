@@ -119,3 +119,40 @@ def test_the_captured_scores_rank_exactly_the_keys_hf_returned(tmp_path: Path, f
         assert row["prod_kth_margin"] >= 0  # NaN fails too
         checked += 1
     assert checked == model.config.num_hidden_layers * (LENGTH - K)
+
+
+def test_a_decode_step_whose_capture_fails_after_a_captured_one_is_counted_not_scored_on_shifted_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill's capture fails (its scores are recomputed and its keys kept), the first
+    decode step's succeeds (its key joins no list), the second's fails again: its scores
+    would miss the first decode step's key, so its rows are recorded without scores and
+    counted."""
+    model = tiny_models.glm(index_topk=K)
+    layers = model.config.num_hidden_layers
+    forwards = [0]
+    model.model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    keep = hf._TopkInput.__torch_function__
+
+    def kept_on_the_first_decode_step(self: hf._TopkInput, func: Any, *rest: Any, **kw: Any) -> Any:
+        return (keep if forwards[0] == 2 else never_kept)(self, func, *rest, **kw)
+
+    monkeypatch.setattr(hf._TopkInput, "__torch_function__", kept_on_the_first_decode_step)
+    environ = {"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)}
+    assert startup.activate(environ) is not None
+    try:
+        with torch.no_grad():
+            model.generate(tiny_models.prompt(LENGTH), max_new_tokens=3, do_sample=False)
+    finally:
+        session.stop()
+    assert forwards[0] == 3
+    (run,) = tmp_path.iterdir()
+    manifest = json.loads((run / "manifest.json").read_text())
+    counters = manifest["counters"]
+    assert counters["indexer_scores_recomputed"] == layers  # the prefill's calls alone
+    assert counters["topk_scores_skipped_capture_failed"] == layers  # one query row a layer
+    rows = pq.read_table(run / "topk").to_pylist()
+    by_step = {step: [r for r in rows if r["step"] == step] for step in (0, 1, 2)}
+    assert len(by_step[2]) == layers
+    assert all(r["prod_kth_score"] is None and r["prod_selected"] == K for r in by_step[2])
+    assert all(r["prod_kth_score"] is not None for r in by_step[1])

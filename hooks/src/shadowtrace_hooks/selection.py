@@ -90,8 +90,23 @@ def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torc
     return kth, margin, idx[:, :k]
 
 
+def _kth_from_top(
+    scores: torch.Tensor, top: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k-th score, margin) of each row from the scores [rows, k] a top-k call returned for
+    `scores` (descending, NaN first as torch.topk orders them) and its selection `chosen`
+    [rows, keys]: the k-th returned score, less the best score left out. The same numbers as
+    `_kth` wherever the selection is that top-k, at the cost of one masked max instead of a
+    second top-k over every key."""
+    kth = top[:, k - 1].float()
+    best_left_out = torch.where(chosen, -math.inf, scores).amax(-1)
+    return kth, kth - best_left_out
+
+
 def _near(scores: torch.Tensor, kth: torch.Tensor, band: float, sparse: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(scores) & ((scores - kth[:, None]).abs() <= band) & sparse[:, None]
+    # No isfinite test: a non-finite score, or a non-finite k-th score, puts an infinite or
+    # NaN distance there, which is never within a finite band.
+    return ((scores - kth[:, None]).abs_() <= band) & sparse[:, None]
 
 
 def compare(
@@ -105,17 +120,27 @@ def compare(
     shadow_scores: torch.Tensor | None = None,
     band: float | None = None,
     sampled: torch.Tensor | None = None,
+    prod_top_values: torch.Tensor | None = None,
 ) -> Compared:
     """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
     with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
     s <= q_pos[t]. `prod_scores` (production's recomputed scores) give its k-th score,
     margin and boundary candidates; `sampled` [T] bool marks rows whose full production
-    list is kept. The results go into `packet`; `columns` reads them back."""
+    list is kept. `prod_top_values` [T, k]: the scores production's own top-k call returned
+    with `prod_topk`, when `prod_scores` are that call's input (captured, not recomputed);
+    its k-th score is then read from them instead of a second top-k. The results go into
+    `packet`; `columns` reads them back."""
     for name, scores in (("prod_scores", prod_scores), ("shadow_scores", shadow_scores)):
         if scores is not None and tuple(scores.shape) != (prod_topk.shape[0], keys):
             raise ValueError(
                 f"compare: {name} of shape {tuple(scores.shape)}, expected {(prod_topk.shape[0], keys)}"
             )
+    top_shape = None if prod_top_values is None else tuple(prod_top_values.shape)
+    if top_shape is not None and (prod_scores is None or top_shape != (prod_topk.shape[0], k)):
+        raise ValueError(
+            f"compare: prod_top_values of shape {top_shape} need prod_scores and shape "
+            f"{(prod_topk.shape[0], k)}"
+        )
     lists = ["prod"] if sampled is not None else []
     if shadow_scores is not None:
         lists = ["prod_only", "shadow_only", *lists]
@@ -133,6 +158,7 @@ def compare(
                 None if prod_scores is None else prod_scores[rows],
                 None if shadow_scores is None else shadow_scores[rows],
                 None if sampled is None else sampled[rows],
+                None if prod_top_values is None else prod_top_values[rows],
             )
         )  # fmt: skip
     return out
@@ -148,6 +174,7 @@ def _compare_chunk(
     prod_scores: torch.Tensor | None,
     shadow_scores: torch.Tensor | None,
     sampled: torch.Tensor | None,
+    prod_top_values: torch.Tensor | None,
 ) -> _Chunk:
     device = prod_topk.device
     rows = prod_topk.shape[0]
@@ -162,7 +189,10 @@ def _compare_chunk(
     masks: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scores, k-th, selection
     if prod_scores is not None:
-        kth, margin, _ = _kth(prod_scores, k)
+        if prod_top_values is None:
+            kth, margin, _ = _kth(prod_scores, k)
+        else:
+            kth, margin = _kth_from_top(prod_scores, prod_top_values, prod, k)
         floats["prod_kth_score"], floats["prod_kth_margin"] = kth, margin
         paths["prod_boundary"] = (prod_scores, kth, prod)
     shadow = None

@@ -328,6 +328,7 @@ class Run:
         unit: str = "token",
         unit_tokens: int = 1,
         visible: np.ndarray | None = None,
+        prod_top_values: torch.Tensor | None = None,
     ) -> None:
         """Rows of one indexer call: production's selection `prod_topk` [T, n] (with its
         recomputed scores when known) against each shadow input's scores [T, keys] (raw,
@@ -335,7 +336,9 @@ class Run:
         queries' positions. Keys are tokens 0 .. max(positions) by default; a selection over
         pooled or compressed keys names its `unit` (vocabulary `selection_units`), the tokens
         per key, and each query's `visible` keys in that unit [T] (host), which `k`, the
-        indices and the scores' columns count too."""
+        indices and the scores' columns count too. `prod_top_values` [T, k]: what
+        production's top-k returned with `prod_topk`, where `prod_scores` were its input
+        (`selection.compare`)."""
         rows = len(positions)
         if rows == 0:
             return
@@ -355,7 +358,7 @@ class Run:
             band = self.settings.band if (prod_scores is not None or scores is not None) else None
             specs[shadow_input] = selection.compare(
                 self._packet, prod_topk, q_key, keys, k, prod_scores=prod_scores, shadow_scores=scores,
-                band=band, sampled=on_device,
+                band=band, sampled=on_device, prod_top_values=prod_top_values,
             )  # fmt: skip
         fixed = {"step": self.step, "layer": layer, "token": np.asarray(positions, dtype=np.int32),
                  "indexer_layer": indexer_layer, "unit": unit, "unit_tokens": unit_tokens, "k": k,

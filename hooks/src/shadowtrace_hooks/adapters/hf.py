@@ -225,19 +225,22 @@ class _Step:
 
 
 class _TopkInput(torch.overrides.TorchFunctionMode):
-    """Within one indexer call, keeps the input of its top-k call: production's scores.
-    Every other torch call passes through untouched."""
+    """Within one indexer call, keeps the input of its top-k call (production's scores) and
+    the scores that call returned. Every other torch call passes through untouched."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scores: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
         if func is torch.Tensor.topk or func is torch.topk:
             self.calls += 1
             self.scores = args[0] if args else (kwargs or {}).get("input")
-        return func(*args, **(kwargs or {}))
+            self.values = result[0] if isinstance(result, tuple) else None
+        return result
 
 
 class _Tracer:
@@ -499,7 +502,10 @@ class _Tracer:
                     if window.shape[-2] == 0:
                         parts.append(torch.zeros(2, dtype=torch.int64, device=t.device))
                         continue
-                    per_slot = (~torch.isfinite(window)).movedim(-2, 0).flatten(1).sum(1)
+                    # Summed over every dimension but the slot's where they lie: no copy of
+                    # the cache's layout.
+                    others = [d for d in range(window.dim()) if d != window.dim() - 2]
+                    per_slot = torch.isfinite(window).logical_not_().sum(others)
                     parts.append(torch.stack([per_slot.sum(), (per_slot > 0).to(torch.int8).argmax()]))
                 slot = run.add(torch.stack(parts))
                 row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
@@ -615,6 +621,8 @@ class _Tracer:
             return
         if not self.settings.layer(layer) or not self.settings.site("indexer"):
             return
+        if "transformers:indexer" in self.sess.disabled:  # nothing would read the scores kept
+            return
         mode = _TopkInput()
         mode.__enter__()
         self._topk_input = mode
@@ -633,13 +641,17 @@ class _Tracer:
             return
         self._captured = (layer, mode)
 
-    def _captured_scores(self, layer: int, batch: int, seq: int) -> torch.Tensor | None:
+    def _captured_scores(
+        self, layer: int, batch: int, seq: int, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Production's scores [B, S, keys] of this layer's indexer call, as its top-k saw
-        them; None when the call did not show exactly one top-k over fp32 [B, S, keys]."""
+        them, and the scores that top-k returned [B, S, k] (None unless it returned k of
+        them: a prompt shorter than k); None when the call did not show exactly one top-k
+        over fp32 [B, S, keys]."""
         captured, self._captured = self._captured, None
         if captured is None or captured[0] != layer or captured[1].calls != 1:
             return None
-        scores = captured[1].scores
+        scores, values = captured[1].scores, captured[1].values
         if (
             not isinstance(scores, torch.Tensor)
             or scores.dtype != torch.float32
@@ -647,7 +659,9 @@ class _Tracer:
             or tuple(scores.shape[:2]) != (batch, seq)
         ):
             return None
-        return scores.detach()
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != (batch, seq, k):
+            values = None
+        return scores.detach(), None if values is None else values.detach()
 
     def _indexer(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self.settings.layer(layer) or not self.settings.site("indexer"):
@@ -689,7 +703,7 @@ class _Tracer:
         step = self.step
         assert step is not None
         hidden, q_resid = bound["hidden_states"], bound["q_resid"]
-        captured = self._captured_scores(layer, hidden.shape[0], hidden.shape[1])
+        captured = self._captured_scores(layer, hidden.shape[0], hidden.shape[1], module.index_topk)
         recomputed = None
         for b, run in enumerate(self.runs):
             q_pos = step.positions[b]
@@ -700,11 +714,17 @@ class _Tracer:
                 run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], None, {})
                 run.count("topk_scores_skipped_cached_prefix", len(q_pos))
                 continue
+            top_values = None
             if captured is not None:
                 # Masked keys read -inf whatever HF's mask added (a float mask adds a finite
                 # minimum), as the topk table's scores are defined.
-                scores = captured[b]
+                scores = captured[0][b]
                 prod_scores = scores.masked_fill(~numerics.causal_mask(q_pos, scores.shape[-1]), -math.inf)
+                top_values = None if captured[1] is None else captured[1][b]
+                # This step's keys join no recomputation's key list: a later step whose
+                # capture fails finds none and is counted, never scored against keys
+                # shifted by the ones missing here.
+                run.state.pop(("indexer_keys", layer), None)
             else:
                 keys = run.state.get(("indexer_keys", layer))
                 if keys is None and run.step > 0:
@@ -726,7 +746,10 @@ class _Tracer:
             # there is unknown: only its selection is kept.
             run.indexer_events(layer, prod_scores, q_pos, positions)
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
-            run.topk(layer, layer, module.index_topk, positions, q_pos, output[b], prod_scores, row_shadows)
+            run.topk(
+                layer, layer, module.index_topk, positions, q_pos, output[b], prod_scores, row_shadows,
+                prod_top_values=top_values,
+            )  # fmt: skip
 
     def _final_norm(self, module: torch.nn.Module, args: tuple) -> None:
         step = self.step
