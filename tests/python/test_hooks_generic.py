@@ -113,6 +113,16 @@ def test_a_shadow_below_production_precision_is_refused_and_production_traced_al
     assert {h["shadow_mode"] for h in run["hidden"]} == {"none"}
 
 
+def test_an_indexer_scope_shadow_of_a_model_without_an_indexer_is_refused_not_claimed(tmp_path: Path) -> None:
+    _, runs = run_family(tmp_path, "qwen3_5_moe", 40, SHADOWTRACE="1", SHADOWTRACE_SHADOW_SCOPE="indexer")
+    (manifest,) = manifests(runs)
+    assert manifest["status"] == "complete"
+    assert "SHADOWTRACE_SHADOW_SCOPE=indexer" in manifest["settings"]["shadow_refused"]
+    assert manifest["counters"]["shadow_refused"] == 1
+    assert manifest["shadow"] == {"precision": None, "modes": []}
+    assert manifest["tables"]["hidden"]["rows"] == 4 * 4 * 40
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantized_decoder_weights_refuse_the_shadow_naming_the_weight(
     tmp_path: Path, dtype: torch.dtype

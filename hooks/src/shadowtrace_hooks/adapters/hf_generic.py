@@ -25,7 +25,8 @@ run (`settings.shadow_refused`, counted `shadow_refused`) and one line:
 
 - decoder weights the shadow cannot upcast (FP8 or integer codes, which need their
   quantization's scales);
-- a shadow precision below production's (a bf16 shadow of an fp32 model).
+- a shadow precision below production's (a bf16 shadow of an fp32 model);
+- `SHADOWTRACE_SHADOW_SCOPE=indexer`, which shadows the indexer alone: these models have none.
 """
 
 import inspect
@@ -126,6 +127,11 @@ class GenericTracer(hf._Tracer):
     def _why_no_shadow(self, kind: str) -> str | None:
         if self.settings.precision is None:
             return None
+        if self.settings.scope == "indexer":
+            return (
+                f"{kind}: SHADOWTRACE_SHADOW_SCOPE=indexer shadows an indexer alone, and this model has "
+                f"none; production is traced alone"
+            )
         _, layers = self._found
         shadow = self.settings.shadow_dtype
         for name, p in layers.named_parameters(prefix="layers"):
