@@ -183,10 +183,78 @@ impl Glm5NextConfig {
             .get("text_config")
             .filter(|t| t.is_object())
             .unwrap_or(&doc);
-        let config: Glm5NextConfig =
+        let mut config: Glm5NextConfig =
             serde_json::from_value(text.clone()).map_err(ParseError::Json)?;
+        config.post_init(text).map_err(ParseError::Invalid)?;
         config.validate().map_err(ParseError::Invalid)?;
         Ok(config)
+    }
+
+    /// What transformers' `__post_init__` reads from keys that are not
+    /// fields: the indexer schedule from `index_topk_pattern` (`"FSSF…"` or a
+    /// list) or else `index_topk_freq` / `index_skip_topk_offset`, and the
+    /// KDA sizes and gate bound from `linear_attn_config`. A hub checkpoint
+    /// may carry these instead of the fields `save_pretrained` writes.
+    fn post_init(&mut self, text: &serde_json::Value) -> Result<(), String> {
+        let n = self.num_hidden_layers.max(0);
+        if self.indexer_types.is_none() {
+            self.indexer_types = Some(match text.get("index_topk_pattern") {
+                Some(serde_json::Value::String(pattern)) => pattern
+                    .chars()
+                    .map(|c| match c {
+                        'F' => Ok("full".to_owned()),
+                        'S' => Ok("shared".to_owned()),
+                        other => Err(format!(
+                            "index_topk_pattern {pattern:?}: {other:?} is neither F (full) nor S (shared)"
+                        )),
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .map(|v| {
+                        v.as_str().map(str::to_owned).ok_or_else(|| {
+                            format!("index_topk_pattern entry {v}: expected \"full\" or \"shared\"")
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(serde_json::Value::Null) | None => {
+                    let int = |key: &str, default: i64| {
+                        text.get(key).and_then(serde_json::Value::as_i64).unwrap_or(default)
+                    };
+                    let freq = int("index_topk_freq", 1).max(1);
+                    let offset = int("index_skip_topk_offset", 2);
+                    (0..n)
+                        .map(|i| {
+                            let full = (i - offset + 1).max(0) % freq == 0;
+                            (if full { "full" } else { "shared" }).to_owned()
+                        })
+                        .collect()
+                }
+                Some(other) => {
+                    return Err(format!(
+                        "index_topk_pattern {other}: expected a string of F and S or a list"
+                    ));
+                }
+            });
+        }
+        if let Some(linear) = text.get("linear_attn_config").filter(|v| v.is_object()) {
+            let int = |key: &str| linear.get(key).and_then(serde_json::Value::as_i64);
+            self.linear_head_dim = int("head_dim").unwrap_or(self.linear_head_dim);
+            self.linear_num_heads = int("num_heads").unwrap_or(self.linear_num_heads);
+            self.linear_conv_kernel_dim =
+                int("short_conv_kernel_size").unwrap_or(self.linear_conv_kernel_dim);
+            if let Some(bound) = linear.get("gate_lower_bound") {
+                self.linear_lower_bound = bound.as_f64();
+            }
+            let safe_gate = linear
+                .get("safe_gate")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(true);
+            if safe_gate && self.linear_lower_bound.is_none() {
+                self.linear_lower_bound = d_lower_bound();
+            }
+        }
+        Ok(())
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -223,15 +291,31 @@ impl Glm5NextConfig {
                 ));
             }
         }
+        // transformers hands a shared layer the selection of the layer just
+        // before it, and only a full MLA layer hands one on: a shared layer
+        // after a KDA layer, after another shared layer or first of all
+        // raises there at the first forward.
         for i in 0..self.num_hidden_layers {
-            if self.mixer(i) == Mixer::Mla
-                && !self.runs_indexer(i)
-                && (i == 0 || self.mixer(i - 1) != Mixer::Mla)
-            {
+            if self.mixer(i) != Mixer::Mla || self.runs_indexer(i) {
+                continue;
+            }
+            if i == 0 {
+                return Err(
+                    "layer 0 shares the indexer selection of a previous layer, and \
+                     there is none (transformers raises at the first forward)"
+                        .to_owned(),
+                );
+            }
+            let before = i - 1;
+            if self.mixer(before) != Mixer::Mla || !self.runs_indexer(before) {
+                let what = if self.mixer(before) == Mixer::Mla {
+                    "a shared MLA layer"
+                } else {
+                    "a KDA layer"
+                };
                 return Err(format!(
-                    "layer {i} shares the indexer selection of layer {}, which has none \
-                     (transformers raises the same)",
-                    i - 1
+                    "layer {i} shares the indexer selection of layer {before}, {what} that hands \
+                     on none (transformers raises at the first forward)"
                 ));
             }
         }
@@ -338,10 +422,96 @@ mod tests {
                 _ => panic!("{extra} accepted"),
             }
         }
+        let mla = r#", "layer_types": ["indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]"#;
+        for (extra, needle) in [
+            (
+                r#", "indexer_types": ["shared", "full", "full", "full"]"#,
+                "layer 0 shares",
+            ),
+            (
+                r#", "indexer_types": ["full", "shared", "shared", "full"]"#,
+                "",
+            ),
+            (
+                r#", "indexer_types": ["full", "full", "full", "shared"]"#,
+                "a KDA layer",
+            ),
+        ] {
+            let bytes = text(&format!(r#", "model_type": "glm5_next"{mla}{extra}"#));
+            let parsed = Glm5NextConfig::parse(bytes.as_bytes());
+            match (parsed, needle) {
+                (Ok(_), "") => {}
+                (Err(ParseError::Invalid(what)), needle) if !needle.is_empty() => {
+                    assert!(what.contains(needle), "{what}");
+                }
+                _ => panic!("{extra}: not as expected"),
+            }
+        }
+        let consecutive = r#", "layer_types": ["indexed_attention", "indexed_attention", "indexed_attention", "linear_attention"], "indexer_types": ["full", "shared", "shared", "full"]"#;
+        let bytes = text(&format!(r#", "model_type": "glm5_next"{consecutive}"#));
+        match Glm5NextConfig::parse(bytes.as_bytes()) {
+            Err(ParseError::Invalid(what)) => {
+                assert!(
+                    what.contains("layer 2 shares") && what.contains("a shared MLA layer"),
+                    "{what}"
+                );
+            }
+            _ => panic!("two shared layers in a row accepted"),
+        }
         let other = text(r#", "model_type": "glm_moe_dsa""#);
         assert!(matches!(
             Glm5NextConfig::parse(other.as_bytes()),
             Err(ParseError::ModelType(t)) if t == "glm_moe_dsa"
         ));
+    }
+
+    /// transformers 5.24's `Glm5NextTextConfig.__post_init__` on the same
+    /// keys (read there): a pattern string, the freq/offset schedule, and a
+    /// `linear_attn_config` dict with an unbounded and a safe gate.
+    #[test]
+    fn hub_keys_transformers_reads_in_post_init_set_the_schedule_and_the_kda_gate() {
+        let parse = |extra: &str| {
+            let bytes = text(&format!(r#", "model_type": "glm5_next"{extra}"#));
+            Glm5NextConfig::parse(bytes.as_bytes()).ok().unwrap()
+        };
+        let schedule = |c: &Glm5NextConfig| (0..4).map(|i| c.runs_indexer(i)).collect::<Vec<_>>();
+        // layers 0-2 KDA, 3 MLA by default: only layer 3's entry matters to
+        // the forward, but every layer's is read as transformers reads it
+        let c = parse(r#", "index_topk_pattern": "FSFF""#);
+        assert_eq!(
+            c.indexer_types.as_deref().unwrap(),
+            ["full", "shared", "full", "full"]
+        );
+        assert_eq!(schedule(&c), [true, false, true, true]);
+        // freq 2, offset 2: full where max(i - 1, 0) % 2 == 0, i.e. 0, 1, 3
+        let c = parse(r#", "index_topk_freq": 2, "index_skip_topk_offset": 2"#);
+        assert_eq!(schedule(&c), [true, true, false, true]);
+        assert_eq!(schedule(&parse("")), [true; 4]);
+        let c = parse(
+            r#", "linear_attn_config": {"head_dim": 64, "num_heads": 8, "short_conv_kernel_size": 3,
+                "gate_lower_bound": null, "safe_gate": false}"#,
+        );
+        assert_eq!(
+            (
+                c.linear_head_dim,
+                c.linear_num_heads,
+                c.linear_conv_kernel_dim
+            ),
+            (64, 8, 3)
+        );
+        assert_eq!(c.linear_lower_bound, None);
+        let c = parse(r#", "linear_attn_config": {"gate_lower_bound": null}"#);
+        assert_eq!(
+            c.linear_lower_bound,
+            Some(-5.0),
+            "safe_gate defaults to true"
+        );
+        let c = parse(r#", "linear_attn_config": {"gate_lower_bound": -3.0}"#);
+        assert_eq!(c.linear_lower_bound, Some(-3.0));
+        let bytes = text(r#", "model_type": "glm5_next", "index_topk_pattern": "FX""#);
+        match Glm5NextConfig::parse(bytes.as_bytes()) {
+            Err(ParseError::Invalid(what)) => assert!(what.contains("'X'"), "{what}"),
+            _ => panic!("a pattern letter other than F and S accepted"),
+        }
     }
 }
