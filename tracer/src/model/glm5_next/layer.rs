@@ -26,8 +26,6 @@ pub struct LayerOutput {
     pub tokens: Option<Tensor>,
     /// MLA layers running their own indexer: its selection.
     pub selection: Option<KpoolSelection>,
-    /// MoE layers: the routed experts of each token `[S, num_experts_per_tok]`.
-    pub experts: Option<Tensor>,
     /// MLA layers: the KV latent each token caches `[S, kv_lora_rank]`.
     pub kv_latent: Option<Tensor>,
 }
@@ -60,11 +58,10 @@ pub fn forward(
     let streams = hyper::expand(&mixing, &attn_out, &streams);
     let mixing = hyper::mixing(ops, "ffn", &streams);
     let normed = ops.rms_norm(&mixing.collapsed, "post_attention_layernorm");
-    let (mlp_out, experts) = if c.is_moe(index) {
-        let (out, experts) = ops.moe(&normed);
-        (out, Some(experts))
+    let mlp_out = if c.is_moe(index) {
+        ops.moe(&normed)
     } else {
-        (ops.mlp(&normed, "mlp"), None)
+        ops.mlp(&normed, "mlp")
     };
     let mlp_out = plant(ops, index, "mlp_out", mlp_out);
     let streams = hyper::expand(&mixing, &mlp_out, &streams);
@@ -77,7 +74,6 @@ pub fn forward(
         layer_out,
         tokens,
         selection,
-        experts,
         kv_latent,
     };
     (streams, out)

@@ -80,8 +80,8 @@ impl Ops<'_> {
     /// `Glm5NextTextMoE`: the sigmoid router with correction bias and
     /// group-limited top-k in fp32, the routed experts in the path's
     /// numerics (their weighted outputs summed in fp32), plus the shared
-    /// experts. Returns the output and the experts chosen.
-    pub fn moe(&self, x: &Tensor) -> (Tensor, Tensor) {
+    /// experts.
+    pub fn moe(&self, x: &Tensor) -> Tensor {
         let c = self.config;
         let (s, e, groups) = (x.size()[0], c.n_routed_experts, c.n_group);
         let scores = x
@@ -129,6 +129,6 @@ impl Ops<'_> {
             .view([s, k, c.hidden_size])
             .sum_dim_intlist(1, false, Kind::Float)
             .to_kind(self.kind());
-        (out + self.mlp(x, "mlp.shared_experts"), top)
+        out + self.mlp(x, "mlp.shared_experts")
     }
 }
