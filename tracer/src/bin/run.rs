@@ -66,10 +66,12 @@ struct Args {
     /// The model's name in the manifests (default: the directory name).
     #[arg(long)]
     name: Option<String>,
-    /// Production FP8 indexer: trtllm, sglang, vllm, deepseek_reference, or none (no FP8 in
-    /// the indexer: q and k in bf16, scores in fp32, as transformers computes it).
-    #[arg(long, default_value = "trtllm")]
-    fp8_indexer: String,
+    /// Production FP8 indexer: trtllm (the default), sglang, vllm, deepseek_reference, or none
+    /// (no FP8 in the indexer: q and k in bf16, scores in fp32, as transformers computes it).
+    /// glm5_next (GLM-5.3-Flash) has no FP8 indexer variant: none is its default and the only
+    /// value it takes.
+    #[arg(long, value_name = "NAME")]
+    fp8_indexer: Option<String>,
     /// Engine behaviours production runs on purpose, comma-separated; NAME@LAYER acts in that
     /// layer alone. Repeatable; traced passes only. Each is listed in the manifest's
     /// deviations with its source; `shadowtrace suspects --list` describes them.
@@ -121,7 +123,8 @@ fn run(args: &Args) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    opts.fp8_indexer = match args.fp8_indexer.as_str() {
+    let fp8_indexer = args.fp8_indexer.as_deref().unwrap_or("trtllm");
+    opts.fp8_indexer = match fp8_indexer {
         "none" => None,
         name => Some(Fp8Indexer::named(name).with_context(|| {
             format!(
@@ -129,7 +132,7 @@ fn run(args: &Args) -> Result<()> {
             )
         })?),
     };
-    opts.fp8_indexer_name.clone_from(&args.fp8_indexer);
+    fp8_indexer.clone_into(&mut opts.fp8_indexer_name);
     for text in &args.deviation {
         let deviation = Deviation::parse(text).with_context(|| format!("--deviation {text}"))?;
         deviation
@@ -223,12 +226,10 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    // The default names no choice; the manifest records `none` either way.
-    if !["trtllm", "none"].contains(&args.fp8_indexer.as_str()) {
+    if let Some(name) = args.fp8_indexer.as_deref().filter(|n| *n != "none") {
         bail!(
-            "--fp8-indexer {}: glm5_next's k-pool indexer runs in the path's own numerics \
-             (no engine FP8 indexer variant is implemented for it): give none",
-            args.fp8_indexer
+            "--fp8-indexer {name}: glm5_next's k-pool indexer runs in the path's own numerics \
+             (no engine FP8 indexer variant is implemented for it): give none or leave it out"
         );
     }
     opts.fp8_indexer = None;

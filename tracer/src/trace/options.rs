@@ -117,6 +117,17 @@ impl TraceOptions {
                 .unwrap_or_default()
                 .to_owned()
         };
+        // The reference engine re-runs whole layers: an indexer-only shadow
+        // asked of it is refused, never traced as something else.
+        if text("SHADOWTRACE_SHADOW_SCOPE") == "indexer" {
+            return Err(EnvError {
+                name: "SHADOWTRACE_SHADOW_SCOPE".to_owned(),
+                got: "indexer".to_owned(),
+                expected: "layer (the reference engine re-runs each layer; the indexer-only \
+                           scope is the HF hooks')"
+                    .to_owned(),
+            });
+        }
         match text("SHADOWTRACE_SHADOW").as_str() {
             "none" => o.modes.clear(),
             "bf16" => o.precision = Kind::BFloat16,
@@ -244,4 +255,25 @@ impl TraceOptions {
 fn seconds(s: f64) -> Duration {
     const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
     Duration::try_from_secs_f64(s).map_or(YEAR, |d| d.min(YEAR))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_indexer_only_shadow_scope_is_refused_by_the_reference_engine_naming_the_variable() {
+        let env = |scope: &'static str| {
+            move |k: &str| (k == "SHADOWTRACE_SHADOW_SCOPE").then(|| scope.to_owned())
+        };
+        let Err(e) = TraceOptions::from_env("m", env("indexer")) else {
+            panic!("SHADOWTRACE_SHADOW_SCOPE=indexer accepted");
+        };
+        assert_eq!(
+            (e.name.as_str(), e.got.as_str()),
+            ("SHADOWTRACE_SHADOW_SCOPE", "indexer")
+        );
+        assert!(e.expected.contains("re-runs each layer"), "{e}");
+        assert!(TraceOptions::from_env("m", env("layer")).is_ok());
+    }
 }
