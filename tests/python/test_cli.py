@@ -199,3 +199,15 @@ def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
             run.pop("dir", None)
         assert runs[0]["topk"]
         assert runs[0] == runs[1]
+
+
+def test_demo_refuses_suspects_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: Path) -> None:
+    """The suspects section runs after the grid: its arguments are checked before, not minutes
+    into the demo."""
+    for extra, needle in ((["--suspects-layers", "0"], "--suspects-layers 0"),
+                          (["--suspects-lengths", "0"], "--suspects-lengths 0")):  # fmt: skip
+        out = tmp_path / extra[0].strip("-")
+        done = shadowtrace("demo", "--out", out, *extra)
+        assert done.returncode != 0
+        assert needle in done.stderr, done.stderr
+        assert not (out / "runs").exists(), "the grid was traced first"

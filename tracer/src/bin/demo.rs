@@ -111,6 +111,9 @@ fn main() -> anyhow::Result<()> {
             args.layers
         );
     }
+    if !args.no_suspects {
+        check_suspects_args(&args)?;
+    }
     let runs_dir = args.out.join("runs");
     let report_dir = args.out.join("report");
     clear_previous_demo(&args.out)?;
@@ -220,15 +223,7 @@ fn suspects_section(
     models: &[(&str, &str, serde_json::Value, i64)],
     device: Device,
 ) -> anyhow::Result<Vec<ModelSweep>> {
-    let Some(&longest) = args.suspects_lengths.iter().max() else {
-        bail!("--suspects-lengths: give at least one length, or --no-suspects");
-    };
-    if args.suspects_layers < 1 {
-        bail!(
-            "--suspects-layers {}: give at least 1",
-            args.suspects_layers
-        );
-    }
+    let longest = check_suspects_args(args)?;
     let variants = suspects_demo::variants();
     eprintln!(
         "suspects: every deviation on {} models, {} variants of the synthetic assumptions",
@@ -305,6 +300,24 @@ fn suspects_section(
         }
     }
     Ok(sweeps)
+}
+
+/// The suspects section's arguments, checked before the grid runs (minutes
+/// before the section would need them); the longest suspects length.
+fn check_suspects_args(args: &Args) -> anyhow::Result<usize> {
+    let Some(&longest) = args.suspects_lengths.iter().max() else {
+        bail!("--suspects-lengths: give at least one length, or --no-suspects");
+    };
+    if let Some(short) = args.suspects_lengths.iter().find(|&&l| l == 0) {
+        bail!("--suspects-lengths {short}: a prompt needs at least one token");
+    }
+    if args.suspects_layers < 1 {
+        bail!(
+            "--suspects-layers {}: give at least 1",
+            args.suspects_layers
+        );
+    }
+    Ok(longest)
 }
 
 /// Appends `section` to the report the analyzer wrote.

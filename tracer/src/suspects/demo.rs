@@ -232,7 +232,33 @@ fn rules(sweeps: &[ModelSweep]) -> Vec<String> {
             super::sweep::LOGITS_TOKENS
         ),
         "NaN: production's first non-finite value (layer, site)".to_owned(),
+        clean_path(sweeps),
     ]
+}
+
+/// What the clean path runs: the grid above it runs TensorRT-LLM's FP8
+/// indexer, the sweeps their own base, which a reader must not take for the
+/// grid's production.
+fn clean_path(sweeps: &[ModelSweep]) -> String {
+    let bases: BTreeSet<&str> = sweeps
+        .iter()
+        .map(|s| s.report.sweep.base.as_str())
+        .collect();
+    let base = bases.into_iter().collect::<Vec<_>>().join(", ");
+    let base = if base.is_empty() { "none" } else { &base };
+    let indexer = if base == "none" {
+        "the indexer unquantized (`--fp8-indexer none`: q and k in bf16, scores in fp32, as transformers computes it)".to_owned()
+    } else {
+        format!("the `{base}` FP8 indexer")
+    };
+    let grid = if base == "trtllm" {
+        "the grid's production above"
+    } else {
+        "not the grid's production above (the trtllm FP8 indexer)"
+    };
+    format!(
+        "the clean path: FP8 block-scaled linears and {indexer}, {grid}; each deviation is the one departure from it"
+    )
 }
 
 fn variant_lines(sweeps: &[ModelSweep]) -> Vec<String> {
