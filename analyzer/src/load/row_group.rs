@@ -7,7 +7,8 @@
 //! check nearly all of `analyze`'s time on a v2 run. Read this way, with
 //! each column of a row group decoded as a task of its own (so a part of a
 //! single row group still keeps both cores busy), the check of a 65,536-row
-//! run went from 0.99 s to about 0.27 s (README, analyze throughput). Flat
+//! run went from 0.99 s to about 0.27 s on a quiet machine, 0.44–0.56 s at
+//! load average 3 (README, analyze throughput). Flat
 //! columns the metrics stack across parts stay with polars
 //! ([`super::PartFile::read`]).
 //!

@@ -1,0 +1,141 @@
+"""Where a traced forward's extra time goes: one forward of the GLM-5-shaped transformers model
+of bench_hooks_overhead.py under torch.profiler, per mode, each in a process of its own.
+
+Every hook body of the HF adapter runs inside `Session.guarded`; this script wraps that call
+in a `record_function` named after the capture (`st:<key>`, the layer number dropped), so the
+table shows how much host and device time each capture costs beside the model's own ops. It
+also counts the host syncs the forward made (`cudaStreamSynchronize`, `cudaMemcpyAsync` to
+pageable memory show as long CPU rows).
+
+usage: python tests/gpu/profile_hooks.py [--layers 4] [--tokens 8192] [--modes unhooked,capture,on]
+       [--rows 30] [--tiny]
+
+The figures are a profile's (the profiler adds its own cost): read them as shares, and take
+ratios from bench_hooks_overhead.py.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import bench_hooks_overhead as bench
+
+MODES = {
+    "unhooked": {},
+    "capture": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW": "none"},
+    "on": {"SHADOWTRACE": "1", "SHADOWTRACE_SHADOW_SCOPE": "indexer"},
+    "local": {"SHADOWTRACE": "1"},
+}
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    if os.environ.get("SHADOWTRACE"):
+        from shadowtrace_hooks import session
+
+        inner = session.Session.guarded
+
+        def guarded(self, key, run, fn, *a, **kw):
+            # one row per capture, whatever the layer: "indexer_shadow:3" -> "st:indexer_shadow"
+            name = key.rsplit(":", 1)[0] if key.rsplit(":", 1)[-1].isdigit() else key
+            with record_function("st:" + name):
+                return inner(self, key, run, fn, *a, **kw)
+
+        session.Session.guarded = guarded
+        # The device work inside the captures, a row each (callers look these names up at
+        # call time, so wrapping the module attribute reaches every call).
+        from shadowtrace_hooks import numerics, selection, stats
+
+        def wrap(module, name):
+            fn = getattr(module, name)
+
+            def wrapped(*a, **kw):
+                with record_function(f"fn:{module.__name__.rsplit('.', 1)[-1]}.{name}"):
+                    return fn(*a, **kw)
+
+            setattr(module, name, wrapped)
+
+        for module, names in (
+            (selection, ("compare", "_membership", "_kth", "_kth_from_top", "_near", "columns")),
+            (stats, ("counts_device", "hidden_device", "events_device")),
+            (numerics, ("index_scores", "causal_mask")),
+        ):
+            for name in names:
+                if hasattr(module, name):
+                    wrap(module, name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides = {"num_hidden_layers": args.layers, "first_k_dense_replace": 1}
+    if args.tiny:
+        overrides |= bench.TINY
+    config = GlmMoeDsaConfig(**overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GlmMoeDsaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
+
+    def forward() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    forward()
+    plain = sorted(forward() for _ in range(2))[0]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        profiled = forward()
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
+    print(f"forward {plain:.3f} s unprofiled, {profiled:.3f} s profiled")
+    print(events.table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
+    ranges = [e for e in events if e.key.startswith(("st:", "fn:"))]
+    print("captures (host total, device total of the kernels they launched):")
+    for e in sorted(ranges, key=lambda e: -e.cpu_time_total):
+        dev = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+        host = e.cpu_time_total / 1e3
+        print(f"  {e.key:40} calls {e.count:5}  host {host:8.1f} ms  device {dev / 1e3:8.1f} ms")
+    waits = [e for e in events if "Synchron" in e.key or "Memcpy" in e.key]
+    syncs = {e.key: (e.count, e.cpu_time_total / 1e3) for e in waits}
+    print("syncs and copies:", json.dumps(syncs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--modes", default="unhooked,capture,on")
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
+    status = 0
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--child", "--layers", str(args.layers)]
+        cmd += ["--tokens", str(args.tokens), "--rows", str(args.rows)] + (["--tiny"] if args.tiny else [])
+        env = {**clean, **MODES[mode], "SHADOWTRACE_DIR": f"/tmp/profile-runs/{mode}"}
+        print(f"===== {mode}: {MODES[mode]}", flush=True)
+        out = subprocess.run(cmd, env=env, check=False)
+        status = status or out.returncode
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
