@@ -1,5 +1,8 @@
 """Golden numerics vectors, from PyTorch's own FP8 casts and torch reference math.
 
+Nothing here may depend on the CPU: sums are correctly rounded (math.fsum), never a
+BLAS's order, and no vectorised transcendental function makes an input.
+
 The Rust tracer (tch and ndarray paths) and the Python hooks check themselves
 against the file this script writes. Regenerate it with
 
@@ -58,9 +61,30 @@ def cast_inputs(gen: torch.Generator) -> torch.Tensor:
         mids = (grid[1:] + grid[:-1]) / 2  # exact ties: round-to-even decides
         values += [mids, torch.nextafter(mids, torch.full_like(mids, math.inf))]
         values += [torch.nextafter(mids, torch.full_like(mids, -math.inf))]
-    magnitudes = torch.exp2(torch.empty(2000).uniform_(-20, 20, generator=gen))
+    # Powers of two 2^-20 .. 2^19 built from their bits, so that no CPU's exp2 rounds them
+    # (torch's vectorised exp2 differs in the last bit between CPUs); randn gives the
+    # mantissas, and the product is exact.
+    exponents = torch.empty(2000).uniform_(-20, 20, generator=gen).floor().to(torch.int32)
+    magnitudes = ((exponents + 127) << 23).view(torch.float32)
     values.append(torch.randn(2000, generator=gen) * magnitudes)
     return torch.cat(values)
+
+
+def exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, n] @ b [n, p] in float64, each product rounded once and summed correctly
+    rounded (math.fsum): the same bits on every CPU, where a BLAS sums in an order of its
+    own. Products of float32 values are exact in float64."""
+    a64, b64 = a.double().numpy(), b.double().numpy()
+    products = a64[:, :, None] * b64[None, :, :]
+    out = [[math.fsum(products[i, :, j]) for j in range(b64.shape[1])] for i in range(a64.shape[0])]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def head_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [t, h, s] summed over h, correctly rounded."""
+    t, _, s = x.shape
+    sums = [[math.fsum(x[i, :, j].tolist()) for j in range(s)] for i in range(t)]
+    return torch.tensor(sums, dtype=torch.float64)
 
 
 def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -142,9 +166,11 @@ def indexer_cases(gen: torch.Generator) -> dict:
     q_pos = torch.tensor([0, 9, 19, 29, 38, 39])
     mask = torch.arange(s)[None, :] <= q_pos[:, None]
 
+    def dots(qv: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return exact_matmul(qv.reshape(t * h, D), kv.t()).reshape(t, h, s)
+
     def scores(qv, kv, wv) -> torch.Tensor:
-        dots = torch.einsum("thd,sd->ths", qv.double(), kv.double()).relu()
-        out = (dots * wv.double()[:, :, None]).sum(1) * D**-0.5
+        out = head_sum(dots(qv, kv).relu() * wv.double()[:, :, None]) * D**-0.5
         return out.masked_fill(~mask, -math.inf)
 
     bf16 = lambda v: v.to(torch.bfloat16).to(torch.float32)  # noqa: E731
@@ -160,13 +186,13 @@ def indexer_cases(gen: torch.Generator) -> dict:
         qr, kr = q, k
         if rotate:
             had = hadamard(D)
-            qr = (q.double() @ had).float()
-            kr = (k.double() @ had).float()
+            qr = exact_matmul(q.reshape(t * h, D), had).float().reshape(t, h, D)
+            kr = exact_matmul(k, had).float()
         q8, q_scale = quantize_blocks(qr.reshape(t * h, D), (1, D), "e4m3fn", scale_fmt, clamp)
         k8, k_scale = quantize_blocks(kr, (1, D), "e4m3fn", scale_fmt, clamp)
-        dots = torch.einsum("thd,sd->ths", q8.double().reshape(t, h, D), k8.double()).relu()
+        fp8_dots = dots(q8.double().reshape(t, h, D), k8.double()).relu()
         folded = w.double() * q_scale.double().reshape(t, h) * D**-0.5
-        out = (dots * folded[:, :, None]).sum(1) * k_scale.double().reshape(1, s)
+        out = head_sum(fp8_dots * folded[:, :, None]) * k_scale.double().reshape(1, s)
         expected[f"fp8_{name}"] = out.masked_fill(~mask, -math.inf)
         variants[name] = {"hadamard": rotate, "scale_format": scale_fmt, "amax_clamp": clamp}
     return {
