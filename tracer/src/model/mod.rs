@@ -19,6 +19,7 @@ pub mod fp8_checkpoint;
 pub mod glm5_next;
 pub mod layer;
 pub mod rope;
+pub(crate) mod router;
 pub mod synthetic;
 pub mod weights;
 

@@ -7,6 +7,7 @@ use tch::{Kind, Tensor};
 use super::config::Glm5NextConfig;
 use crate::model::fault::Fault;
 use crate::model::layer::{Fallbacks, Numerics, Weights, linear_in, rms_norm};
+use crate::model::router::Router;
 
 /// One layer's weights in one path's numerics.
 #[derive(Debug, Clone, Copy)]
@@ -83,31 +84,20 @@ impl Ops<'_> {
     /// experts.
     pub fn moe(&self, x: &Tensor) -> Tensor {
         let c = self.config;
-        let (s, e, groups) = (x.size()[0], c.n_routed_experts, c.n_group);
-        let scores = x
-            .to_kind(Kind::Float)
-            .matmul(&self.w("mlp.gate.weight").tr())
-            .sigmoid();
-        let choice = &scores + self.w("mlp.gate.e_score_correction_bias");
-        let group_scores = choice
-            .view([s, groups, e / groups])
-            .topk(2.min(e / groups), -1, true, true)
-            .0
-            .sum_dim_intlist(-1, false, Kind::Float);
-        let (_, group_idx) = group_scores.topk(c.topk_group, -1, true, false);
-        let group_mask =
-            Tensor::zeros([s, groups], (Kind::Float, x.device())).scatter_value(1, &group_idx, 1.0);
-        let score_mask = group_mask
-            .unsqueeze(-1)
-            .expand([s, groups, e / groups], false)
-            .reshape([s, e]);
-        let choice = choice.masked_fill(&score_mask.logical_not(), f64::NEG_INFINITY);
-        let (_, top) = choice.topk(c.num_experts_per_tok, -1, true, false);
-        let mut weights = scores.gather(1, &top, false);
-        if c.norm_topk_prob {
-            weights = &weights / (weights.sum_dim_intlist(-1, true, Kind::Float) + 1e-20);
-        }
-        let weights = weights * c.routed_scaling_factor;
+        let (s, e) = (x.size()[0], c.n_routed_experts);
+        let router = Router {
+            experts: e,
+            groups: c.n_group,
+            topk_group: c.topk_group,
+            per_token: c.num_experts_per_tok,
+            norm_topk_prob: c.norm_topk_prob,
+            scaling: c.routed_scaling_factor,
+        };
+        let (top, weights) = router.route(
+            x,
+            self.w("mlp.gate.weight"),
+            self.w("mlp.gate.e_score_correction_bias"),
+        );
         // One row per (token, slot), weighted in fp32 and summed over the slots
         // in fp32 before one cast: transformers 5.24's default experts path
         // (`grouped_mm_experts_forward`), not its eager loop's bf16 index_add.
