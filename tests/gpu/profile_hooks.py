@@ -36,7 +36,6 @@ MODES = {
 def child(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     if os.environ.get("SHADOWTRACE"):
         from shadowtrace_hooks import session
@@ -71,17 +70,7 @@ def child(args: argparse.Namespace) -> None:
             for name in names:
                 if hasattr(module, name):
                     wrap(module, name)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    overrides = {"num_hidden_layers": args.layers, "first_k_dense_replace": 1}
-    if args.tiny:
-        overrides |= bench.TINY
-    config = GlmMoeDsaConfig(**overrides)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = GlmMoeDsaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
+    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny)
 
     def forward() -> float:
         if device == "cuda":

@@ -78,13 +78,15 @@ def _rss(key: str) -> int:
     return 0
 
 
-def child(args: argparse.Namespace) -> None:
+def model_and_prompt(layers: int, tokens: int, tiny: bool) -> tuple:
+    """(model, prompt ids, device): the GLM-5-shaped model every row times, seeded alike in
+    each process (tests/gpu/profile_hooks.py profiles the same)."""
     import torch
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    overrides = {"num_hidden_layers": args.layers, "first_k_dense_replace": 1}
-    if args.tiny:
+    overrides = {"num_hidden_layers": layers, "first_k_dense_replace": 1}
+    if tiny:
         overrides |= TINY
     config = GlmMoeDsaConfig(**overrides)
     config._attn_implementation = "eager"
@@ -92,7 +94,15 @@ def child(args: argparse.Namespace) -> None:
     with torch.device(device):
         model = GlmMoeDsaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=gen).to(device)
+    return model, ids, device
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    model, ids, device = model_and_prompt(args.layers, args.tokens, args.tiny)
+    config = model.config
     times = []
     peak = 0
     for i in range(args.repeat + 1):
