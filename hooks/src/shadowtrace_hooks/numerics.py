@@ -15,7 +15,9 @@ Top-k selections, k-th scores, margins and boundary keys are `selection.compare`
 device.
 """
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +27,13 @@ FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 FP8_DTYPE = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # Query rows scored at once: bounds the [rows, heads, keys] fp32 intermediate.
 _ROW_CHUNK_ELEMENTS = 1 << 27
+MATMULS = ("ieee", "3xtf32")
+# Clears the 13 mantissa bits fp32 has beyond TF32's 10.
+_TF32_MASK = ~((1 << 13) - 1)
+# The largest error of a 3xtf32 dot product relative to sum |q_i k_i|: lo's TF32 rounding
+# (below 2^-10 |lo| < 2^-20 |x|) in hi.lo and lo.hi, the dropped lo.lo (below 2^-20) and fp32
+# accumulation over the 3D = 384 terms (worst case 384 * 2^-24 < 2^-15.4): 2^-15 in all.
+SPLIT_TF32_ERROR = 2.0**-15
 
 
 def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -94,6 +103,7 @@ def index_scores(
     softmax_scale: float | None = None,
     *,
     q_pos_host: np.ndarray | None = None,
+    matmul: str = "ieee",
 ) -> torch.Tensor:
     """fp32 scores [T, S] with -inf where masked, from q [T,H,D], k [S,D], w [T,H], scaled
     by D^-0.5 unless `softmax_scale` says otherwise (1.0 when w already holds it).
@@ -102,7 +112,15 @@ def index_scores(
     produced q, k and w. Query rows go in chunks that bound the [rows, H, S] intermediate;
     with `q_pos_host` (q_pos on the host) each chunk scores only the keys up to its last
     visible one, about half the work of a prefill, without asking the device where that is.
+
+    `matmul="3xtf32"` computes each q . k on the TF32 tensor cores from q and k split into a
+    TF32 part and an fp32 remainder (`split_tf32`; an operand whose dtype TF32 holds exactly,
+    bf16, fp16 or FP8, is not split): hi.hi + hi.lo + lo.hi, within `SPLIT_TF32_ERROR` of
+    sum |q_i k_i| per dot product (exact products when neither operand is split).
+    "ieee" is the plain fp32 product (with TF32 off, as `shadow.full_fp32` sets it).
     """
+    if matmul not in MATMULS:
+        raise ValueError(f"index_scores: matmul {matmul!r}, expected one of {MATMULS}")
     t, h, d = q.shape
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     keys = k.shape[0]
@@ -110,19 +128,58 @@ def index_scores(
         out = torch.empty(t, keys, dtype=torch.float32, device=q.device)
     else:
         out = torch.full((t, keys), -math.inf, dtype=torch.float32, device=q.device)
-    kt = k.float().t()
+    split = matmul == "3xtf32"
+    if split:
+        k_parts = _tf32_parts(k)
+        # every pair of parts but lo.lo, side by side along D: one product sums them
+        q_count = 1 if q.dtype.itemsize <= 2 else 2
+        pairs = [(i, j) for i in range(q_count) for j in range(len(k_parts)) if i + j < 2]
+        kt = torch.cat([k_parts[j] for _, j in pairs], -1).t()
+    else:
+        kt = k.float().t()
     rows = max(1, _ROW_CHUNK_ELEMENTS // max(1, h * keys))
     for start in range(0, t, rows):
         stop = min(start + rows, t)
         end = keys if q_pos_host is None else min(keys, int(q_pos_host[start:stop].max()) + 1)
         if end <= 0:
             continue
-        qc = q[start:stop].float()
-        dots = torch.matmul(qc, kt[:, :end]).relu_()  # [rows, H, end]
+        if split:
+            q_parts = _tf32_parts(q[start:stop])
+            with _tf32():
+                dots = torch.matmul(torch.cat([q_parts[i] for i, _ in pairs], -1), kt[:, :end])
+        else:
+            dots = torch.matmul(q[start:stop].float(), kt[:, :end])
+        dots.relu_()  # [rows, H, end]
         wc = w[start:stop].float().unsqueeze(1)  # [rows, 1, H]
         chunk = torch.bmm(wc, dots).squeeze(1) * scale
         out[start:stop, :end] = chunk.masked_fill_(~causal_mask(q_pos[start:stop], end), -math.inf)
     return out
+
+
+def split_tf32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) with x == hi + lo exactly: hi is x with its 13 low mantissa bits cleared (a
+    TF32 number, which the tensor cores take without rounding), lo the fp32 remainder, below
+    2^-10 |x|. Non-finite x give a non-finite hi."""
+    hi = (x.contiguous().view(torch.int32) & _TF32_MASK).view(torch.float32)
+    return hi, x - hi
+
+
+def _tf32_parts(x: torch.Tensor) -> list[torch.Tensor]:
+    """x in fp32 as TF32 parts that sum to it: x itself where its dtype has no more mantissa
+    bits than TF32 (bf16, fp16, FP8), else `split_tf32`'s (hi, lo)."""
+    if x.dtype.itemsize <= 2:
+        return [x.float()]
+    return list(split_tf32(x.float()))
+
+
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 def fp8_scores(
