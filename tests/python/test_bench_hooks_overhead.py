@@ -54,7 +54,7 @@ def test_the_audit_names_a_disabled_capture_and_rows_a_forward_did_not_write(tmp
                 "settings": {"disabled_sites": {"indexer_shadow:1": "OutOfMemoryError: CUDA out of memory"}},
                 "tables": tables}  # fmt: skip
     (run / "manifest.json").write_text(json.dumps(manifest))
-    _, problems, _ = bench.audit(tmp_path, env, args, forwards=1)
+    _, problems, _, _ = bench.audit(tmp_path, env, args, forwards=1)
     assert problems == [
         "r0: capture indexer_shadow:1 disabled: OutOfMemoryError: CUDA out of memory",
         "r0: hook_errors = 1",

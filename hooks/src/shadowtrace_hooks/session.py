@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import __version__, config, selection, stats
+from shadowtrace_hooks import __version__, config, kernels, selection, shadow, stats
 from shadowtrace_hooks.transfer import Packet
 from shadowtrace_hooks.writer import ByteBudget, RunWriter
 
@@ -280,17 +280,18 @@ class Run:
         """Rows of one site: per token statistics for each shadow mode (or prod only), and
         the site's non-finite events. `prod` and the shadows are [T, N] in `rows` order."""
         seq, step = self.next_seq(), self.step
-        prod_counts = stats.counts_device(prod)
-        counts = {mode: stats.counts_device(s) for mode, s in shadows.items()}
+        failed_before = "row_stats" in kernels.failed
+        prod_counts, counts, hidden, how = stats.site_device(prod, shadows, rows.device_index)
+        shadow.record_kernel(self, "hidden_stats", how)
+        if not failed_before and "row_stats" in kernels.failed:
+            self.count("hidden_stats_kernel_failed")
         event_mode = "local" if "local" in shadows else next(iter(shadows), None)
         finite = None if event_mode is None else counts[event_mode].sum(0) == 0
         events = self.add(stats.events_device(prod, prod_counts, finite))
         slots = {}
         if rows.count:
-            for mode, shadow in (shadows or {None: None}).items():
-                slots[mode] = self.add(
-                    stats.hidden_device(prod, prod_counts, shadow, counts.get(mode), rows.device_index)
-                )
+            for mode, statistics in hidden.items():
+                slots[mode] = self.add(statistics)
         numel = prod.shape[-1]
         where = {"seq": seq, "step": step, "layer": layer, "site": site}
 

@@ -12,6 +12,9 @@ own router and dispatch (the layer's code runs; only the experts' matmuls are sw
 shadow-precision ones that follow the experts module's eager definition). Upcasting the
 bank would need the whole bank again in fp32 (38 GB per layer at GLM-5's widths).
 
+`indexer_scores` scores the indexer's shadow: Triton's kernel on CUDA (shadowtrace_hooks.kernels),
+torch's product elsewhere, recording in the run's settings which one ran and why.
+
 `hooks_suspended` keeps every forward hook of a module tree (the user's, transformers'
 output recorders, ours) from firing during the shadow re-run, which must be invisible to
 everything but the tracer. `full_fp32` keeps TF32 out of fp32 shadow matmuls whatever the
@@ -25,6 +28,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from shadowtrace_hooks import kernels, numerics
 
 _UPCASTABLE = (torch.bfloat16, torch.float16)
 # nn.Module's per-instance hook registries: emptied for the shadow call, restored after.
@@ -218,3 +223,43 @@ def hooks_suspended(
 def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller)."""
     return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+
+def indexer_scores(
+    run: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    q_pos: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    q_pos_host: Any = None,
+) -> torch.Tensor:
+    """The shadow's indexer scores [T, S], `numerics.index_scores`'s definition. On CUDA,
+    Triton's kernel with three TF32 products per dot product (`kernels.index_scores`); where
+    it cannot run, torch's product, split the same way on CUDA ("3xtf32") and plain fp32 on
+    the CPU. Which one ran goes into the run's manifest (`settings.shadow_indexer_scores`,
+    with the reason the kernel was passed over). A kernel that raises is counted
+    (`indexer_scores_kernel_failed`) and not asked again in this process."""
+    if q.is_cuda:
+        reason = kernels.unavailable("index_scores", q)
+        if reason is None:
+            try:
+                out = kernels.index_scores(q, k, w, q_pos, softmax_scale, precision="tf32x3")
+            except Exception as e:  # a compile or launch failure: torch scores from now on
+                reason = kernels.note_failure("index_scores", e)
+                run.count("indexer_scores_kernel_failed")
+            else:
+                record_kernel(run, "shadow_indexer_scores", "triton tf32x3")
+                return out
+        record_kernel(run, "shadow_indexer_scores", f"torch 3xtf32 ({reason})")
+        return numerics.index_scores(q, k, w, q_pos, softmax_scale, q_pos_host=q_pos_host, matmul="3xtf32")
+    record_kernel(run, "shadow_indexer_scores", "torch ieee")
+    return numerics.index_scores(q, k, w, q_pos, softmax_scale, q_pos_host=q_pos_host)
+
+
+def record_kernel(run: Any, setting: str, how: str) -> None:
+    """Names in the run's manifest settings what computed `setting`'s numbers."""
+    settings = run.writer.manifest["settings"]
+    if settings.get(setting) != how:
+        settings[setting] = how

@@ -5,7 +5,8 @@ for one copy to the host (shadowtrace_hooks.transfer); the host turns them into 
 
 Definitions are the columns' docs in schemas/v1/hidden.json, events.json and logits.json.
 `hidden_columns`, `nonfinite_events`, `indexer_events` and `logits_columns` compute the same
-on the host in one call, for tests and callers off the forward's path.
+on the host in one call, for tests and callers off the forward's path. On CUDA,
+`site_device` computes a site's counts and statistics in one Triton pass per shadow mode.
 """
 
 import math
@@ -13,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+from shadowtrace_hooks import kernels
 from shadowtrace_hooks.numerics import Lists
 
 KINDS = ("nan", "pos_inf", "neg_inf")
@@ -62,21 +64,71 @@ def hidden_device(
         if tokens is not None:
             shadow, shadow_counts = shadow.index_select(0, tokens), shadow_counts.index_select(1, tokens)
         s, sc = _finite_float(shadow), shadow_counts
-        s_l2 = torch.linalg.vector_norm(s, dim=-1)
         diff = p - s
-        diff_norm = torch.linalg.vector_norm(diff, dim=-1)
-        # Against a zero shadow: 0 when prod is zero too, +inf otherwise (never 0/0 = NaN,
-        # which reads as a non-finite vector).
-        against_zero = torch.where(diff_norm > 0, math.inf, 0.0)
-        rel = torch.where(s_l2 != 0, diff_norm / s_l2, against_zero)
-        cosine = (p * s).sum(-1) / (p_l2 * s_l2)
-        max_diff = torch.linalg.vector_norm(diff, ord=math.inf, dim=-1)
-        # Non-finite anywhere in either vector makes the comparison NaN, as the docs say.
-        bad = (pc.sum(0) + sc.sum(0)) > 0
-        nan = torch.full_like(rel, math.nan)
-        out += [*sc.float(), torch.linalg.vector_norm(s, ord=math.inf, dim=-1), s_l2]
-        out += [torch.where(bad, nan, v) for v in (rel, cosine, max_diff)]
+        out += _compared(
+            pc, p_l2, sc, torch.linalg.vector_norm(s, ord=math.inf, dim=-1),
+            torch.linalg.vector_norm(s, dim=-1), torch.linalg.vector_norm(diff, dim=-1),
+            (p * s).sum(-1), torch.linalg.vector_norm(diff, ord=math.inf, dim=-1),
+        )  # fmt: skip
     return torch.stack(out)
+
+
+def _compared(
+    pc: torch.Tensor, p_l2: torch.Tensor, sc: torch.Tensor, s_max: torch.Tensor, s_l2: torch.Tensor,
+    diff_norm: torch.Tensor, dot: torch.Tensor, max_diff: torch.Tensor,
+) -> list[torch.Tensor]:  # fmt: skip
+    """The shadow's rows of `hidden_device` from each row's norms and sums."""
+    # Against a zero shadow: 0 when prod is zero too, +inf otherwise (never 0/0 = NaN,
+    # which reads as a non-finite vector).
+    against_zero = torch.where(diff_norm > 0, math.inf, 0.0)
+    rel = torch.where(s_l2 != 0, diff_norm / s_l2, against_zero)
+    cosine = dot / (p_l2 * s_l2)
+    # Non-finite anywhere in either vector makes the comparison NaN, as the docs say.
+    bad = (pc.sum(0) + sc.sum(0)) > 0
+    nan = torch.full_like(rel, math.nan)
+    return [*sc.float(), s_max, s_l2] + [torch.where(bad, nan, v) for v in (rel, cosine, max_diff)]
+
+
+def site_device(
+    prod: torch.Tensor, shadows: dict[str, torch.Tensor], tokens: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str | None, torch.Tensor], str]:
+    """One hidden site's device work: prod's `counts_device`, each shadow mode's, the
+    `hidden_device` statistics of rows `tokens` per mode (key None: prod alone, when there
+    is no shadow) and what computed them: on CUDA one pass of Triton's `kernels.row_stats`
+    per mode ("triton"), else torch's ops ("torch", with the reason)."""
+    reason = kernels.unavailable("row_stats", prod)
+    if reason is None:
+        try:
+            return (*_site_kernel(prod, shadows, tokens), "triton")
+        except Exception as e:  # a compile or launch failure: torch's ops from now on
+            reason = kernels.note_failure("row_stats", e)
+    prod_counts = counts_device(prod)
+    counts = {mode: counts_device(s) for mode, s in shadows.items()}
+    hidden: dict[str | None, torch.Tensor] = {}
+    for mode, shadow in (shadows or {None: None}).items():
+        hidden[mode] = hidden_device(prod, prod_counts, shadow, counts.get(mode), tokens)
+    return prod_counts, counts, hidden, f"torch ({reason})"
+
+
+def _site_kernel(
+    prod: torch.Tensor, shadows: dict[str, torch.Tensor], tokens: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str | None, torch.Tensor]]:
+    prod = prod.detach()
+    sums = {mode: kernels.row_stats(prod, s.detach()) for mode, s in shadows.items()} or {
+        None: kernels.row_stats(prod)
+    }
+    first = next(iter(sums.values()))
+    prod_counts = first[:3].to(torch.int32)
+    counts = {mode: sums[mode][5:8].to(torch.int32) for mode in shadows}
+    hidden = {}
+    for mode, r in sums.items():
+        if tokens is not None:
+            r = r.index_select(1, tokens)
+        out = [r[0], r[1], r[2], r[3], r[4].sqrt()]
+        if mode is not None:
+            out += _compared(r[0:3], out[4], r[5:8], r[8], r[9].sqrt(), r[10].sqrt(), r[11], r[12])
+        hidden[mode] = torch.stack(out)
+    return prod_counts, counts, hidden
 
 
 def hidden_from_host(stats: np.ndarray, numel: int) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import numerics, rope, session
+from shadowtrace_hooks import numerics, rope, session, shadow
 from shadowtrace_hooks.rope import IndexerRope
 from shadowtrace_hooks.session import Run, Session
 
@@ -264,7 +264,9 @@ class EngineTracer:
             shadows: dict[str, torch.Tensor] = {}
             if s.precision is not None and req.prefix == 0:
                 if call.raw is not None:
-                    scores = self.sess.guarded(f"{self.name}:shadow_raw", run, self._raw, call, rows, q_pos)
+                    scores = self.sess.guarded(
+                        f"{self.name}:shadow_raw", run, self._raw, run, call, rows, q_pos
+                    )
                     if scores is not None:
                         shadows["raw"] = scores
                 if call.fp8 is not None:
@@ -278,11 +280,11 @@ class EngineTracer:
             run.topk(call.layer, call.layer, call.k, positions, q_pos, call.prod_topk[rows], None, shadows)
             run.ship()
 
-    def _raw(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
+    def _raw(self, run: Run, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
         """The raw shadow's scores [T, T]: the fp32 recompute from pre-quantization inputs."""
         assert call.raw is not None
         q, k, w = raw_qkw(call.raw, rows)
-        return numerics.index_scores(q, k, w, q_pos)
+        return shadow.indexer_scores(run, q, k, w, q_pos)
 
     def _dequant(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
         """The dequant shadow's scores [T, T]: production's own FP8 operands scored in fp32."""

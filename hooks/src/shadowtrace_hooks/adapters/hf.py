@@ -692,8 +692,8 @@ class _Tracer:
                     continue
                 keys = run.state.setdefault(("indexer_shadow_keys", layer), [])
                 keys.append(k[b])
-                out[b] = numerics.index_scores(
-                    q[b], torch.cat(keys), w[b], step.positions[b], q_pos_host=step.positions_host[b]
+                out[b] = shadow.indexer_scores(
+                    run, q[b], torch.cat(keys), w[b], step.positions[b], q_pos_host=step.positions_host[b]
                 )
         return out
 

@@ -161,7 +161,9 @@ class DeepseekV4Tracer(GenericTracer):
                 cos, sin = module.rotary_emb.forward(q[b], positions, layer_type=module.rope_layer_type)
                 q_rot = self.rope(q[b][None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
                 visible = torch.div(step.positions[b] + 1, ratio, rounding_mode="floor")
-                scores = numerics.index_scores(q_rot, keys, w[b], visible - 1, module.scorer.softmax_scale)
+                scores = shadow.indexer_scores(
+                    run, q_rot, keys, w[b], visible - 1, module.scorer.softmax_scale
+                )
                 out[b] = scores
         return out
 

@@ -159,9 +159,7 @@ class Glm5NextTracer(GenericTracer):
             logits = g_all[: n * pool].view(n, pool, -1) + ape
             pooled = (logits.softmax(dim=1) * k_all[: n * pool].view(n, pool, -1)).sum(dim=1)
             visible = torch.div(step.positions[b] + 1, pool, rounding_mode="floor")
-            scores = numerics.index_scores(
-                q[b], pooled, w[b], visible - 1, softmax_scale=module.softmax_scale
-            )
+            scores = shadow.indexer_scores(run, q[b], pooled, w[b], visible - 1, module.softmax_scale)
             out[b] = scores
         return out
 

@@ -1,0 +1,241 @@
+"""Triton kernels for the shadow's device work where torch's ops cost too much at production
+width. Each computes what a function of `numerics` defines, and is tested against it and
+against an fp64 recomputation (tests/python/test_hooks_kernels.py runs them in Triton's CPU
+interpreter; tests/gpu/kernels_h200.py on the GPU).
+
+- `index_scores`: the indexer's scores, `numerics.index_scores` in one kernel. torch's path
+  writes and reads the [rows, H, S] fp32 products; this one keeps each tile's products in
+  registers, summing w[t,h] * relu(q[t,h] . k[s]) over the heads, and skips the tiles the
+  causal mask hides.
+- `row_stats`: a site's per-row statistics (`stats.counts_device` and `stats.hidden_device`'s
+  sums) in one pass over prod and shadow, where torch's ops take a dozen.
+
+Triton is imported when a kernel is first asked for, never at the hooks' import: a process
+that does not trace, or traces on the CPU, never loads it.
+"""
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+# (query rows, keys) per tile, warps, pipeline stages: a tile's fp32 accumulators and its K
+# tile [D, keys] stay in registers while the heads' q tiles stream through.
+SCORES_LAUNCH = (64, 64, 4, 2)
+PRECISIONS = ("ieee", "tf32x3")
+
+
+# Kernels that raised in this process, with why: callers use torch's ops for them from then on.
+failed: dict[str, str] = {}
+
+
+def unavailable(name: str, x: torch.Tensor) -> str | None:
+    """Why kernel `name` ("index_scores", "row_stats") will not run on x (None when it will):
+    it raised before in this process, x is not on CUDA (or Triton's CPU interpreter is off),
+    or Triton is absent; for "index_scores", a head size (x's last) that is not a power of two
+    >= 16."""
+    if name in failed:
+        return failed[name]
+    d = x.shape[-1]
+    if name == "index_scores" and (d < 16 or d & (d - 1)):
+        return f"head size {d} is not a power of two >= 16"
+    if not x.is_cuda and not _interpreted():
+        return f"device {x.device.type} (Triton runs on CUDA)"
+    if _triton() is None:
+        return "triton is not installed"
+    return None
+
+
+def note_failure(name: str, error: Exception) -> str:
+    """Records that kernel `name` raised `error`; returns the reason `unavailable` gives from now on."""
+    failed[name] = f"the kernel raised {type(error).__name__}: {str(error)[:160]}"
+    return failed[name]
+
+
+def index_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    q_pos: torch.Tensor,
+    softmax_scale: float | None = None,
+    *,
+    precision: str = "tf32x3",
+) -> torch.Tensor:
+    """fp32 scores [T, S], -inf where masked, from q [T,H,D], k [S,D], w [T,H], query t seeing
+    keys s <= q_pos[t]: `numerics.index_scores`'s definition. The products are Triton's
+    `tl.dot` at `precision`: "ieee" (fp32 FMA) or "tf32x3" (three TF32 products, within
+    `numerics.SPLIT_TF32_ERROR` of sum |q_i k_i|); heads are summed in order, in fp32."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"kernels.index_scores: precision {precision!r}, expected one of {PRECISIONS}")
+    reason = unavailable("index_scores", q)
+    if reason is not None:
+        raise RuntimeError(f"kernels.index_scores: {reason}")
+    t, h, d = q.shape
+    s = k.shape[0]
+    if tuple(k.shape) != (s, d) or tuple(w.shape) != (t, h) or tuple(q_pos.shape) != (t,):
+        raise ValueError(
+            f"kernels.index_scores: q {tuple(q.shape)}, k {tuple(k.shape)}, w {tuple(w.shape)}, "
+            f"q_pos {tuple(q_pos.shape)}; expected k [S, {d}], w [{t}, {h}], q_pos [{t}]"
+        )
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    q, k, w = q.float().contiguous(), k.float().contiguous(), w.float().contiguous()
+    q_pos = q_pos.to(torch.int64).contiguous()
+    out = torch.empty(t, s, dtype=torch.float32, device=q.device)
+    if t and s:
+        launch_scores(q, k, w, q_pos, out, scale, precision, *SCORES_LAUNCH)
+    return out
+
+
+ROW_STATS = ("nan", "pos_inf", "neg_inf", "max_abs", "sum_sq")
+ROW_PAIR_STATS = ("diff_sum_sq", "dot", "max_abs_diff")
+_ROW_BLOCK = 1024
+
+
+def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tensor:
+    """[C, T] fp32 per row of x [T, N]: `ROW_STATS` of x,
+    then with `shadow` [T, N] the same of the shadow and `ROW_PAIR_STATS` of the two. Counts
+    are of NaN, +Inf and -Inf elements (exact below 2^24 per row); every other statistic is
+    over the values with non-finite elements read as 0, summed in fp32."""
+    if x.dim() != 2 or not x.is_floating_point() or (shadow is not None and shadow.shape != x.shape):
+        got = None if shadow is None else tuple(shadow.shape)
+        raise ValueError(
+            f"kernels.row_stats: x {tuple(x.shape)} {x.dtype}, shadow {got}: "
+            "expected a floating [T, N] x and a shadow of its shape"
+        )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if shadow is not None and shadow.stride(-1) != 1:
+        shadow = shadow.contiguous()
+    t, n = x.shape
+    c = len(ROW_STATS) * (1 if shadow is None else 2) + (0 if shadow is None else len(ROW_PAIR_STATS))
+    out = torch.empty(c, t, dtype=torch.float32, device=x.device)
+    if t:
+        s = x if shadow is None else shadow
+        _row_kernel()[(t,)](
+            x, s, out, t, x.stride(0), s.stride(0), N=n, HAS_SHADOW=shadow is not None, BLOCK=_ROW_BLOCK
+        )
+    return out
+
+
+def launch_scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor, out: torch.Tensor,
+    scale: float, precision: str, block_t: int, block_s: int, warps: int, stages: int,
+) -> None:  # fmt: skip
+    """One launch of the scores kernel on contiguous fp32 q, k, w, int64 q_pos and `out`, at
+    a tile shape and schedule of the caller's (tests/gpu/kernels_h200.py compares them)."""
+    t, h, d = q.shape
+    s = k.shape[0]
+    grid = (-(-t // block_t), -(-s // block_s))
+    _kernel()[grid](
+        q, k, w, q_pos, out, t, s, scale, H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton() -> Any:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton
+
+
+@functools.cache
+def _kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def scores_kernel(q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, T, S, scale,
+                      H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                      PRECISION: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        keys = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        dims = tl.arange(0, D)
+        row_ok = rows < T
+        key_ok = keys < S
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+        visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+        acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=tl.float32)
+        # a tile the causal mask hides whole takes no products
+        if tl.program_id(1) * BLOCK_S <= tl.max(pos, axis=0):
+            kt = tl.load(
+                k_ptr + keys[None, :].to(tl.int64) * D + dims[:, None], mask=key_ok[None, :], other=0.0
+            )
+            for head in range(H):
+                qh = tl.load(
+                    q_ptr + (rows[:, None].to(tl.int64) * H + head) * D + dims[None, :],
+                    mask=row_ok[:, None], other=0.0,
+                )  # fmt: skip
+                dots = tl.dot(qh, kt, input_precision=PRECISION)
+                # relu that keeps NaN, as torch's does (max(NaN, 0) would drop it)
+                dots = tl.where(dots < 0, 0.0, dots)
+                wh = tl.load(w_ptr + rows * H + head, mask=row_ok, other=0.0)
+                acc += wh[:, None] * dots
+        out = out_ptr + rows[:, None].to(tl.int64) * S + keys[None, :]
+        tl.store(out, tl.where(visible, acc * scale, float("-inf")), mask=row_ok[:, None] & key_ok[None, :])
+
+    return scores_kernel
+
+
+@functools.cache
+def _row_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def row_kernel(x_ptr, s_ptr, out_ptr, T, stride_x, stride_s,
+                   N: tl.constexpr, HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        zero_i = tl.zeros([BLOCK], dtype=tl.int32)
+        zero_f = tl.zeros([BLOCK], dtype=tl.float32)
+        nan, pos, neg, top, sq = zero_i, zero_i, zero_i, zero_f, zero_f
+        s_nan, s_pos, s_neg, s_top, s_sq = zero_i, zero_i, zero_i, zero_f, zero_f
+        d_sq, dot, d_top = zero_f, zero_f, zero_f
+        for start in range(0, N, BLOCK):
+            col = start + cols
+            ok = col < N
+            x = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+            x_nan, x_pos, x_neg = x != x, x == float("inf"), x == float("-inf")
+            nan += x_nan.to(tl.int32)
+            pos += x_pos.to(tl.int32)
+            neg += x_neg.to(tl.int32)
+            x = tl.where(x_nan | x_pos | x_neg, 0.0, x)
+            top = tl.maximum(top, tl.abs(x))
+            sq += x * x
+            if HAS_SHADOW:
+                y = tl.load(s_ptr + row.to(tl.int64) * stride_s + col, mask=ok, other=0.0).to(tl.float32)
+                y_nan, y_pos, y_neg = y != y, y == float("inf"), y == float("-inf")
+                s_nan += y_nan.to(tl.int32)
+                s_pos += y_pos.to(tl.int32)
+                s_neg += y_neg.to(tl.int32)
+                y = tl.where(y_nan | y_pos | y_neg, 0.0, y)
+                s_top = tl.maximum(s_top, tl.abs(y))
+                s_sq += y * y
+                diff = x - y
+                d_sq += diff * diff
+                dot += x * y
+                d_top = tl.maximum(d_top, tl.abs(diff))
+        out = out_ptr + row
+        tl.store(out, tl.sum(nan, axis=0).to(tl.float32))
+        tl.store(out + T, tl.sum(pos, axis=0).to(tl.float32))
+        tl.store(out + 2 * T, tl.sum(neg, axis=0).to(tl.float32))
+        tl.store(out + 3 * T, tl.max(top, axis=0))
+        tl.store(out + 4 * T, tl.sum(sq, axis=0))
+        if HAS_SHADOW:
+            tl.store(out + 5 * T, tl.sum(s_nan, axis=0).to(tl.float32))
+            tl.store(out + 6 * T, tl.sum(s_pos, axis=0).to(tl.float32))
+            tl.store(out + 7 * T, tl.sum(s_neg, axis=0).to(tl.float32))
+            tl.store(out + 8 * T, tl.max(s_top, axis=0))
+            tl.store(out + 9 * T, tl.sum(s_sq, axis=0))
+            tl.store(out + 10 * T, tl.sum(d_sq, axis=0))
+            tl.store(out + 11 * T, tl.sum(dot, axis=0))
+            tl.store(out + 12 * T, tl.max(d_top, axis=0))
+
+    return row_kernel

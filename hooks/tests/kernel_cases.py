@@ -1,0 +1,116 @@
+"""The Triton kernels (shadowtrace_hooks.kernels) against torch's ops and an fp64
+recomputation in Triton's CPU interpreter: the kernels' own code, tile loops, masks and
+reductions, run on the CPU. Triton must be imported with TRITON_INTERPRET=1 already set, so
+test_kernels.py runs this file in a process of its own; it is not collected on its own."""
+
+import math
+import os
+
+import pytest
+import torch
+from shadowtrace_hooks import kernels, numerics, stats
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run by test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
+pytest.importorskip("triton")
+
+
+def _fp64_scores(q, k, w, q_pos, scale):
+    dots = torch.einsum("thd,sd->ths", q.double(), k.double())
+    ref = torch.einsum("th,ths->ts", w.double(), dots.relu()) * scale
+    mag = torch.einsum(
+        "th,ths->ts", w.double().abs(), torch.einsum("thd,sd->ths", q.double().abs(), k.double().abs())
+    )
+    visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    return ref.masked_fill(~visible, -math.inf), mag * scale, visible
+
+
+def _operands(t: int, s: int, h: int = 4, d: int = 32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=gen)
+    k = torch.randn(s, d, generator=gen)
+    w = torch.randn(t, h, generator=gen)
+    # a chunk of queries after a cached prefix: query t sees keys up to s - t + its row
+    q_pos = torch.arange(s - t, s)
+    return q, k, w, q_pos
+
+
+def test_the_scores_kernel_is_within_the_split_bound_of_fp64_and_masks_exactly():
+    q, k, w, q_pos = _operands(t=90, s=150)
+    got = kernels.index_scores(q, k, w, q_pos, softmax_scale=0.25)
+    ref, mag, visible = _fp64_scores(q, k, w, q_pos, 0.25)
+    assert torch.equal(torch.isneginf(got), ~visible)
+    err = ((got.double() - ref).abs() / mag)[visible].max().item()
+    assert 0 < err <= numerics.SPLIT_TF32_ERROR
+
+
+def test_the_scores_kernel_keeps_nan_where_torch_does():
+    q, k, w, q_pos = _operands(t=70, s=70, seed=1)
+    q[5, 2, 7] = math.nan
+    k[3, 0] = math.nan
+    got = kernels.index_scores(q, k, w, q_pos)
+    want = numerics.index_scores(q, k, w, q_pos)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got.isnan().any()
+
+
+def test_the_torch_split_product_is_within_the_split_bound_of_fp64():
+    q, k, w, q_pos = _operands(t=40, s=100, d=128, seed=2)
+    for q_in in (q, q.bfloat16()):
+        got = numerics.index_scores(q_in, k, w, q_pos, matmul="3xtf32")
+        ref, mag, visible = _fp64_scores(q_in.float(), k, w, q_pos, 128**-0.5)
+        assert torch.equal(torch.isneginf(got), ~visible)
+        assert ((got.double() - ref).abs() / mag)[visible].max().item() <= numerics.SPLIT_TF32_ERROR
+
+
+def _hidden_pair(t: int = 37, n: int = 2500):
+    gen = torch.Generator().manual_seed(3)
+    prod = torch.randn(t, n, generator=gen).bfloat16()
+    shade = (prod.float() + 0.01 * torch.randn(t, n, generator=gen)).bfloat16()
+    prod[1, 5], prod[2, 7], prod[2, 8], prod[4, 0] = math.nan, math.inf, -math.inf, math.inf
+    shade[3, 9] = math.nan
+    return prod, shade
+
+
+def test_the_row_kernel_counts_exactly_and_sums_as_torch_does():
+    prod, shade = _hidden_pair()
+    got = kernels.row_stats(prod, shade)
+    pc, sc = stats.counts_device(prod), stats.counts_device(shade)
+    assert torch.equal(got[0:3], pc.float())
+    assert torch.equal(got[5:8], sc.float())
+    want = stats.hidden_device(prod, pc, shade, sc, None)
+    assert torch.equal(got[3], want[3])
+    assert torch.equal(got[8], want[8])
+    torch.testing.assert_close(got[4].sqrt(), want[4], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got[9].sqrt(), want[9], rtol=1e-6, atol=0)
+    assert kernels.row_stats(prod).shape == (5, prod.shape[0])
+
+
+def test_a_site_through_the_kernel_gives_torchs_statistics():
+    prod, shade = _hidden_pair()
+    tokens = torch.tensor([0, 2, 3, 20, 36])
+    pc, counts, hidden, how = stats.site_device(prod, {"local": shade}, tokens)
+    assert how == "triton"
+    want = stats.hidden_device(prod, stats.counts_device(prod), shade, stats.counts_device(shade), tokens)
+    assert torch.equal(pc, stats.counts_device(prod))
+    assert torch.equal(counts["local"], stats.counts_device(shade))
+    got = hidden["local"]
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
+    _, _, alone, _ = stats.site_device(prod, {}, None)
+    torch.testing.assert_close(
+        alone[None], stats.hidden_device(prod, pc, None, None, None), rtol=1e-6, atol=0
+    )
+
+
+def test_a_kernel_that_raises_is_passed_over_from_then_on_and_named(monkeypatch):
+    def broken():
+        raise RuntimeError("no such tile")
+
+    monkeypatch.setattr(kernels, "_row_kernel", broken)
+    monkeypatch.setattr(kernels, "failed", {})
+    prod, shade = _hidden_pair()
+    for _ in range(2):
+        *_, how = stats.site_device(prod, {"local": shade}, None)
+        assert how == "torch (the kernel raised RuntimeError: no such tile)"
+    assert kernels.unavailable("row_stats", prod) == "the kernel raised RuntimeError: no such tile"
