@@ -23,8 +23,10 @@ set, VmHWM); the bytes each traced forward wrote; and what tracing did not do: d
 captures with their reason, dropped rows, shadows that did not run. Exits 1 when any
 capture was disabled, a row was dropped, a run was not complete or wrote fewer rows than
 the model's layers, sites and tokens call for (work that was claimed and skipped). Prints
-the bytes written per layer and 1k tokens, what fell back to a slower path (production's
-indexer scores recomputed because their capture failed), and issue 15's goals, each met or
+the bytes written per layer and 1k tokens, what computed the statistics and the shadow's
+indexer scores (a Triton kernel or torch's ops, from the manifests), what fell back to a
+slower path (production's indexer scores recomputed because their capture failed, a kernel
+that raised), and issue 15's goals, each met or
 missed: installed and off <= 1.01x, capture only <= 1.05x, On <= 1.15x, and issue 14's
 volume goal (default settings, 8192 tokens: <= 1 MB per layer). Goals do not set the exit
 status; skipped work does.
@@ -68,7 +70,9 @@ GOALS = (("installed, SHADOWTRACE unset", 1.01), ("capture only (SHADOW=none)", 
          ("On (fp32 indexer shadow)", 1.15))  # fmt: skip
 VOLUME_ROW, VOLUME_GOAL, VOLUME_TOKENS = "fp32 local shadow", 1_000_000, 8192
 # counters that say a slower path ran instead of the one the row claims
-FALLBACKS = ("indexer_scores_recomputed",)
+FALLBACKS = ("indexer_scores_recomputed", "indexer_scores_kernel_failed", "hidden_stats_kernel_failed")
+# manifest settings that name what computed a row's numbers (a Triton kernel or torch's ops)
+KERNEL_SETTINGS = ("hidden_stats", "shadow_indexer_scores")
 
 
 def _rss(key: str) -> int:
@@ -142,11 +146,12 @@ def expected_rows(env: dict, layers: int, tokens: int) -> dict[str, int]:
 
 def audit(
     runs: Path, env: dict, args: argparse.Namespace, forwards: int
-) -> tuple[int, list[str], dict[str, int]]:
-    """Bytes the mode's runs hold, every way they fall short of what was timed, and the
-    fallbacks they took (counter totals)."""
+) -> tuple[int, list[str], dict[str, int], set[str]]:
+    """Bytes the mode's runs hold, every way they fall short of what was timed, the
+    fallbacks they took (counter totals) and what computed their numbers (`KERNEL_SETTINGS`)."""
     problems = []
     fallbacks: dict[str, int] = {}
+    computed: set[str] = set()
     manifests = sorted(runs.glob("*/manifest.json"))
     if len(manifests) != forwards:
         problems.append(f"{len(manifests)} runs for {forwards} forwards")
@@ -165,6 +170,7 @@ def audit(
                      "topk_scores_skipped_capture_failed"):  # fmt: skip
             if counters.get(name):
                 problems.append(f"{rid}: {name} = {counters[name]}")
+        computed.update(f"{k}: {m['settings'][k]}" for k in KERNEL_SETTINGS if k in m["settings"])
         for name in FALLBACKS:
             if counters.get(name):
                 fallbacks[name] = fallbacks.get(name, 0) + counters[name]
@@ -172,7 +178,7 @@ def audit(
             got = m["tables"][table]["rows"]
             if got < n:
                 problems.append(f"{rid}: {table} has {got} rows, the forward calls for {n}")
-    return size, problems, fallbacks
+    return size, problems, fallbacks, computed
 
 
 def main() -> int:
@@ -219,7 +225,7 @@ def main() -> int:
             if env and env.get("SHADOWTRACE"):
                 audits[name] = audit(runs, env, args, results[name]["forwards"])
             elif env is not None and runs.exists():
-                audits[name] = (0, [f"SHADOWTRACE unset wrote {runs}"], {})
+                audits[name] = (0, [f"SHADOWTRACE unset wrote {runs}"], {}, set())
     first = results["unhooked"]
     print(
         f"GLM-5 widths{' (tiny)' if args.tiny else ''}, {args.layers} layers (first dense), "
@@ -235,7 +241,7 @@ def main() -> int:
         median = statistics.median(r["seconds"])
         ratios[name] = median / base_time
         extra = (r["peak"] - first["peak"]) / 2**20
-        size, problems, fallbacks = audits.get(name, (0, [], {}))
+        size, problems, fallbacks, computed = audits.get(name, (0, [], {}, set()))
         written, rate = f"{'-':>15}", f"{'-':>17}"
         if name in audits:
             per_forward = size / r["forwards"]
@@ -245,6 +251,8 @@ def main() -> int:
         print(f"  {name:30} {median:9.3f} {ratios[name]:6.3f}x {extra:9.1f} MiB {written} {rate}")
         for counter, n in fallbacks.items():
             print(f"      FALLBACK: {counter} = {n} (a slower path than the row claims)")
+        for how in sorted(computed):
+            print(f"      computed by {how}")
         for p in problems:
             print(f"      NOT DONE: {p}")
         failed = failed or bool(problems)

@@ -1,0 +1,184 @@
+"""The hooks' device work at GLM-5 shapes, op by op, beside the candidates that could replace
+it: what each costs on the GPU (CUDA events, median of repeats) and, for the indexer scores,
+how far each is from an fp64 recomputation. One process, one run, side by side.
+
+usage: python tests/gpu/kernels_h200.py [--tokens 8192] [--repeat 5]
+
+Rows:
+- scores: `numerics.index_scores` as the shadow runs it (fp32, TF32 off) against the same
+  product as three TF32 products (`numerics.index_scores(..., matmul="3xtf32")`), with the
+  largest error over 64 rows relative to sum_h |w| sum_i |q k| D^-0.5 (fp64) and the top-2048
+  Jaccard of each against the fp64 top-k;
+- counts: `stats.counts_device` on a bf16 hidden [T, 6144] and on fp32 scores [T, T];
+- hidden: `stats.hidden_device` for prod and one shadow, beside Triton's one-pass
+  `kernels.row_stats` and `stats.site_device`, which uses it on CUDA;
+- compare: `selection.compare` with production's scores and values, a shadow and a band.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+from shadowtrace_hooks import kernels, numerics, selection, shadow, stats
+from shadowtrace_hooks.transfer import Packet
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor, keys: int) -> float:
+    ma = torch.zeros(a.shape[0], keys, dtype=torch.bool, device=a.device).scatter_(1, a, True)
+    mb = torch.zeros_like(ma).scatter_(1, b, True)
+    return float((ma & mb).sum() / (ma | mb).sum())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    t, h, d, hidden, k = args.tokens, 32, 128, 6144, 2048
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(t, h, d, device=dev, generator=gen).bfloat16().float()
+    keys = torch.randn(t, d, device=dev, generator=gen).bfloat16().float()
+    w = torch.randn(t, h, device=dev, generator=gen) * h**-0.5
+    pos = torch.arange(t, device=dev)
+    pos_host = pos.cpu().numpy()
+    rows: dict[str, float] = {}
+    with shadow.full_fp32():
+        fp32 = numerics.index_scores(q, keys, w, pos, q_pos_host=pos_host)
+        rows["scores fp32 (ieee) ms"] = timed(
+            lambda: numerics.index_scores(q, keys, w, pos, q_pos_host=pos_host), args.repeat
+        )
+        split = numerics.index_scores(q, keys, w, pos, q_pos_host=pos_host, matmul="3xtf32")
+        rows["scores 3xtf32 ms"] = timed(
+            lambda: numerics.index_scores(q, keys, w, pos, q_pos_host=pos_host, matmul="3xtf32"), args.repeat
+        )
+    qc, kc, wc = q.contiguous(), keys.contiguous(), w.contiguous()
+    out = torch.empty(t, t, device=dev)
+    triton_rows = {}
+    for launch in ((64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+                   (64, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 2)):  # fmt: skip
+        try:
+            triton_rows[launch] = timed(
+                lambda launch=launch: kernels.launch_scores(qc, kc, wc, pos, out, d**-0.5, "tf32x3", *launch),
+                args.repeat,
+            )
+        except Exception as exc:  # a tile shape this GPU cannot hold
+            print(f"launch {launch}: {type(exc).__name__}: {str(exc)[:200]}")
+    for launch, ms in sorted(triton_rows.items(), key=lambda kv: kv[1]):
+        rows[f"scores triton tf32x3 {launch} ms"] = ms
+    rows["scores triton default launch"] = str(kernels.SCORES_LAUNCH)
+    tri = kernels.index_scores(q, keys, w, pos)
+    tri_ieee = kernels.index_scores(q, keys, w, pos, precision="ieee")
+    rows["scores triton ieee (default launch) ms"] = timed(
+        lambda: kernels.index_scores(q, keys, w, pos, precision="ieee"), args.repeat
+    )
+    # fp64 oracle on 64 rows spread over the prompt
+    pick = torch.linspace(k, t - 1, 64, device=dev).long()
+    q64, k64, w64 = q[pick].double(), keys.double(), w[pick].double()
+    dots = torch.einsum("rhd,sd->rhs", q64, k64)
+    ref = torch.einsum("rh,rhs->rs", w64, dots.relu()) * d**-0.5
+    mag = torch.einsum("rh,rhs->rs", w64.abs(), torch.einsum("rhd,sd->rhs", q64.abs(), k64.abs())) * d**-0.5
+    visible = torch.arange(t, device=dev)[None, :] <= pick[:, None]
+    ref = ref.masked_fill(~visible, -math.inf)
+    for name, got in (
+        ("fp32 (ieee)", fp32),
+        ("3xtf32", split),
+        ("triton tf32x3", tri),
+        ("triton ieee", tri_ieee),
+    ):
+        err = ((got[pick].double() - ref).abs() / mag).masked_fill(~visible, 0).max()
+        rows[f"scores {name} max err / sum|wqk|"] = float(err)
+        rows[f"scores {name} top-{k} Jaccard vs fp64"] = jaccard(
+            got[pick].topk(k).indices, ref.topk(k).indices, t
+        )
+    top32 = fp32.topk(k).indices
+    rows["scores 3xtf32 vs fp32 top-k Jaccard, all rows"] = jaccard(top32, split.topk(k).indices, t)
+    rows["scores triton tf32x3 vs fp32 top-k Jaccard, all rows"] = jaccard(top32, tri.topk(k).indices, t)
+    rows["scores triton vs torch: same -inf"] = bool((torch.isinf(tri) == torch.isinf(fp32)).all())
+
+    x = torch.randn(t, hidden, device=dev, generator=gen).bfloat16()
+    xs = (x.float() + 1e-3 * torch.randn_like(x.float())).bfloat16()
+    rows["counts bf16 hidden ms"] = timed(lambda: stats.counts_device(x), args.repeat)
+    rows["counts fp32 scores ms"] = timed(lambda: stats.counts_device(fp32, pos + 1), args.repeat)
+    cx, cs = stats.counts_device(x), stats.counts_device(xs)
+    rows["hidden_device prod+shadow ms"] = timed(
+        lambda: stats.hidden_device(x, cx, xs, cs, None), args.repeat
+    )
+    rows["hidden_device prod ms"] = timed(lambda: stats.hidden_device(x, cx, None, None, None), args.repeat)
+    rows["events_device ms"] = timed(lambda: stats.events_device(x, cx, None), args.repeat)
+    rows["row_stats kernel prod+shadow ms"] = timed(lambda: kernels.row_stats(x, xs), args.repeat)
+    rows["row_stats kernel prod ms"] = timed(lambda: kernels.row_stats(x), args.repeat)
+    rows["site_device prod+shadow (kernel, all rows) ms"] = timed(
+        lambda: stats.site_device(x, {"local": xs}, None), args.repeat
+    )
+    rows["site_device prod (kernel) ms"] = timed(lambda: stats.site_device(x, {}, None), args.repeat)
+    _, _, by_kernel, how = stats.site_device(x, {"local": xs}, None)
+    want = stats.hidden_device(x, cx, xs, cs, None)
+    rows["site_device computed by"] = how
+    rows["site_device vs torch, largest relative difference"] = float(
+        ((by_kernel["local"] - want).abs() / want.abs().clamp(min=1e-30)).nan_to_num(0).max()
+    )
+
+    prod_top = fp32.topk(k)
+    rows["topk k=2048 over fp32 scores ms"] = timed(lambda: fp32.topk(k), args.repeat)
+
+    def compare():
+        packet = Packet()
+        selection.compare(
+            packet,
+            prod_top.indices,
+            pos,
+            t,
+            k,
+            prod_scores=fp32,
+            shadow_scores=split,
+            band=1e-3,
+            prod_top_values=prod_top.values,
+        )
+        return packet.ship()
+
+    rows["compare (with ship) ms"] = timed(compare, args.repeat)
+
+    def compare_prod():
+        packet = Packet()
+        selection.compare(
+            packet, prod_top.indices, pos, t, k, prod_scores=fp32, band=1e-3, prod_top_values=prod_top.values
+        )
+        return packet.ship()
+
+    rows["compare, production only (with ship) ms"] = timed(compare_prod, args.repeat)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        compare()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=50))
+    try:
+        import triton
+
+        rows["triton"] = triton.__version__
+    except ImportError as exc:
+        rows["triton"] = f"absent ({exc})"
+    print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
