@@ -63,6 +63,12 @@ def test_the_torch_split_product_is_within_the_split_bound_of_fp64():
         assert ((got.double() - ref).abs() / mag)[visible].max().item() <= numerics.SPLIT_TF32_ERROR
 
 
+def _counts(x: torch.Tensor) -> torch.Tensor:
+    """NaN, +Inf and -Inf per row by torch's comparisons (stats.counts_device itself runs the
+    kernel on CUDA and in the interpreter)."""
+    return torch.stack([x.isnan().sum(-1), (x == math.inf).sum(-1), (x == -math.inf).sum(-1)]).int()
+
+
 def _hidden_pair(t: int = 37, n: int = 2500):
     gen = torch.Generator().manual_seed(3)
     prod = torch.randn(t, n, generator=gen).bfloat16()
@@ -75,7 +81,7 @@ def _hidden_pair(t: int = 37, n: int = 2500):
 def test_the_row_kernel_counts_exactly_and_sums_as_torch_does():
     prod, shade = _hidden_pair()
     got = kernels.row_stats(prod, shade)
-    pc, sc = stats.counts_device(prod), stats.counts_device(shade)
+    pc, sc = _counts(prod), _counts(shade)
     assert torch.equal(got[0:3], pc.float())
     assert torch.equal(got[5:8], sc.float())
     want = stats.hidden_device(prod, pc, shade, sc, None)
@@ -91,9 +97,9 @@ def test_a_site_through_the_kernel_gives_torchs_statistics():
     tokens = torch.tensor([0, 2, 3, 20, 36])
     pc, counts, hidden, how = stats.site_device(prod, {"local": shade}, tokens)
     assert how == "triton"
-    want = stats.hidden_device(prod, stats.counts_device(prod), shade, stats.counts_device(shade), tokens)
-    assert torch.equal(pc, stats.counts_device(prod))
-    assert torch.equal(counts["local"], stats.counts_device(shade))
+    want = stats.hidden_device(prod, _counts(prod), shade, _counts(shade), tokens)
+    assert torch.equal(pc, _counts(prod))
+    assert torch.equal(counts["local"], _counts(shade))
     got = hidden["local"]
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
@@ -114,3 +120,14 @@ def test_a_kernel_that_raises_is_passed_over_from_then_on_and_named(monkeypatch)
         *_, how = stats.site_device(prod, {"local": shade}, None)
         assert how == "torch (the kernel raised RuntimeError: no such tile)"
     assert kernels.unavailable("row_stats", prod) == "the kernel raised RuntimeError: no such tile"
+
+
+def test_counts_through_the_kernel_leave_out_the_masked_tail():
+    prod, _ = _hidden_pair()
+    valid = torch.randint(1, prod.shape[1], (prod.shape[0],))
+    masked = prod.float().masked_fill(torch.arange(prod.shape[1])[None, :] >= valid[:, None], -math.inf)
+    masked[0, 0] = -math.inf  # a -inf score among the visible ones counts
+    want = torch.stack(
+        [_counts(masked[t : t + 1, : int(valid[t])])[:, 0] for t in range(masked.shape[0])], dim=1
+    )
+    assert torch.equal(stats.counts_device(masked, valid), want)

@@ -70,7 +70,11 @@ GOALS = (("installed, SHADOWTRACE unset", 1.01), ("capture only (SHADOW=none)", 
          ("On (fp32 indexer shadow)", 1.15))  # fmt: skip
 VOLUME_ROW, VOLUME_GOAL, VOLUME_TOKENS = "fp32 local shadow", 1_000_000, 8192
 # counters that say a slower path ran instead of the one the row claims
-FALLBACKS = ("indexer_scores_recomputed", "indexer_scores_kernel_failed", "hidden_stats_kernel_failed")
+FALLBACKS = (
+    "indexer_scores_recomputed",
+    "process.kernel_failed.index_scores",
+    "process.kernel_failed.row_stats",
+)
 # manifest settings that name what computed a row's numbers (a Triton kernel or torch's ops)
 KERNEL_SETTINGS = ("hidden_stats", "shadow_indexer_scores")
 

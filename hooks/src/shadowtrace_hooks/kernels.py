@@ -26,7 +26,8 @@ SCORES_LAUNCH = (64, 64, 4, 2)
 PRECISIONS = ("ieee", "tf32x3")
 
 
-# Kernels that raised in this process, with why: callers use torch's ops for them from then on.
+# Kernels that raised in this process, with why: callers use torch's ops for them from then on,
+# and every run closed after counts them (process.kernel_failed.<name>).
 failed: dict[str, str] = {}
 
 

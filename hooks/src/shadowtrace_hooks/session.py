@@ -280,11 +280,8 @@ class Run:
         """Rows of one site: per token statistics for each shadow mode (or prod only), and
         the site's non-finite events. `prod` and the shadows are [T, N] in `rows` order."""
         seq, step = self.next_seq(), self.step
-        failed_before = "row_stats" in kernels.failed
         prod_counts, counts, hidden, how = stats.site_device(prod, shadows, rows.device_index)
         shadow.record_kernel(self, "hidden_stats", how)
-        if not failed_before and "row_stats" in kernels.failed:
-            self.count("hidden_stats_kernel_failed")
         event_mode = "local" if "local" in shadows else next(iter(shadows), None)
         finite = None if event_mode is None else counts[event_mode].sum(0) == 0
         events = self.add(stats.events_device(prod, prod_counts, finite))
@@ -507,6 +504,8 @@ class Session:
             run.count("hook_errors")
             self.warn_once(f"ship:{type(e).__name__}", f"rows of a capture could not be sent: {e}")
         run.writer.counters.update({f"process.{k}": v for k, v in self.counters.items()})
+        # a Triton kernel that raised in this process: torch's ops ran instead from then on
+        run.writer.counters.update({f"process.kernel_failed.{name}": 1 for name in kernels.failed})
         run.writer.counters.update(run.counters)
         if at_exit:
             run.writer.counters["closed_at_exit"] = 1

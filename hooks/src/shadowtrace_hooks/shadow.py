@@ -239,8 +239,8 @@ def indexer_scores(
     Triton's kernel with three TF32 products per dot product (`kernels.index_scores`); where
     it cannot run, torch's product, split the same way on CUDA ("3xtf32") and plain fp32 on
     the CPU. Which one ran goes into the run's manifest (`settings.shadow_indexer_scores`,
-    with the reason the kernel was passed over). A kernel that raises is counted
-    (`indexer_scores_kernel_failed`) and not asked again in this process."""
+    with the reason the kernel was passed over). A kernel that raises is not asked again in
+    this process, and every run it closes counts it (`process.kernel_failed.index_scores`)."""
     if q.is_cuda:
         reason = kernels.unavailable("index_scores", q)
         if reason is None:
@@ -248,7 +248,6 @@ def indexer_scores(
                 out = kernels.index_scores(q, k, w, q_pos, softmax_scale, precision="tf32x3")
             except Exception as e:  # a compile or launch failure: torch scores from now on
                 reason = kernels.note_failure("index_scores", e)
-                run.count("indexer_scores_kernel_failed")
             else:
                 record_kernel(run, "shadow_indexer_scores", "triton tf32x3")
                 return out

@@ -27,7 +27,16 @@ _COUNTS = 3  # the first three statistics of each path are element counts
 def counts_device(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[3, T] int32: NaN, +Inf and -Inf elements of each row of x [T, N] (with `valid`
     [T] counts, only among each row's first valid[t] elements, whose rest is -Inf: the
-    indexer's masked scores)."""
+    indexer's masked scores). On CUDA, one pass of Triton's `kernels.row_stats`."""
+    if x.dim() == 2 and kernels.unavailable("row_stats", x) is None:
+        try:
+            counts = kernels.row_stats(x)[:3].to(torch.int32)
+        except Exception as e:  # a compile or launch failure: torch's ops from now on
+            kernels.note_failure("row_stats", e)
+        else:
+            if valid is not None:
+                counts[2] -= (x.shape[-1] - valid).to(torch.int32)
+            return counts
     nan = x.isnan().sum(-1, dtype=torch.int32)
     pos = (x == math.inf).sum(-1, dtype=torch.int32)
     neg = (x == -math.inf).sum(-1, dtype=torch.int32)
