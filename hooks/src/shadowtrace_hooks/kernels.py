@@ -112,8 +112,20 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
     out = torch.empty(c, t, dtype=torch.float32, device=x.device)
     if t:
         s = x if shadow is None else shadow
+        # blocks per row rounded up to a power of two: a kernel compiled for a row length
+        # serves every length up to twice it (the indexer's rows grow with the prompt)
+        blocks = 1 << max(0, (-(-n // _ROW_BLOCK) - 1).bit_length())
         _row_kernel()[(t,)](
-            x, s, out, t, x.stride(0), s.stride(0), N=n, HAS_SHADOW=shadow is not None, BLOCK=_ROW_BLOCK
+            x,
+            s,
+            out,
+            t,
+            n,
+            x.stride(0),
+            s.stride(0),
+            HAS_SHADOW=shadow is not None,
+            BLOCK=_ROW_BLOCK,
+            BLOCKS=blocks,
         )
     return out
 
@@ -190,8 +202,8 @@ def _row_kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def row_kernel(x_ptr, s_ptr, out_ptr, T, stride_x, stride_s,
-                   N: tl.constexpr, HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def row_kernel(x_ptr, s_ptr, out_ptr, T, N, stride_x, stride_s,
+                   HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         zero_i = tl.zeros([BLOCK], dtype=tl.int32)
@@ -199,8 +211,8 @@ def _row_kernel() -> Any:
         nan, pos, neg, top, sq = zero_i, zero_i, zero_i, zero_f, zero_f
         s_nan, s_pos, s_neg, s_top, s_sq = zero_i, zero_i, zero_i, zero_f, zero_f
         d_sq, dot, d_top = zero_f, zero_f, zero_f
-        for start in range(0, N, BLOCK):
-            col = start + cols
+        for block in range(BLOCKS):
+            col = block * BLOCK + cols
             ok = col < N
             x = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=ok, other=0.0).to(tl.float32)
             x_nan, x_pos, x_neg = x != x, x == float("inf"), x == float("-inf")
