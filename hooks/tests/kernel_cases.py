@@ -1,18 +1,38 @@
 """The Triton kernels (shadowtrace_hooks.kernels) against torch's ops and an fp64
 recomputation in Triton's CPU interpreter: the kernels' own code, tile loops, masks and
 reductions, run on the CPU. Triton must be imported with TRITON_INTERPRET=1 already set, so
-test_kernels.py runs this file in a process of its own; it is not collected on its own."""
+test_kernels.py runs this file in a process of its own; it is not collected on its own.
+
+test_selection.py's cases run here too, so selection.compare's kernel path meets the same
+independent recomputation (Python sets over torch.topk) as its torch path; a kernel that
+raised would fall back to torch unseen, so every case here fails when one did."""
 
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
-from shadowtrace_hooks import kernels, numerics, stats
+from shadowtrace_hooks import kernels, numerics, selection, stats
+from shadowtrace_hooks.transfer import Packet
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
+
+from test_selection import *  # noqa: F403  (the compare cases, on the kernel path here)
+
+# inf - inf in the interpreter's numpy (a masked score minus a k-th score) is the IEEE NaN
+# the GPU computes, not a fault
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def no_kernel_fell_back():
+    yield
+    failed = dict(kernels.failed)
+    kernels.failed.clear()
+    assert not failed, failed
 
 
 def _fp64_scores(q, k, w, q_pos, scale):
@@ -131,3 +151,51 @@ def test_counts_through_the_kernel_leave_out_the_masked_tail():
         [_counts(masked[t : t + 1, : int(valid[t])])[:, 0] for t in range(masked.shape[0])], dim=1
     )
     assert torch.equal(stats.counts_device(masked, valid), want)
+
+
+def _compare(reference: bool, **kw) -> list:
+    if reference:
+        kernels.failed["compare_masks"] = "the torch reference"
+    try:
+        packet = Packet()
+        selection.compare(packet, **kw)
+        return packet.ship().arrays()
+    finally:
+        kernels.failed.pop("compare_masks", None)
+
+
+def test_the_compare_kernel_writes_torchs_packet_exactly(monkeypatch):
+    calls = []
+    real = kernels.compare_masks
+    monkeypatch.setattr(kernels, "compare_masks", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(4)
+    t, keys, k = 90, 130, 8
+    q_pos = torch.arange(keys - t, keys)
+    q_pos[:5] = torch.arange(5)  # rows that see at most k keys: dense
+    visible = torch.arange(keys)[None, :] <= q_pos[:, None]
+    prod = torch.randn(t, keys, generator=gen).masked_fill(~visible, -math.inf)
+    shade = (prod + 1e-3 * torch.randn(t, keys, generator=gen)).masked_fill(~visible, -math.inf)
+    prod[40, 3], shade[41, 2] = math.nan, math.nan
+    prod[50, 10:14] = prod[50, 10]  # ties at the k-th score
+    top = prod.topk(k)
+    topk = top.indices.clone()
+    topk[60, 0] = -1  # engine padding
+    sampled = torch.arange(t) % 4 == 0
+    cases = [
+        {"prod_scores": prod, "shadow_scores": shade, "band": 1e-3, "sampled": sampled,
+         "prod_top_values": top.values},
+        {"prod_scores": prod, "shadow_scores": shade, "band": 1e-3},
+        {"shadow_scores": shade, "band": 1e-3},
+        {"prod_scores": prod, "band": 0.05, "prod_top_values": top.values},
+        {"shadow_scores": shade},
+        {"sampled": sampled},
+        {},
+    ]  # fmt: skip
+    for case in cases:
+        args = {"prod_topk": topk, "q_pos": q_pos, "keys": keys, "k": k, **case}
+        got, want = _compare(False, **args), _compare(True, **args)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    assert len(calls) == len(cases)

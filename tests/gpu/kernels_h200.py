@@ -12,7 +12,9 @@ Rows:
 - counts: `stats.counts_device` on a bf16 hidden [T, 6144] and on fp32 scores [T, T];
 - hidden: `stats.hidden_device` for prod and one shadow, beside Triton's one-pass
   `kernels.row_stats` and `stats.site_device`, which uses it on CUDA;
-- compare: `selection.compare` with production's scores and values, a shadow and a band.
+- compare: `selection.compare` with production's scores and values, a shadow and a band,
+  through Triton's `kernels.compare_masks` and through torch's ops, with whether the two
+  packets are identical.
 """
 
 import argparse
@@ -155,6 +157,15 @@ def main() -> int:
         return packet.ship()
 
     rows["compare (with ship) ms"] = timed(compare, args.repeat)
+    by_kernel = compare().arrays()
+    kernels.failed["compare_masks"] = "torch, for the side-by-side row"
+    rows["compare, torch's ops (with ship) ms"] = timed(compare, args.repeat)
+    by_torch = compare().arrays()
+    kernels.failed.pop("compare_masks")
+    rows["compare kernel vs torch: identical packet"] = all(
+        a.shape == b.shape and bool(((a == b) | ((a != a) & (b != b))).all())
+        for a, b in zip(by_kernel, by_torch, strict=True)
+    )
 
     def compare_prod():
         packet = Packet()

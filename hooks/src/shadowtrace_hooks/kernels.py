@@ -7,6 +7,9 @@ interpreter; tests/gpu/kernels_h200.py on the GPU).
   writes and reads the [rows, H, S] fp32 products; this one keeps each tile's products in
   registers, summing w[t,h] * relu(q[t,h] . k[s]) over the heads, and skips the tiles the
   causal mask hides.
+- `compare_masks`: the top-k comparison's per-row counts and list masks
+  (`selection.compare`'s), in one pass over the two selections and their scores, where
+  torch's ops take two dozen over [rows, keys].
 - `row_stats`: a site's per-row statistics (`stats.counts_device` and `stats.hidden_device`'s
   sums) in one pass over prod and shadow, where torch's ops take a dozen.
 
@@ -32,7 +35,7 @@ failed: dict[str, str] = {}
 
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
-    """Why kernel `name` ("index_scores", "row_stats") will not run on x (None when it will):
+    """Why kernel `name` ("index_scores", "row_stats", "compare_masks") will not run on x (None when it will):
     it raised before in this process, x is not on CUDA (or Triton's CPU interpreter is off),
     or Triton is absent; for "index_scores", a head size (x's last) that is not a power of two
     >= 16."""
@@ -128,6 +131,64 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
             BLOCKS=blocks,
         )
     return out
+
+
+# the lists `compare_masks` can write, in `selection.compare`'s names
+COMPARE_LISTS = ("prod_only", "shadow_only", "prod_boundary", "shadow_boundary", "prod")
+
+
+def compare_masks(
+    lists: tuple[str, ...],
+    prod: torch.Tensor,
+    shadow: torch.Tensor | None,
+    prod_scores: torch.Tensor | None,
+    shadow_scores: torch.Tensor | None,
+    prod_kth: torch.Tensor | None,
+    shadow_kth: torch.Tensor | None,
+    visible: torch.Tensor,
+    k: int,
+    band: float | None,
+    sampled: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over a chunk of `selection.compare`'s rows: from the selections' masks prod
+    and shadow [rows, keys] (bool) and the scores [rows, keys] with their k-th [rows], the
+    masks of `lists` (each a name of `COMPARE_LISTS`) stacked [L, rows, keys] bool, their
+    entries per row [L, rows] int32, `selection`'s seven counts [7, rows] int32 (zero where
+    they do not apply) and production's best score left out of its selection [rows] (NaN
+    when a left-out score is NaN, as torch's amax gives; -inf without prod_scores).
+    Boundary candidates need `band`; churn counts need both paths' scores and a band."""
+    rows, keys = prod.shape
+    device = prod.device
+    stacked = torch.empty(len(lists), rows, keys, dtype=torch.uint8, device=device)
+    counts = torch.empty(len(lists), rows, dtype=torch.int32, device=device)
+    ints = torch.empty(7, rows, dtype=torch.int32, device=device)
+    left = torch.empty(rows, dtype=torch.float32, device=device)
+    if rows == 0:
+        return stacked.view(torch.bool), counts, ints, left
+    where = {name: lists.index(name) if name in lists else -1 for name in COMPARE_LISTS}
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    zeros = torch.zeros(rows, dtype=torch.float32, device=device)
+    keep = torch.zeros(rows, dtype=torch.bool, device=device) if sampled is None else sampled.contiguous()
+    as_bytes = lambda m: m.view(torch.uint8)  # noqa: E731
+    blocks = 1 << max(0, (-(-keys // _ROW_BLOCK) - 1).bit_length())
+    _compare_kernel()[(rows,)](
+        as_bytes(prod), as_bytes(prod if shadow is None else shadow),
+        dummy if prod_scores is None else prod_scores, dummy if shadow_scores is None else shadow_scores,
+        zeros if prod_kth is None else prod_kth.float().contiguous(),
+        zeros if shadow_kth is None else shadow_kth.float().contiguous(),
+        visible.to(torch.int64).contiguous(),
+        as_bytes(keep),
+        stacked, counts, ints, left, rows, keys, k, 0.0 if band is None else band,
+        prod.stride(0), prod.stride(0) if shadow is None else shadow.stride(0),
+        0 if prod_scores is None else prod_scores.stride(0),
+        0 if shadow_scores is None else shadow_scores.stride(0),
+        HAS_SHADOW=shadow is not None, HAS_PS=prod_scores is not None,
+        HAS_SS=shadow_scores is not None, HAS_BAND=band is not None, HAS_SAMPLED=sampled is not None,
+        CHURN=band is not None and prod_scores is not None and shadow_scores is not None,
+        L_PO=where["prod_only"], L_SO=where["shadow_only"], L_PB=where["prod_boundary"],
+        L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=blocks,
+    )  # fmt: skip
+    return stacked.view(torch.bool), counts, ints, left
 
 
 def launch_scores(
@@ -252,3 +313,102 @@ def _row_kernel() -> Any:
             tl.store(out + 12 * T, tl.max(d_top, axis=0))
 
     return row_kernel
+
+
+@functools.cache
+def _compare_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def compare_kernel(prod_ptr, shadow_ptr, ps_ptr, ss_ptr, pk_ptr, sk_ptr, vis_ptr, sampled_ptr,
+                       lists_ptr, counts_ptr, ints_ptr, left_ptr, R, KEYS, k, band,
+                       stride_p, stride_s, stride_ps, stride_ss,
+                       HAS_SHADOW: tl.constexpr, HAS_PS: tl.constexpr, HAS_SS: tl.constexpr,
+                       HAS_BAND: tl.constexpr, HAS_SAMPLED: tl.constexpr, CHURN: tl.constexpr,
+                       L_PO: tl.constexpr, L_SO: tl.constexpr, L_PB: tl.constexpr,
+                       L_SB: tl.constexpr, L_P: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        r64 = row.to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        sparse = tl.load(vis_ptr + row) > k
+        pk = tl.load(pk_ptr + row)
+        sk = tl.load(sk_ptr + row)
+        keep = tl.load(sampled_ptr + row) != 0
+        nothing = tl.zeros([BLOCK], dtype=tl.int1)
+        zero = tl.zeros([BLOCK], dtype=tl.int32)
+        n_p, n_s, both, c_both, c_p, c_s, c_none = zero, zero, zero, zero, zero, zero, zero
+        n_po, n_so, n_pb, n_sb, n_pr = zero, zero, zero, zero, zero
+        best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        nan_left = zero
+        for block in range(BLOCKS):
+            col = block * BLOCK + cols
+            ok = col < KEYS
+            p = tl.load(prod_ptr + r64 * stride_p + col, mask=ok, other=0) != 0
+            s = nothing
+            if HAS_SHADOW:
+                s = tl.load(shadow_ptr + r64 * stride_s + col, mask=ok, other=0) != 0
+            near_p = nothing
+            near_s = nothing
+            if HAS_PS:
+                ps = tl.load(ps_ptr + r64 * stride_ps + col, mask=ok, other=float("-inf"))
+                out = (~p) & ok
+                nan_left += (out & (ps != ps)).to(tl.int32)
+                best = tl.maximum(best, tl.where(out & (ps == ps), ps, float("-inf")))
+                if HAS_BAND:
+                    near_p = tl.where(sparse, (tl.abs(ps - pk) <= band) & ok, nothing)
+            if HAS_SS and HAS_BAND:
+                ss = tl.load(ss_ptr + r64 * stride_ss + col, mask=ok, other=float("-inf"))
+                near_s = tl.where(sparse, (tl.abs(ss - sk) <= band) & ok, nothing)
+            n_p += p.to(tl.int32)
+            if HAS_SHADOW:
+                n_s += s.to(tl.int32)
+                both += (p & s).to(tl.int32)
+            if CHURN:
+                churn = near_p | near_s
+                c_both += (churn & p & s).to(tl.int32)
+                c_p += (churn & p & ~s).to(tl.int32)
+                c_s += (churn & s & ~p).to(tl.int32)
+                c_none += (churn & ~p & ~s).to(tl.int32)
+            base = lists_ptr + r64 * KEYS + col
+            plane = R.to(tl.int64) * KEYS
+            if L_PO >= 0:
+                m = p & ~s
+                n_po += m.to(tl.int32)
+                tl.store(base + L_PO * plane, m.to(tl.uint8), mask=ok)
+            if L_SO >= 0:
+                m = s & ~p
+                n_so += m.to(tl.int32)
+                tl.store(base + L_SO * plane, m.to(tl.uint8), mask=ok)
+            if L_PB >= 0:
+                n_pb += near_p.to(tl.int32)
+                tl.store(base + L_PB * plane, near_p.to(tl.uint8), mask=ok)
+            if L_SB >= 0:
+                n_sb += near_s.to(tl.int32)
+                tl.store(base + L_SB * plane, near_s.to(tl.uint8), mask=ok)
+            if L_P >= 0:
+                m = p & keep
+                n_pr += m.to(tl.int32)
+                tl.store(base + L_P * plane, m.to(tl.uint8), mask=ok)
+        tl.store(ints_ptr + row, tl.sum(n_p, axis=0))
+        tl.store(ints_ptr + R + row, tl.sum(n_s, axis=0))
+        tl.store(ints_ptr + 2 * R + row, tl.sum(both, axis=0))
+        tl.store(ints_ptr + 3 * R + row, tl.sum(c_both, axis=0))
+        tl.store(ints_ptr + 4 * R + row, tl.sum(c_p, axis=0))
+        tl.store(ints_ptr + 5 * R + row, tl.sum(c_s, axis=0))
+        tl.store(ints_ptr + 6 * R + row, tl.sum(c_none, axis=0))
+        if L_PO >= 0:
+            tl.store(counts_ptr + L_PO * R + row, tl.sum(n_po, axis=0))
+        if L_SO >= 0:
+            tl.store(counts_ptr + L_SO * R + row, tl.sum(n_so, axis=0))
+        if L_PB >= 0:
+            tl.store(counts_ptr + L_PB * R + row, tl.sum(n_pb, axis=0))
+        if L_SB >= 0:
+            tl.store(counts_ptr + L_SB * R + row, tl.sum(n_sb, axis=0))
+        if L_P >= 0:
+            tl.store(counts_ptr + L_P * R + row, tl.sum(n_pr, axis=0))
+        top = tl.max(best, axis=0)
+        tl.store(left_ptr + row, tl.where(tl.sum(nan_left, axis=0) > 0, float("nan"), top))
+
+    return compare_kernel

@@ -6,7 +6,9 @@ with and without churn), the differences (keys only one path selected), the boun
 candidates of each path (keys within the band of its k-th score, with their offset from it
 and whether that path selected them) and, for sampled rows, the full production selection.
 Everything is computed on the tensors' device; the lists come out of one `nonzero` per chunk
-of rows, already gap-coded, so the host only slices them into rows (`columns`).
+of rows, already gap-coded, so the host only slices them into rows (`columns`). On CUDA the
+counts and the lists' masks come from one pass of Triton's `kernels.compare_masks`; torch's
+ops compute the same elsewhere.
 
 Definitions, as DESIGN.md and the topk table give them:
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shadowtrace_hooks import kernels
 from shadowtrace_hooks.numerics import Lists
 from shadowtrace_hooks.transfer import Packet
 
@@ -185,28 +188,43 @@ def _compare_chunk(
     prod = _membership(prod_topk, visible, keys)
     ints = dict.fromkeys(_INTS, zero)
     floats = dict.fromkeys(_FLOATS, nan)
-    ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)
-    masks: dict[str, torch.Tensor] = {}
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scores, k-th, selection
+    prod_kth = None
     if prod_scores is not None:
         if prod_top_values is None:
-            kth, margin, _ = _kth(prod_scores, k)
+            prod_kth, floats["prod_kth_margin"], _ = _kth(prod_scores, k)
         else:
-            kth, margin = _kth_from_top(prod_scores, prod_top_values, prod, k)
-        floats["prod_kth_score"], floats["prod_kth_margin"] = kth, margin
-        paths["prod_boundary"] = (prod_scores, kth, prod)
-    shadow = None
+            prod_kth = prod_top_values[:, k - 1].float()
+        floats["prod_kth_score"] = prod_kth
+        paths["prod_boundary"] = (prod_scores, prod_kth, prod)
+    shadow = shadow_kth = None
     if shadow_scores is not None:
-        kth, margin, chosen = _kth(shadow_scores, k)
+        shadow_kth, floats["shadow_kth_margin"], chosen = _kth(shadow_scores, k)
         shadow = _membership(chosen, visible, keys)
-        floats["shadow_kth_score"], floats["shadow_kth_margin"] = kth, margin
-        paths["shadow_boundary"] = (shadow_scores, kth, shadow)
+        floats["shadow_kth_score"] = shadow_kth
+        paths["shadow_boundary"] = (shadow_scores, shadow_kth, shadow)
+    if kernels.unavailable("compare_masks", prod) is None:
+        try:
+            stacked, counts, by_kernel, left = kernels.compare_masks(
+                spec.lists, prod, shadow, prod_scores, shadow_scores, prod_kth, shadow_kth,
+                visible, k, spec.band, sampled,
+            )  # fmt: skip
+        except Exception as e:  # a compile or launch failure: torch's ops from now on
+            kernels.note_failure("compare_masks", e)
+        else:
+            ints = dict(zip(_INTS, by_kernel.unbind(0), strict=True))
+            if prod_kth is not None and prod_top_values is not None:
+                floats["prod_kth_margin"] = prod_kth - left
+            return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts)
+    if prod_scores is not None and prod_top_values is not None:
+        _, floats["prod_kth_margin"] = _kth_from_top(prod_scores, prod_top_values, prod, k)
+    ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)
+    masks: dict[str, torch.Tensor] = {}
+    if shadow is not None:
         ints["shadow_selected"] = shadow.sum(-1, dtype=torch.int32)
         both = prod & shadow
         ints["shared"] = both.sum(-1, dtype=torch.int32)
         masks["prod_only"], masks["shadow_only"] = prod & ~shadow, shadow & ~both
-        union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
-        floats["jaccard"] = _ratio(ints["shared"], union)
     if spec.band is not None:
         for name, (scores, kth, _) in paths.items():
             masks[name] = _near(scores, kth, spec.band, sparse)
@@ -219,9 +237,6 @@ def _compare_chunk(
         ints["churn_prod_only"] = (in_prod & ~shadow).sum(-1, dtype=torch.int32)
         ints["churn_shadow_only"] = (in_shadow & ~prod).sum(-1, dtype=torch.int32)
         ints["churn_unselected"] = (churn & ~prod & ~shadow).sum(-1, dtype=torch.int32)
-        union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
-        removed = ints["churn_shared"] + ints["churn_prod_only"] + ints["churn_shadow_only"]
-        floats["jaccard_no_churn"] = _ratio(ints["shared"] - ints["churn_shared"], union - removed)
     if sampled is not None:
         masks["prod"] = prod & sampled[:, None]
     stacked = (
@@ -229,7 +244,28 @@ def _compare_chunk(
         if spec.lists
         else torch.zeros(0, rows, keys, dtype=torch.bool, device=device)
     )
-    counts = stacked.sum(-1, dtype=torch.int32)
+    return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, stacked.sum(-1, dtype=torch.int32))
+
+
+def _chunk_tail(
+    packet: Packet,
+    spec: Compared,
+    rows: int,
+    ints: dict[str, torch.Tensor],
+    floats: dict[str, torch.Tensor],
+    paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    stacked: torch.Tensor,
+    counts: torch.Tensor,
+) -> _Chunk:
+    """A chunk's Jaccards from its counts, and its lists gap-coded from their masks `stacked`
+    [L, rows, keys] with `counts` [L, rows] entries, into the packet."""
+    device = stacked.device
+    if spec.has_shadow:
+        union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
+        floats["jaccard"] = _ratio(ints["shared"], union)
+        if spec.churn:
+            removed = ints["churn_shared"] + ints["churn_prod_only"] + ints["churn_shadow_only"]
+            floats["jaccard_no_churn"] = _ratio(ints["shared"] - ints["churn_shared"], union - removed)
     which, row, key = stacked.nonzero().unbind(1)  # list-major, then row, then key ascending
     first = torch.ones_like(which, dtype=torch.bool)
     first[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1])
