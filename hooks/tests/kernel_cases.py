@@ -199,3 +199,13 @@ def test_the_compare_kernel_writes_torchs_packet_exactly(monkeypatch):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
     assert len(calls) == len(cases)
+
+
+def test_kv_slot_counts_through_the_kernel_equal_torchs_sum():
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(3, 40, 16, generator=gen).bfloat16()
+    cache[1, 7, 3], cache[2, 7, 0], cache[0, 33, 15] = math.nan, math.inf, -math.inf
+    window = cache.narrow(-2, 5, 30)  # a cache's window: not contiguous across heads
+    want = (~torch.isfinite(window)).sum((0, 2))
+    assert torch.equal(stats.slot_nonfinite_device(window), want)
+    assert want.sum() == 3

@@ -45,6 +45,30 @@ def counts_device(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
     return torch.stack([nan, pos, neg])
 
 
+# Cache slots a kernel pass reads at once: bounds the slot-major copy it reads them from.
+_SLOT_CHUNK = 4096
+
+
+def slot_nonfinite_device(window: torch.Tensor) -> torch.Tensor:
+    """[S] int64: the non-finite elements of each slot of a KV-cache window [..., S, D]
+    (slots along dim -2, as HF's caches hold them). On CUDA, chunks of slots are copied
+    slot-major and counted by one pass of Triton's `kernels.row_stats`; elsewhere (or when
+    it raised) the sum over every other dimension where the elements lie, without a copy."""
+    slots = window.shape[-2]
+    if kernels.unavailable("row_stats", window) is None:
+        try:
+            out = []
+            for first in range(0, slots, _SLOT_CHUNK):
+                part = window.narrow(-2, first, min(_SLOT_CHUNK, slots - first))
+                rows = part.movedim(-2, 0).reshape(part.shape[-2], -1)
+                out.append(kernels.row_stats(rows)[:3].sum(0).to(torch.int64))
+            return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=window.device)
+        except Exception as e:  # a compile or launch failure: torch's ops from now on
+            kernels.note_failure("row_stats", e)
+    others = [d for d in range(window.dim()) if d != window.dim() - 2]
+    return torch.isfinite(window).logical_not_().sum(others)
+
+
 def _finite_float(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 with its non-finite elements zeroed (never x itself: callers may hold it)."""
     if x.dtype == torch.float32:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import numerics, session, shadow
+from shadowtrace_hooks import numerics, session, shadow, stats
 from shadowtrace_hooks.adapters import hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
 from shadowtrace_hooks.session import Run, Session
@@ -502,10 +502,7 @@ class _Tracer:
                     if window.shape[-2] == 0:
                         parts.append(torch.zeros(2, dtype=torch.int64, device=t.device))
                         continue
-                    # Summed over every dimension but the slot's where they lie: no copy of
-                    # the cache's layout.
-                    others = [d for d in range(window.dim()) if d != window.dim() - 2]
-                    per_slot = torch.isfinite(window).logical_not_().sum(others)
+                    per_slot = stats.slot_nonfinite_device(window)
                     parts.append(torch.stack([per_slot.sum(), (per_slot > 0).to(torch.int8).argmax()]))
                 slot = run.add(torch.stack(parts))
                 row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
