@@ -161,6 +161,9 @@ def test_the_raw_shadow_takes_rope_from_the_model_config_never_from_the_engine_r
     # Both rotate (DeepSeek-V3.2 is NeoX, so never fused; GLM-5 runs with fusion off), and
     # only DeepSeek-V3.2's reference defines the rotation.
     assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (True, None if glm else True)
+    scale = c["indexer_head_weight_scale"]
+    assert scale["engine"] == scale["model"] == sg.HEAD_DIM**-0.5 * sg.HEADS**-0.5
+    assert "softmax_scale x n_heads^-0.5" in scale["engine_source"]
     assert c["indexer_weights_proj_dtype"]["engine"] is None  # not read, and said so
     assert "not read" in c["indexer_weights_proj_dtype"]["engine_source"]
 

@@ -217,7 +217,12 @@ def test_the_manifest_records_the_engines_indexer_rope_convention_next_to_the_mo
         settings = run["manifest"]["settings"]
         assert "conventions" not in settings
         c = traced.conventions(run)
-        assert list(c) == ["indexer_rope", "indexer_hadamard", "indexer_weights_proj_dtype"]
+        assert list(c) == [
+            "indexer_rope", "indexer_hadamard", "indexer_head_weight_scale", "indexer_weights_proj_dtype"
+        ]  # fmt: skip
+        scale = c["indexer_head_weight_scale"]
+        assert scale["engine"] == scale["model"] == st.D**-0.5 * st.H**-0.5
+        assert scale["engine_source"].endswith("Indexer.weight_scale_factor")
         convention = c["indexer_rope"]
         assert convention["engine"] == convention["model"] == "interleaved"
         assert "glm_moe_dsa" in convention["model_source"]

@@ -203,9 +203,14 @@ def test_each_run_records_the_engines_rope_convention_beside_the_models(serving:
     for request in serving.runs:
         settings = serving.run(request)["manifest"]["settings"]
         c = traced.conventions(serving.run(request))
-        assert list(c) == ["indexer_rope", "indexer_hadamard", "indexer_weights_proj_dtype"]
+        assert list(c) == [
+            "indexer_rope", "indexer_hadamard", "indexer_head_weight_scale", "indexer_weights_proj_dtype"
+        ]  # fmt: skip
         convention = c["indexer_rope"]
         assert (convention["engine"], convention["model"]) == ("neox", "neox")
+        scale = c["indexer_head_weight_scale"]
+        assert scale["engine"] == scale["model"] == sv.D**-0.5 * sv.H**-0.5
+        assert scale["engine_source"].endswith("Indexer.softmax_scale x n_head^-0.5")
         # vLLM casts q and k to FP8 unrotated and runs weights_proj in the bf16 wk GEMM.
         assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, True)
         proj = c["indexer_weights_proj_dtype"]

@@ -44,3 +44,28 @@ def test_the_weights_proj_dtype_is_spelled_as_the_reference_engine_spells_it() -
     assert engine.weights_proj_convention(torch.float32, "x")["engine"] == "fp32"
     assert engine.weights_proj_convention(torch.float8_e4m3fn, "x")["engine"] == "float8_e4m3fn"
     assert engine.weights_proj_convention(None, "not read")["engine"] is None
+
+
+def test_a_head_weight_scale_folded_with_a_ranks_head_count_departs_from_the_models() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(index_head_dim=128, index_n_heads=32)
+    model = 128**-0.5 * 32**-0.5
+    right = SimpleNamespace(softmax_scale=128**-0.5, n_heads=32)
+    rank = SimpleNamespace(softmax_scale=128**-0.5, n_heads=16)  # TP=2's local heads
+    agreeing = engine.head_weight_scale_convention(
+        engine.folded_scale(right, "softmax_scale", "n_heads"), "e", config
+    )
+    assert (agreeing["engine"], agreeing["model"]) == (model, model)
+    assert not engine.departs(agreeing)
+    wrong = engine.head_weight_scale_convention(
+        engine.folded_scale(rank, "softmax_scale", "n_heads"), "e", config
+    )
+    assert wrong["engine"] == 128**-0.5 * 16**-0.5  # sqrt(2) times the model's
+    assert engine.departs(wrong)
+    unread = engine.head_weight_scale_convention(
+        engine.folded_scale(right, "weight_scale_factor"), "e", config
+    )
+    assert unread["engine"] is None
+    assert unread["engine_source"] == "not read: e"
+    assert not engine.departs(unread)

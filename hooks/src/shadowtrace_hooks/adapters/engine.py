@@ -363,6 +363,35 @@ def hadamard_convention(engine_rotates: bool | None, engine_source: str, config:
     return convention("indexer_hadamard", engine_rotates, model, engine_source, source)
 
 
+def folded_scale(indexer: Any, scale: str, heads: str | None = None) -> float | None:
+    """The head-weight scale an engine's `indexer` module holds: attribute `scale`, times
+    attribute `heads` ** -0.5 where the engine multiplies the two at the call (None when
+    either is missing or not a number)."""
+    value = getattr(indexer, scale, None)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    if heads is None:
+        return float(value)
+    count = getattr(indexer, heads, None)
+    return float(value) * count**-0.5 if isinstance(count, int) and count > 0 else None
+
+
+def head_weight_scale_convention(engine_scale: float | None, engine_source: str, config: Any) -> dict:
+    """The scale the engine folds into the indexer's head weights (softmax_scale x
+    heads^-0.5, `folded_scale`), beside the model's index_head_dim^-0.5 x
+    index_n_heads^-0.5 from `config`. A wrong head count (a rank's instead of the model's)
+    or head size scales every score: top-k keeps its order, but the scores' range, and every
+    finite-precision step after them, change."""
+    dim, n_heads = getattr(config, "index_head_dim", None), getattr(config, "index_n_heads", None)
+    model = dim**-0.5 * n_heads**-0.5 if isinstance(dim, int) and isinstance(n_heads, int) else None
+    return convention(
+        "indexer_head_weight_scale", engine_scale, model,
+        engine_source if engine_scale is not None else f"not read: {engine_source}",
+        "transformers GlmMoeDsaIndexer / DeepseekV32Indexer: softmax_scale = index_head_dim^-0.5, "
+        "weights * index_n_heads^-0.5 (config.json)",
+    )  # fmt: skip
+
+
 def weights_proj_convention(dtype: torch.dtype | None, engine_source: str) -> dict:
     """The dtype the engine computes `weights_proj(x)` in (None when not read), beside the
     model's fp32 (`_keep_in_fp32_modules`): bf16 head weights flip top-k near the k-th score."""

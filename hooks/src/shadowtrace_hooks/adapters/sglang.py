@@ -582,6 +582,11 @@ def _capture(
     conventions = [
         _convention(indexer, origin),
         engine.hadamard_convention(*_hadamard(indexer, stash), config),
+        engine.head_weight_scale_convention(
+            engine.folded_scale(indexer, "softmax_scale", "n_heads"),
+            f"sglang {_version()} Indexer.softmax_scale x n_heads^-0.5 (_get_logits_head_gate)",
+            config,
+        ),
         engine.weights_proj_convention(
             None, f"not read: sglang {_version()} picks the weights_proj GEMM's dtypes by path"
         ),

@@ -390,6 +390,11 @@ def _record(
                 "without rotate_activation (dropped by PR #11899)",
                 config,
             ),
+            engine.head_weight_scale_convention(
+                engine.folded_scale(indexer, "weight_scale_factor"),
+                f"{type(indexer).__module__}.Indexer.weight_scale_factor",
+                config,
+            ),
             engine.weights_proj_convention(
                 _weight_dtype(indexer.weights_proj),
                 f"{type(indexer).__module__}.Indexer.weights_proj.weight.dtype (TRTLLM_DSA_INDEXER_BF16)",

@@ -510,7 +510,7 @@ def _record_v2(
             call.fp8 = sess.guarded("vllm:dequant_operands", None, _fp8_v2, operands, total)
     neox = bool(getattr(rotary_emb, "is_neox_style", True))
     convention = _convention(neox, "Indexer rotary_emb.is_neox_style", config)
-    _annotate(call, MODEL_MODULE, step, _conventions(convention, config, hidden.dtype), notes)
+    _annotate(call, MODEL_MODULE, step, _conventions(convention, config, hidden.dtype, indexer), notes)
     tracer.record(call)
 
 
@@ -630,7 +630,7 @@ def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
             )  # fmt: skip
     interleave = bool(attn._index_rope_interleave)
     convention = _convention(not interleave, "DeepseekV32Attention._index_rope_interleave", config)
-    _annotate(call, V32_MODULE, step, _conventions(convention, config, _dtype(hidden)), notes)
+    _annotate(call, V32_MODULE, step, _conventions(convention, config, _dtype(hidden), indexer), notes)
     tracer.record(call)
 
 
@@ -741,15 +741,23 @@ def _dtype(tensor: Any) -> torch.dtype | None:
     return tensor.dtype if isinstance(tensor, torch.Tensor) else None
 
 
-def _conventions(rope_convention: dict, config: Any, hidden_dtype: torch.dtype | None) -> list[dict]:
-    """The RoPE convention, and the two every vLLM route shares: no Hadamard rotation before
-    the FP8 cast (neither route's model code has one), and `weights_proj` fused with `wk`
-    into one GEMM whose output has the hidden states' dtype."""
+def _conventions(
+    rope_convention: dict, config: Any, hidden_dtype: torch.dtype | None, indexer: Any
+) -> list[dict]:
+    """The RoPE convention, and those every vLLM route shares: no Hadamard rotation before
+    the FP8 cast (neither route's model code has one), the head-weight scale the indexer
+    folds (softmax_scale x n_head^-0.5), and `weights_proj` fused with `wk` into one GEMM
+    whose output has the hidden states' dtype."""
     where = f"vllm {_version()}"
     return [
         rope_convention,
         engine.hadamard_convention(
             False, f"{where}: the indexer casts q and k to FP8 without rotate_activation", config
+        ),
+        engine.head_weight_scale_convention(
+            engine.folded_scale(indexer, "softmax_scale", "n_head"),
+            f"{where} Indexer.softmax_scale x n_head^-0.5",
+            config,
         ),
         engine.weights_proj_convention(
             hidden_dtype, f"{where} Indexer.wk_weights_proj(hidden_states): one GEMM with wk, input dtype"
