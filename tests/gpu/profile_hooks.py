@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
         session.Session.guarded = guarded
         # The device work inside the captures, a row each (callers look these names up at
         # call time, so wrapping the module attribute reaches every call).
-        from shadowtrace_hooks import numerics, selection, stats
+        from shadowtrace_hooks import kernels, numerics, selection, shadow, stats
 
         def wrap(module, name):
             fn = getattr(module, name)
@@ -64,8 +64,13 @@ def child(args: argparse.Namespace) -> None:
 
         for module, names in (
             (selection, ("compare", "_membership", "_kth", "_kth_from_top", "_near", "columns")),
-            (stats, ("counts_device", "hidden_device", "events_device")),
+            (
+                stats,
+                ("counts_device", "hidden_device", "events_device", "site_device", "slot_nonfinite_device"),
+            ),
             (numerics, ("index_scores", "causal_mask")),
+            (shadow, ("indexer_scores",)),
+            (kernels, ("index_scores", "row_stats", "compare_masks")),
         ):
             for name in names:
                 if hasattr(module, name):

@@ -1,7 +1,7 @@
 """Triton kernels for the shadow's device work where torch's ops cost too much at production
 width. Each computes what a function of `numerics` defines, and is tested against it and
-against an fp64 recomputation (tests/python/test_hooks_kernels.py runs them in Triton's CPU
-interpreter; tests/gpu/kernels_h200.py on the GPU).
+against an fp64 recomputation (hooks/tests/kernel_cases.py runs them in Triton's CPU
+interpreter, from test_kernels.py; tests/gpu/kernels_h200.py times and checks them on the GPU).
 
 - `index_scores`: the indexer's scores, `numerics.index_scores` in one kernel. torch's path
   writes and reads the [rows, H, S] fp32 products; this one keeps each tile's products in
@@ -35,10 +35,10 @@ failed: dict[str, str] = {}
 
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
-    """Why kernel `name` ("index_scores", "row_stats", "compare_masks") will not run on x (None when it will):
-    it raised before in this process, x is not on CUDA (or Triton's CPU interpreter is off),
-    or Triton is absent; for "index_scores", a head size (x's last) that is not a power of two
-    >= 16."""
+    """Why kernel `name` ("index_scores", "row_stats", "compare_masks") will not run on x
+    (None when it will): it raised before in this process, x is not on CUDA (or Triton's CPU
+    interpreter is off), or Triton is absent; for "index_scores", a head size (x's last)
+    that is not a power of two >= 16."""
     if name in failed:
         return failed[name]
     d = x.shape[-1]
@@ -115,9 +115,6 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
     out = torch.empty(c, t, dtype=torch.float32, device=x.device)
     if t:
         s = x if shadow is None else shadow
-        # blocks per row rounded up to a power of two: a kernel compiled for a row length
-        # serves every length up to twice it (the indexer's rows grow with the prompt)
-        blocks = 1 << max(0, (-(-n // _ROW_BLOCK) - 1).bit_length())
         _row_kernel()[(t,)](
             x,
             s,
@@ -128,9 +125,16 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
             s.stride(0),
             HAS_SHADOW=shadow is not None,
             BLOCK=_ROW_BLOCK,
-            BLOCKS=blocks,
+            BLOCKS=_blocks(n),
         )
     return out
+
+
+def _blocks(n: int) -> int:
+    """`_ROW_BLOCK`-element blocks for a row of n, rounded up to a power of two: a kernel
+    compiled for one row length serves every length up to twice it (the indexer's rows grow
+    with the prompt; a constexpr length would compile anew for each)."""
+    return 1 << max(0, (-(-n // _ROW_BLOCK) - 1).bit_length())
 
 
 # the lists `compare_masks` can write, in `selection.compare`'s names
@@ -170,7 +174,6 @@ def compare_masks(
     zeros = torch.zeros(rows, dtype=torch.float32, device=device)
     keep = torch.zeros(rows, dtype=torch.bool, device=device) if sampled is None else sampled.contiguous()
     as_bytes = lambda m: m.view(torch.uint8)  # noqa: E731
-    blocks = 1 << max(0, (-(-keys // _ROW_BLOCK) - 1).bit_length())
     _compare_kernel()[(rows,)](
         as_bytes(prod), as_bytes(prod if shadow is None else shadow),
         dummy if prod_scores is None else prod_scores, dummy if shadow_scores is None else shadow_scores,
@@ -186,7 +189,7 @@ def compare_masks(
         HAS_SS=shadow_scores is not None, HAS_BAND=band is not None, HAS_SAMPLED=sampled is not None,
         CHURN=band is not None and prod_scores is not None and shadow_scores is not None,
         L_PO=where["prod_only"], L_SO=where["shadow_only"], L_PB=where["prod_boundary"],
-        L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=blocks,
+        L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
     )  # fmt: skip
     return stacked.view(torch.bool), counts, ints, left
 
