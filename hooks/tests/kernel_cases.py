@@ -20,6 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
+from test_kernels import _operands
 from test_selection import *  # noqa: F403  (the compare cases, on the kernel path here)
 
 # inf - inf in the interpreter's numpy (a masked score minus a k-th score) is the IEEE NaN
@@ -43,16 +44,6 @@ def _fp64_scores(q, k, w, q_pos, scale):
     )
     visible = torch.arange(k.shape[0])[None, :] <= q_pos[:, None]
     return ref.masked_fill(~visible, -math.inf), mag * scale, visible
-
-
-def _operands(t: int, s: int, h: int = 4, d: int = 32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(t, h, d, generator=gen)
-    k = torch.randn(s, d, generator=gen)
-    w = torch.randn(t, h, generator=gen)
-    # a chunk of queries after a cached prefix: query t sees keys up to s - t + its row
-    q_pos = torch.arange(s - t, s)
-    return q, k, w, q_pos
 
 
 def test_the_scores_kernel_is_within_the_split_bound_of_fp64_and_masks_exactly():
