@@ -163,6 +163,11 @@ def compare_masks(
     Boundary candidates need `band`; churn counts need both paths' scores and a band."""
     rows, keys = prod.shape
     device = prod.device
+    # the kernel walks each row with unit stride
+    prod, shadow, prod_scores, shadow_scores = (
+        t if t is None or t.stride(-1) == 1 else t.contiguous()
+        for t in (prod, shadow, prod_scores, shadow_scores)
+    )
     stacked = torch.empty(len(lists), rows, keys, dtype=torch.uint8, device=device)
     counts = torch.empty(len(lists), rows, dtype=torch.int32, device=device)
     ints = torch.empty(7, rows, dtype=torch.int32, device=device)
