@@ -27,6 +27,14 @@ def test_the_doctor_names_the_layout_it_hooked_in_each_transformers_release(vers
     assert out.returncode == 0, out.stdout + out.stderr
     cache = "past_key_values=" if version < "5.24" else "cache="
     assert f"transformers {version}\n" in out.stdout
+    first = out.stdout.splitlines()[0]
+    if torch.cuda.is_available():
+        assert first.startswith("device kernels: "), first
+    else:
+        assert (
+            first
+            == "device kernels: CUDA is not available: torch's ops (plain fp32 indexer scores on the CPU)"
+        )
     for module in ("glm_moe_dsa.modeling_glm_moe_dsa", "deepseek_v32.modeling_deepseek_v32"):
         (line,) = [x for x in out.stdout.splitlines() if f"transformers.models.{module}:" in x]
         assert f"transformers.models.{module}: hooked, layout {cache}" in line

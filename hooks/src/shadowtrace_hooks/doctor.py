@@ -1,15 +1,16 @@
 """What the adapters find and hook in this environment, for `python -m shadowtrace_hooks
-doctor`: per engine installed here, its version and, for every module an adapter targets,
-whether the module exists, whether importing it hooked it (the layout it matched) and, when
-not, why. It imports the engines' modules, as tracing would: run it in the engine's
-environment, not inside a serving process."""
+doctor`: first whether the hooks' Triton kernels will run here; then per engine installed
+here, its version and, for every module an adapter targets, whether the module exists,
+whether importing it hooked it (the layout it matched) and, when not, why. It imports the
+engines' modules, as tracing would: run it in the engine's environment, not inside a
+serving process."""
 
 import importlib
 import importlib.metadata
 import importlib.util
 from typing import TextIO
 
-from shadowtrace_hooks import adapters, session, startup
+from shadowtrace_hooks import adapters, kernels, session, startup
 
 ENGINES = {"hf": "transformers", "trtllm": "tensorrt_llm", "sglang": "sglang", "vllm": "vllm"}
 DISTRIBUTIONS = {"tensorrt_llm": "tensorrt-llm"}
@@ -22,6 +23,7 @@ def run(out: TextIO) -> int:
         out.write("shadowtrace doctor: the hooks could not start (see the line above)\n")
         return 1
     ok = True
+    out.write(f"device kernels: {kernels.describe()}\n")
     try:
         for name, package in ENGINES.items():
             ok &= _engine(out, name, package, sess)

@@ -51,6 +51,18 @@ def unavailable(name: str, x: torch.Tensor) -> str | None:
     return None
 
 
+def describe() -> str:
+    """One line for `doctor`: whether the kernels will run in this environment, and what runs
+    instead when they will not."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available: torch's ops (plain fp32 indexer scores on the CPU)"
+    triton = _triton()
+    if triton is None:
+        return "triton is not installed: torch's ops (3xTF32 indexer scores through cuBLAS on CUDA)"
+    name = torch.cuda.get_device_name()
+    return f"triton {triton.__version__} on {name}: the indexer scores, site statistics and top-k comparison"
+
+
 def note_failure(name: str, error: Exception) -> str:
     """Records that kernel `name` raised `error`; returns the reason `unavailable` gives from now on."""
     failed[name] = f"the kernel raised {type(error).__name__}: {str(error)[:160]}"
