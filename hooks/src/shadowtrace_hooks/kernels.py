@@ -17,6 +17,7 @@ Triton is imported when a kernel is first asked for, never at the hooks' import:
 that does not trace, or traces on the CPU, never loads it.
 """
 
+import contextlib
 import functools
 import os
 from typing import Any
@@ -127,18 +128,19 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
     out = torch.empty(c, t, dtype=torch.float32, device=x.device)
     if t:
         s = x if shadow is None else shadow
-        _row_kernel()[(t,)](
-            x,
-            s,
-            out,
-            t,
-            n,
-            x.stride(0),
-            s.stride(0),
-            HAS_SHADOW=shadow is not None,
-            BLOCK=_ROW_BLOCK,
-            BLOCKS=_blocks(n),
-        )
+        with _on(x):
+            _row_kernel()[(t,)](
+                x,
+                s,
+                out,
+                t,
+                n,
+                x.stride(0),
+                s.stride(0),
+                HAS_SHADOW=shadow is not None,
+                BLOCK=_ROW_BLOCK,
+                BLOCKS=_blocks(n),
+            )
     return out
 
 
@@ -191,7 +193,8 @@ def compare_masks(
     zeros = torch.zeros(rows, dtype=torch.float32, device=device)
     keep = torch.zeros(rows, dtype=torch.bool, device=device) if sampled is None else sampled.contiguous()
     as_bytes = lambda m: m.view(torch.uint8)  # noqa: E731
-    _compare_kernel()[(rows,)](
+    with _on(prod):
+        _compare_kernel()[(rows,)](
         as_bytes(prod), as_bytes(prod if shadow is None else shadow),
         dummy if prod_scores is None else prod_scores, dummy if shadow_scores is None else shadow_scores,
         zeros if prod_kth is None else prod_kth.float().contiguous(),
@@ -220,10 +223,18 @@ def launch_scores(
     t, h, d = q.shape
     s = k.shape[0]
     grid = (-(-t // block_t), -(-s // block_s))
-    _kernel()[grid](
+    with _on(q):
+        _kernel()[grid](
         q, k, w, q_pos, out, t, s, scale, H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s,
         PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def _on(x: torch.Tensor) -> Any:
+    """The device of x made current for a launch: Triton launches on the current device and
+    stream, which an engine that spreads layers over GPUs (accelerate's device_map) need not
+    have set to the tensors' own."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _interpreted() -> bool:
