@@ -71,12 +71,16 @@ def test_the_verdict_names_an_engine_rope_layout_other_than_the_models(
         assert (mismatch["name"], mismatch["model"]) == ("indexer_rope", "interleaved")
         assert "is_neox_style" in mismatch["engine_source"]
     # The correct ones are recorded too, and are no verdict: RoPE, Hadamard (GLM-5 defines
-    # none), weights_proj (not read on SGLang).
+    # none), the head-weight scale (SGLang's softmax_scale x n_heads^-0.5, the model's),
+    # weights_proj (not read on SGLang).
     assert [c["name"] for c in analysis["conventions"]] == [
         "indexer_rope",
         "indexer_hadamard",
+        "indexer_head_weight_scale",
         "indexer_weights_proj_dtype",
     ]
+    scale = analysis["conventions"][2]
+    assert scale["engine"] == scale["model"] == config.index_head_dim**-0.5 * config.index_n_heads**-0.5
 
 
 def test_the_verdict_names_the_hadamard_rotation_tensorrt_llm_drops_on_deepseek_v32(
