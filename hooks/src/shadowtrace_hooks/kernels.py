@@ -20,7 +20,8 @@ that does not trace, or traces on the CPU, never loads it.
 import contextlib
 import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +29,7 @@ import torch
 # tile [D, keys] stay in registers while the heads' q tiles stream through.
 SCORES_LAUNCH = (64, 64, 4, 2)
 PRECISIONS = ("ieee", "tf32x3")
+T = TypeVar("T")
 
 
 # Kernels that raised in this process, with why: callers use torch's ops for them from then on,
@@ -62,6 +64,19 @@ def describe() -> str:
         return "triton is not installed: torch's ops (3xTF32 indexer scores through cuBLAS on CUDA)"
     name = torch.cuda.get_device_name()
     return f"triton {triton.__version__} on {name}: the indexer scores, site statistics and top-k comparison"
+
+
+def attempt(name: str, x: torch.Tensor, launch: Callable[[], T]) -> tuple[T | None, str | None]:
+    """Runs `launch` (kernel `name`'s work on x) unless `unavailable` gives a reason not to:
+    (its result, None), or (None, why the caller must use torch's ops), a raise recorded by
+    `note_failure` so that the kernel is not asked again in this process."""
+    reason = unavailable(name, x)
+    if reason is not None:
+        return None, reason
+    try:
+        return launch(), None
+    except Exception as e:  # a compile or launch failure: torch's ops from now on
+        return None, note_failure(name, e)
 
 
 def note_failure(name: str, error: Exception) -> str:
@@ -195,22 +210,22 @@ def compare_masks(
     as_bytes = lambda m: m.view(torch.uint8)  # noqa: E731
     with _on(prod):
         _compare_kernel()[(rows,)](
-        as_bytes(prod), as_bytes(prod if shadow is None else shadow),
-        dummy if prod_scores is None else prod_scores, dummy if shadow_scores is None else shadow_scores,
-        zeros if prod_kth is None else prod_kth.float().contiguous(),
-        zeros if shadow_kth is None else shadow_kth.float().contiguous(),
-        visible.to(torch.int64).contiguous(),
-        as_bytes(keep),
-        stacked, counts, ints, left, rows, keys, k, 0.0 if band is None else band,
-        prod.stride(0), prod.stride(0) if shadow is None else shadow.stride(0),
-        0 if prod_scores is None else prod_scores.stride(0),
-        0 if shadow_scores is None else shadow_scores.stride(0),
-        HAS_SHADOW=shadow is not None, HAS_PS=prod_scores is not None,
-        HAS_SS=shadow_scores is not None, HAS_BAND=band is not None, HAS_SAMPLED=sampled is not None,
-        CHURN=band is not None and prod_scores is not None and shadow_scores is not None,
-        L_PO=where["prod_only"], L_SO=where["shadow_only"], L_PB=where["prod_boundary"],
-        L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
-    )  # fmt: skip
+            as_bytes(prod), as_bytes(prod if shadow is None else shadow),
+            dummy if prod_scores is None else prod_scores, dummy if shadow_scores is None else shadow_scores,
+            zeros if prod_kth is None else prod_kth.float().contiguous(),
+            zeros if shadow_kth is None else shadow_kth.float().contiguous(),
+            visible.to(torch.int64).contiguous(),
+            as_bytes(keep),
+            stacked, counts, ints, left, rows, keys, k, 0.0 if band is None else band,
+            prod.stride(0), prod.stride(0) if shadow is None else shadow.stride(0),
+            0 if prod_scores is None else prod_scores.stride(0),
+            0 if shadow_scores is None else shadow_scores.stride(0),
+            HAS_SHADOW=shadow is not None, HAS_PS=prod_scores is not None,
+            HAS_SS=shadow_scores is not None, HAS_BAND=band is not None,
+            CHURN=band is not None and prod_scores is not None and shadow_scores is not None,
+            L_PO=where["prod_only"], L_SO=where["shadow_only"], L_PB=where["prod_boundary"],
+            L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
+        )  # fmt: skip
     return stacked.view(torch.bool), counts, ints, left
 
 
@@ -225,9 +240,9 @@ def launch_scores(
     grid = (-(-t // block_t), -(-s // block_s))
     with _on(q):
         _kernel()[grid](
-        q, k, w, q_pos, out, t, s, scale, H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+            q, k, w, q_pos, out, t, s, scale, H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s,
+            PRECISION=precision, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
 
 
 def _on(x: torch.Tensor) -> Any:
@@ -356,7 +371,7 @@ def _compare_kernel() -> Any:
                        lists_ptr, counts_ptr, ints_ptr, left_ptr, R, KEYS, k, band,
                        stride_p, stride_s, stride_ps, stride_ss,
                        HAS_SHADOW: tl.constexpr, HAS_PS: tl.constexpr, HAS_SS: tl.constexpr,
-                       HAS_BAND: tl.constexpr, HAS_SAMPLED: tl.constexpr, CHURN: tl.constexpr,
+                       HAS_BAND: tl.constexpr, CHURN: tl.constexpr,
                        L_PO: tl.constexpr, L_SO: tl.constexpr, L_PB: tl.constexpr,
                        L_SB: tl.constexpr, L_P: tl.constexpr,
                        BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip

@@ -203,19 +203,19 @@ def _compare_chunk(
         shadow = _membership(chosen, visible, keys)
         floats["shadow_kth_score"] = shadow_kth
         paths["shadow_boundary"] = (shadow_scores, shadow_kth, shadow)
-    if kernels.unavailable("compare_masks", prod) is None:
-        try:
-            stacked, counts, by_kernel, left = kernels.compare_masks(
-                spec.lists, prod, shadow, prod_scores, shadow_scores, prod_kth, shadow_kth,
-                visible, k, spec.band, sampled,
-            )  # fmt: skip
-        except Exception as e:  # a compile or launch failure: torch's ops from now on
-            kernels.note_failure("compare_masks", e)
-        else:
-            ints = dict(zip(_INTS, by_kernel.unbind(0), strict=True))
-            if prod_kth is not None and prod_top_values is not None:
-                floats["prod_kth_margin"] = prod_kth - left
-            return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts)
+    done, _ = kernels.attempt(
+        "compare_masks", prod,
+        lambda: kernels.compare_masks(
+            spec.lists, prod, shadow, prod_scores, shadow_scores, prod_kth, shadow_kth,
+            visible, k, spec.band, sampled,
+        ),
+    )  # fmt: skip
+    if done is not None:
+        stacked, counts, by_kernel, left = done
+        ints = dict(zip(_INTS, by_kernel.unbind(0), strict=True))
+        if prod_kth is not None and prod_top_values is not None:
+            floats["prod_kth_margin"] = prod_kth - left
+        return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts)
     if prod_scores is not None and prod_top_values is not None:
         _, floats["prod_kth_margin"] = _kth_from_top(prod_scores, prod_top_values, prod, k)
     ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)

@@ -242,15 +242,12 @@ def indexer_scores(
     with the reason the kernel was passed over). A kernel that raises is not asked again in
     this process, and every run it closes counts it (`process.kernel_failed.index_scores`)."""
     if q.is_cuda:
-        reason = kernels.unavailable("index_scores", q)
-        if reason is None:
-            try:
-                out = kernels.index_scores(q, k, w, q_pos, softmax_scale, precision="tf32x3")
-            except Exception as e:  # a compile or launch failure: torch scores from now on
-                reason = kernels.note_failure("index_scores", e)
-            else:
-                record_kernel(run, "shadow_indexer_scores", "triton tf32x3")
-                return out
+        out, reason = kernels.attempt(
+            "index_scores", q, lambda: kernels.index_scores(q, k, w, q_pos, softmax_scale, precision="tf32x3")
+        )
+        if out is not None:
+            record_kernel(run, "shadow_indexer_scores", "triton tf32x3")
+            return out
         record_kernel(run, "shadow_indexer_scores", f"torch 3xtf32 ({reason})")
         return numerics.index_scores(q, k, w, q_pos, softmax_scale, q_pos_host=q_pos_host, matmul="3xtf32")
     record_kernel(run, "shadow_indexer_scores", "torch ieee")

@@ -28,12 +28,9 @@ def counts_device(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
     """[3, T] int32: NaN, +Inf and -Inf elements of each row of x [T, N] (with `valid`
     [T] counts, only among each row's first valid[t] elements, whose rest is -Inf: the
     indexer's masked scores). On CUDA, one pass of Triton's `kernels.row_stats`."""
-    if x.dim() == 2 and kernels.unavailable("row_stats", x) is None:
-        try:
-            counts = kernels.row_stats(x)[:3].to(torch.int32)
-        except Exception as e:  # a compile or launch failure: torch's ops from now on
-            kernels.note_failure("row_stats", e)
-        else:
+    if x.dim() == 2:
+        counts, _ = kernels.attempt("row_stats", x, lambda: kernels.row_stats(x)[:3].to(torch.int32))
+        if counts is not None:
             if valid is not None:
                 counts[2] -= (x.shape[-1] - valid).to(torch.int32)
             return counts
@@ -54,19 +51,21 @@ def slot_nonfinite_device(window: torch.Tensor) -> torch.Tensor:
     (slots along dim -2, as HF's caches hold them). On CUDA, chunks of slots are copied
     slot-major and counted by one pass of Triton's `kernels.row_stats`; elsewhere (or when
     it raised) the sum over every other dimension where the elements lie, without a copy."""
-    slots = window.shape[-2]
-    if kernels.unavailable("row_stats", window) is None:
-        try:
-            out = []
-            for first in range(0, slots, _SLOT_CHUNK):
-                part = window.narrow(-2, first, min(_SLOT_CHUNK, slots - first))
-                rows = part.movedim(-2, 0).reshape(part.shape[-2], -1)
-                out.append(kernels.row_stats(rows)[:3].sum(0).to(torch.int64))
-            return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=window.device)
-        except Exception as e:  # a compile or launch failure: torch's ops from now on
-            kernels.note_failure("row_stats", e)
+    counted, _ = kernels.attempt("row_stats", window, lambda: _slot_counts(window))
+    if counted is not None:
+        return counted
     others = [d for d in range(window.dim()) if d != window.dim() - 2]
     return torch.isfinite(window).logical_not_().sum(others)
+
+
+def _slot_counts(window: torch.Tensor) -> torch.Tensor:
+    slots = window.shape[-2]
+    out = []
+    for first in range(0, slots, _SLOT_CHUNK):
+        part = window.narrow(-2, first, min(_SLOT_CHUNK, slots - first))
+        rows = part.movedim(-2, 0).reshape(part.shape[-2], -1)
+        out.append(kernels.row_stats(rows)[:3].sum(0).to(torch.int64))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=window.device)
 
 
 def _finite_float(x: torch.Tensor) -> torch.Tensor:
@@ -129,12 +128,9 @@ def site_device(
     `hidden_device` statistics of rows `tokens` per mode (key None: prod alone, when there
     is no shadow) and what computed them: on CUDA one pass of Triton's `kernels.row_stats`
     per mode ("triton"), else torch's ops ("torch", with the reason)."""
-    reason = kernels.unavailable("row_stats", prod)
-    if reason is None:
-        try:
-            return (*_site_kernel(prod, shadows, tokens), "triton")
-        except Exception as e:  # a compile or launch failure: torch's ops from now on
-            reason = kernels.note_failure("row_stats", e)
+    done, reason = kernels.attempt("row_stats", prod, lambda: _site_kernel(prod, shadows, tokens))
+    if done is not None:
+        return (*done, "triton")
     prod_counts = counts_device(prod)
     counts = {mode: counts_device(s) for mode, s in shadows.items()}
     hidden: dict[str | None, torch.Tensor] = {}
