@@ -58,3 +58,34 @@ def test_the_kernels_refuse_what_they_cannot_score():
     assert kernels.unavailable("row_stats", torch.zeros(4, 8)) == "device cpu (Triton runs on CUDA)"
     with pytest.raises(ValueError, match="expected one of"):
         numerics.index_scores(q, torch.zeros(3, 24), torch.zeros(4, 2), torch.arange(4), matmul="tf32")
+
+
+def test_a_kernel_that_raised_is_counted_in_the_manifest_of_every_run_closed_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import numpy as np
+    from shadowtrace_hooks import session
+
+    monkeypatch.setattr(kernels, "failed", {"row_stats": "the kernel raised RuntimeError: no such tile"})
+    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
+    sess = session.start(settings)
+    try:
+        run = sess.open_run(
+            token_ids=[1, 2, 3],
+            model={"name": "t", "architecture": "glm_moe_dsa", "config_hash": "0" * 64, "revision": None,
+                   "num_layers": 1, "index_topk": 4},
+            engine={"name": "transformers", "version": "test", "commit": None, "variant": None},
+            device={"kind": "cpu", "name": "cpu", "index": None},
+            dtypes={"prod": "bf16", "shadow": None},
+        )  # fmt: skip
+        run.step = 0
+        run.logits(torch.randn(3, 5), None, np.arange(3))
+        sess.close_run(run)
+    finally:
+        session.stop()
+    (manifest,) = tmp_path.glob("*/manifest.json")
+    counters = json.loads(manifest.read_text())["counters"]
+    assert counters["process.kernel_failed.row_stats"] == 1
+    assert "process.kernel_failed.compare_masks" not in counters
