@@ -6,7 +6,9 @@ with and without churn), the differences (keys only one path selected), the boun
 candidates of each path (keys within the band of its k-th score, with their offset from it
 and whether that path selected them) and, for sampled rows, the full production selection.
 Everything is computed on the tensors' device; the lists come out of one `nonzero` per chunk
-of rows, already gap-coded, so the host only slices them into rows (`columns`). On CUDA the
+of rows, already gap-coded, so the host only slices them into rows (`columns`). That
+`nonzero` waits for the device, so on CUDA it runs on a side stream after the forward has
+queued more work (`Packet.later`), which keeps the device busy while the host waits. On CUDA the
 counts and the lists' masks come from one pass of Triton's `kernels.compare_masks`; torch's
 ops compute the same elsewhere.
 
@@ -33,7 +35,7 @@ import torch
 
 from shadowtrace_hooks import kernels
 from shadowtrace_hooks.numerics import Lists
-from shadowtrace_hooks.transfer import Packet
+from shadowtrace_hooks.transfer import Later, Packet
 
 # Elements of one [rows, keys] mask: rows are compared in chunks of at most this many, which
 # bounds the comparison's device memory whatever the prompt length.
@@ -44,6 +46,11 @@ _FLOATS = ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "shadow_kth_
            "jaccard_no_churn")  # fmt: skip
 
 
+class ListsLost(RuntimeError):
+    """A comparison's lists were not made (their `Packet.later` work raised): the rows of
+    that comparison cannot be written, and the shipment that holds them is counted lost."""
+
+
 @dataclass
 class _Chunk:
     """One chunk's tensors, as indices into the packet that carries them."""
@@ -52,9 +59,9 @@ class _Chunk:
     ints: int
     floats: int
     counts: int  # [lists, rows] entries per list and row
-    gaps: int  # [entries] the lists' gap-coded keys, list-major then row then key
-    offsets: int  # [entries] score minus that path's k-th score (boundary lists only)
-    selected: int  # [entries] whether that path selected the key (boundary lists only)
+    # [entries] each: the lists' gap-coded keys (list-major, then row, then key), score minus
+    # that path's k-th score and whether that path selected the key (boundary lists only)
+    lists: Later
 
 
 @dataclass
@@ -259,33 +266,43 @@ def _chunk_tail(
 ) -> _Chunk:
     """A chunk's Jaccards from its counts, and its lists gap-coded from their masks `stacked`
     [L, rows, keys] with `counts` [L, rows] entries, into the packet."""
-    device = stacked.device
     if spec.has_shadow:
         union = ints["prod_selected"] + ints["shadow_selected"] - ints["shared"]
         floats["jaccard"] = _ratio(ints["shared"], union)
         if spec.churn:
             removed = ints["churn_shared"] + ints["churn_prod_only"] + ints["churn_shadow_only"]
             floats["jaccard_no_churn"] = _ratio(ints["shared"] - ints["churn_shared"], union - removed)
-    which, row, key = stacked.nonzero().unbind(1)  # list-major, then row, then key ascending
-    first = torch.ones_like(which, dtype=torch.bool)
-    first[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1])
-    gaps = torch.where(first, key, key - torch.roll(key, 1)).to(torch.int32)
-    offsets = torch.zeros(key.shape, dtype=torch.float32, device=device)
-    selected = torch.zeros(key.shape, dtype=torch.bool, device=device)
-    for name, (scores, kth, chosen) in paths.items():
-        if name in spec.lists:
-            here = which == spec.lists.index(name)
-            offsets = torch.where(here, (scores[row, key] - kth[row]).float(), offsets)
-            selected = torch.where(here, chosen[row, key], selected)
+    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, paths, stacked))
     return _Chunk(
         rows=rows,
         ints=packet.add(torch.stack([ints[n] for n in _INTS])),
         floats=packet.add(torch.stack([floats[n].float() for n in _FLOATS])),
         counts=packet.add(counts),
-        gaps=packet.add(gaps),
-        offsets=packet.add(offsets),
-        selected=packet.add(selected),
+        lists=lists,
     )
+
+
+def _gap_coded(
+    lists: tuple[str, ...],
+    paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    stacked: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries of the masks `stacked` [L, rows, keys], list-major then row then key:
+    their keys gap-coded within each row, and for a boundary list each key's score minus
+    that path's k-th score and whether that path selected it (zero elsewhere). The one
+    `nonzero` makes the host wait for the device, so `Packet.later` runs this."""
+    which, row, key = stacked.nonzero().unbind(1)
+    first = torch.ones_like(which, dtype=torch.bool)
+    first[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1])
+    gaps = torch.where(first, key, key - torch.roll(key, 1)).to(torch.int32)
+    offsets = torch.zeros(key.shape, dtype=torch.float32, device=stacked.device)
+    selected = torch.zeros(key.shape, dtype=torch.bool, device=stacked.device)
+    for name, (scores, kth, chosen) in paths.items():
+        if name in lists:
+            here = which == lists.index(name)
+            offsets = torch.where(here, (scores[row, key] - kth[row]).float(), offsets)
+            selected = torch.where(here, chosen[row, key], selected)
+    return gaps, offsets, selected
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -311,6 +328,9 @@ def columns(
     """The topk table's summary, difference and boundary columns of a comparison, from its
     packet's host arrays. `visible` [T] is each row's visible-key count, `sampled` [T] the
     rows whose full production list was kept (as given to `compare`)."""
+    for chunk in spec.chunks:
+        if chunk.lists.error is not None:
+            raise ListsLost(f"topk: the difference and candidate lists were not made: {chunk.lists.error}")
     ints = np.concatenate([arrays[c.ints] for c in spec.chunks], axis=1)
     floats = np.concatenate([arrays[c.floats] for c in spec.chunks], axis=1)
     dense = visible <= k
@@ -340,7 +360,7 @@ def columns(
         start = 0
         for i, name in enumerate(spec.lists):
             end = start + int(counts[i].sum())
-            for part, source in zip(pieces[name], (chunk.gaps, chunk.offsets, chunk.selected), strict=False):
+            for part, source in zip(pieces[name], chunk.lists.slots, strict=False):
                 part.append(arrays[source][start:end])
             pieces[name][3].append(counts[i])
             start = end

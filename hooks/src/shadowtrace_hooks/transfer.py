@@ -6,8 +6,17 @@ copy into pinned host memory (`non_blocking`): the forward goes on while the cop
 and nothing on the forward's thread waits for it. `Shipment.arrays`, called on the writer's
 thread, waits for that copy (a CUDA event) and returns numpy views of each tensor.
 
+Tensors whose size depends on the data (a `nonzero`'s lists) cannot be made without the
+host waiting for the device. `Packet.later` puts that wait off: the work runs on a side
+stream at the packet's next `add` or `ship`, by which time the forward has queued more of
+its own work on the device, so the device keeps busy while the host waits for the side
+stream. Waiting at once would leave the device idle until the host caught up again.
+
 On a CPU there is no copy to wait for: the buffer is the host's already.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,24 +34,106 @@ _NUMPY = {
 }
 
 
+Produce = Callable[[], tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class Later:
+    """Tensors `Packet.later` is still to make: their indices in `Shipment.arrays()`, and
+    why they could not be made (their arrays are then empty), once settled."""
+
+    slots: list[int]
+    error: str | None = None
+
+
+@dataclass
+class _Job:
+    """Work put off: `produce` runs once `ready` (recorded on `stream`, the stream that
+    queued the work it reads) has passed."""
+
+    produce: Produce
+    later: Later
+    stream: torch.cuda.Stream
+    ready: torch.cuda.Event
+
+
+# One side stream per device, made on first use.
+_side: dict[torch.device, torch.cuda.Stream] = {}
+
+
 class Packet:
     """Tensors of one device bound for the host together. `add` returns the tensor's index
-    in `Shipment.arrays()`."""
+    in `Shipment.arrays()`; `later` reserves indices for tensors made afterwards."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
+        self._jobs: list[_Job] = []
 
     def __len__(self) -> int:
         return len(self.tensors)
 
     def add(self, tensor: torch.Tensor) -> int:
-        if tensor.dtype not in _NUMPY:
-            raise TypeError(f"packet: dtype {tensor.dtype} has no host form; expected one of {list(_NUMPY)}")
+        self.settle()
+        _check(tensor)
         self.tensors.append(tensor.detach())
         return len(self.tensors) - 1
 
+    def later(self, device: torch.device, count: int, produce: Produce) -> Later:
+        """Reserves `count` indices for the tensors `produce()` returns, made from what the
+        device has been asked so far. On CUDA (outside a graph capture) `produce` runs on a
+        side stream at the next `add` or `ship`; elsewhere it runs now. A `produce` that
+        raises leaves its arrays empty and says why in the `Later` returned."""
+        later = Later(list(range(len(self.tensors), len(self.tensors) + count)))
+        placeholder = torch.empty(0, dtype=torch.uint8, device=device)
+        self.tensors.extend([placeholder] * count)
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self._fill(later, produce)
+            return later
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream()
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._jobs.append(_Job(produce, later, stream, ready))
+        return later
+
+    def settle(self) -> None:
+        """Runs the work `later` put off, each on its device's side stream once the work it
+        reads is done; the stream that queued it waits for the results before going on."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            device = job.stream.device
+            with torch.cuda.device(device):
+                side = _side.get(device)
+                if side is None:
+                    side = _side[device] = torch.cuda.Stream(device=device)
+                side.wait_event(job.ready)
+                with torch.cuda.stream(side):
+                    made = self._fill(job.later, job.produce)
+                    done = torch.cuda.Event()
+                    done.record(side)
+                # The inputs, freed once `job` goes, return to `job.stream`'s pool: this
+                # wait orders their next use there after the side stream's reads.
+                job.stream.wait_event(done)
+            for t in made:
+                t.record_stream(job.stream)  # made on the side stream, read on job.stream
+
+    def _fill(self, later: Later, produce: Produce) -> tuple[torch.Tensor, ...]:
+        try:
+            made = tuple(t.detach() for t in produce())
+            if len(made) != len(later.slots):
+                raise ValueError(f"packet: later work made {len(made)} tensors, expected {len(later.slots)}")
+            for t in made:
+                _check(t)
+        except Exception as e:  # the arrays stay empty; the reader of `later` says so
+            later.error = f"{type(e).__name__}: {e}"
+            return ()
+        for slot, tensor in zip(later.slots, made, strict=True):
+            self.tensors[slot] = tensor
+        return made
+
     def ship(self) -> "Shipment":
         """Starts the copy of every tensor added; the packet is empty afterwards."""
+        self.settle()
         tensors, self.tensors = self.tensors, []
         layout = []
         pieces = []
@@ -72,6 +163,11 @@ class Packet:
         done = torch.cuda.Event()
         done.record()
         return Shipment(host, done, layout)
+
+
+def _check(tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _NUMPY:
+        raise TypeError(f"packet: dtype {tensor.dtype} has no host form; expected one of {list(_NUMPY)}")
 
 
 class Shipment:
