@@ -65,3 +65,29 @@ def test_within_a_suspension_only_the_capture_hooks_fire_and_every_hook_comes_ba
     fired.clear()
     m(x)
     assert sorted(fired) == ["user linear", "user outer", "user pre"]
+
+
+def test_full_fp32_turns_off_tf32_and_reduced_precision_sums_and_puts_back_what_the_engine_set() -> None:
+    matmul = torch.backends.cuda.matmul
+    names = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    saved = [getattr(matmul, n) for n in names]
+    try:
+        for n in names:
+            setattr(matmul, n, True)
+        with shadow.full_fp32():
+            assert [getattr(matmul, n) for n in names] == [False, False, False]
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert [getattr(matmul, n) for n in names] == [True, True, True]
+    finally:
+        for n, value in zip(names, saved, strict=True):
+            setattr(matmul, n, value)
+
+
+def test_a_shadow_projection_off_cuda_is_the_product_of_the_upcast_operands_and_says_so() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 16).bfloat16(), torch.randn(3, 16).bfloat16()
+    got = shadow.linear(x, w, torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()))
+    assert shadow.linear_path(x, w, torch.float32) == "fp32"
+    assert shadow.linear_path(x, w, torch.float64) == "fp64"

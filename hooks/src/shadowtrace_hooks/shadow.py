@@ -74,13 +74,23 @@ def in_precision(
 
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
-    """fp32 matmuls and convolutions in full fp32 within the block (no TF32), restored after."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    """fp32 matmuls and convolutions in full fp32 within the block (no TF32), and no
+    reduced-precision reductions in bf16/fp16 GEMMs (`linear`'s fp32 results from bf16
+    operands accumulate in fp32 throughout), restored after."""
+    flags = [
+        (torch.backends.cuda.matmul, "allow_tf32"),
+        (torch.backends.cudnn, "allow_tf32"),
+        (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+        (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+    ]
+    saved = [getattr(owner, name) for owner, name in flags]
+    for owner, name in flags:
+        setattr(owner, name, False)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        for (owner, name), value in zip(flags, saved, strict=True):
+            setattr(owner, name, value)
 
 
 # === expert banks ===
@@ -220,9 +230,37 @@ def hooks_suspended(
                 setattr(sub, name, value)
 
 
+# Why `linear` stopped using the tensor cores in this process (the op raised), or None.
+tensor_cores_failed: str | None = None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller)."""
+    """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller).
+
+    fp32 of bf16 or fp16 operands on CUDA (`linear_path` says which): the operands go to the
+    tensor cores as they are, with fp32 accumulation and an fp32 result. Their products are
+    exact in fp32 (8 or 11 significant bits each, 24 kept), so this is the fp32 product of the
+    upcast operands up to the order of the fp32 sums, without the fp32 GEMM's SIMT cost. If
+    that op raises, the fp32 GEMM runs from then on and `linear_path` says why."""
+    global tensor_cores_failed
+    if linear_path(x, weight, dtype) == "tensor cores":
+        try:
+            out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), torch.float32)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        except RuntimeError as e:
+            tensor_cores_failed = f"{type(e).__name__}: {str(e)[:160]}"
     return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+
+def linear_path(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
+    """How `linear` computes x @ weight.T: "tensor cores" (fp32 accumulation of operands that
+    fp32 products hold exactly) or `dtype`'s own GEMM ("fp32", with why where the tensor
+    cores raised)."""
+    exact = x.dtype in _UPCASTABLE and weight.dtype == x.dtype and x.shape[-1] == weight.shape[-1]
+    own = str(dtype).removeprefix("torch.").replace("float", "fp")
+    if dtype == torch.float32 and x.is_cuda and exact:
+        return "tensor cores" if tensor_cores_failed is None else f"{own} ({tensor_cores_failed})"
+    return own
 
 
 def indexer_scores(

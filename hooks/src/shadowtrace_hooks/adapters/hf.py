@@ -683,8 +683,13 @@ class _Tracer:
             q, k, w = _indexer_qkw(
                 module, bound["hidden_states"], bound["q_resid"], scos, ssin, self.rope, self.dtype
             )
+            how = ", ".join(sorted({
+                shadow.linear_path(bound["q_resid"], module.wq_b.weight, self.dtype),
+                shadow.linear_path(bound["hidden_states"], module.wk.weight, self.dtype),
+            }))  # fmt: skip
             out = {}
             for b, run in enumerate(self.runs):
+                shadow.record_kernel(run, "shadow_indexer_projections", how)
                 if hf_prefix.CACHED_PREFIX in run.state:  # the prefix's keys were never seen
                     continue
                 keys = run.state.setdefault(("indexer_shadow_keys", layer), [])

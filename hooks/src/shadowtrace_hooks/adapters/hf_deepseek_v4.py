@@ -138,34 +138,37 @@ class DeepseekV4Tracer(GenericTracer):
         of the request so far, its query and head weights, in the shadow precision."""
         step = self.step
         assert step is not None
-        dtype, ratio, dim = self.dtype, module.compress_rate, module.head_dim
-        kv = shadow.linear(hidden, module.kv_proj.weight, dtype)
-        gate = shadow.linear(hidden, module.gate_proj.weight, dtype)
-        q = shadow.linear(q_residual, module.q_b_proj.weight, dtype).view(*hidden.shape[:2], -1, dim)
-        w = (
-            shadow.linear(hidden, module.scorer.weights_proj.weight, dtype).float()
-            * module.scorer.weights_scaling
-        )
-        out = {}
-        with shadow.hooks_suspended(module.rotary_emb):
-            for b, run in enumerate(self.runs):
-                if hf_prefix.CACHED_PREFIX in run.state:
-                    continue  # the prefix's hidden states were never seen
-                state = run.state.setdefault(("compressed_shadow", layer), [[], []])
-                state[0].append(kv[b])
-                state[1].append(gate[b])
-                keys = self._compress(module, torch.cat(state[0]), torch.cat(state[1]))
-                if keys.shape[0] == 0:
-                    continue
-                positions = step.positions[b][None]
-                cos, sin = module.rotary_emb.forward(q[b], positions, layer_type=module.rope_layer_type)
-                q_rot = self.rope(q[b][None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
-                visible = torch.div(step.positions[b] + 1, ratio, rounding_mode="floor")
-                scores = shadow.indexer_scores(
-                    run, q_rot, keys, w[b], visible - 1, module.scorer.softmax_scale
-                )
-                out[b] = scores
-        return out
+        with shadow.full_fp32():  # no TF32 or reduced-precision sums, whatever the engine set
+            dtype, ratio, dim = self.dtype, module.compress_rate, module.head_dim
+            kv = shadow.linear(hidden, module.kv_proj.weight, dtype)
+            gate = shadow.linear(hidden, module.gate_proj.weight, dtype)
+            q = shadow.linear(q_residual, module.q_b_proj.weight, dtype).view(*hidden.shape[:2], -1, dim)
+            w = (
+                shadow.linear(hidden, module.scorer.weights_proj.weight, dtype).float()
+                * module.scorer.weights_scaling
+            )
+            out = {}
+            with shadow.hooks_suspended(module.rotary_emb):
+                how = shadow.linear_path(q_residual, module.q_b_proj.weight, dtype)
+                for b, run in enumerate(self.runs):
+                    shadow.record_kernel(run, "shadow_indexer_projections", how)
+                    if hf_prefix.CACHED_PREFIX in run.state:
+                        continue  # the prefix's hidden states were never seen
+                    state = run.state.setdefault(("compressed_shadow", layer), [[], []])
+                    state[0].append(kv[b])
+                    state[1].append(gate[b])
+                    keys = self._compress(module, torch.cat(state[0]), torch.cat(state[1]))
+                    if keys.shape[0] == 0:
+                        continue
+                    positions = step.positions[b][None]
+                    cos, sin = module.rotary_emb.forward(q[b], positions, layer_type=module.rope_layer_type)
+                    q_rot = self.rope(q[b][None].transpose(1, 2), cos, sin).transpose(1, 2)[0]
+                    visible = torch.div(step.positions[b] + 1, ratio, rounding_mode="floor")
+                    scores = shadow.indexer_scores(
+                        run, q_rot, keys, w[b], visible - 1, module.scorer.softmax_scale
+                    )
+                    out[b] = scores
+            return out
 
     def _compress(self, module: Any, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The indexer's compressed keys [windows, D] of one row's projected kv and gate

@@ -132,36 +132,39 @@ class Glm5NextTracer(GenericTracer):
         query and head weights from the module's weights in the shadow precision."""
         step = self.step
         assert step is not None
-        dtype, pool = self.dtype, module.index_kpool
-        norm = module.k_norm
-        keys = F.layer_norm(
-            shadow.linear(hidden, module.wk.weight, dtype), norm.normalized_shape,
-            norm.weight.to(dtype), norm.bias.to(dtype), norm.eps,
-        )  # fmt: skip
-        gate = shadow.linear(hidden, module.index_kpool_compress_gate, dtype)
-        q = shadow.linear(q_resid, module.wq_b.weight, dtype).view(
-            *hidden.shape[:2], module.n_heads, module.head_dim
-        )
-        w = shadow.linear(hidden, module.weights_proj.weight, dtype).float() * module.n_heads**-0.5
-        ape = module.index_kpool_compress_ape.to(dtype)
-        out = {}
-        for b, run in enumerate(self.runs):
-            if hf_prefix.CACHED_PREFIX in run.state:
-                continue
-            state = run.state.setdefault(("kpool_shadow", layer), [[], []])
-            state[0].append(keys[b])
-            state[1].append(gate[b])
-            first = run.state.setdefault(("kpool_first", layer), _first_valid(mask[b]))
-            k_all, g_all = torch.cat(state[0])[first:], torch.cat(state[1])[first:]
-            n = k_all.shape[0] // pool
-            if n == 0:
-                continue
-            logits = g_all[: n * pool].view(n, pool, -1) + ape
-            pooled = (logits.softmax(dim=1) * k_all[: n * pool].view(n, pool, -1)).sum(dim=1)
-            visible = torch.div(step.positions[b] + 1, pool, rounding_mode="floor")
-            scores = shadow.indexer_scores(run, q[b], pooled, w[b], visible - 1, module.softmax_scale)
-            out[b] = scores
-        return out
+        with shadow.full_fp32():  # no TF32 or reduced-precision sums, whatever the engine set
+            dtype, pool = self.dtype, module.index_kpool
+            norm = module.k_norm
+            keys = F.layer_norm(
+                shadow.linear(hidden, module.wk.weight, dtype), norm.normalized_shape,
+                norm.weight.to(dtype), norm.bias.to(dtype), norm.eps,
+            )  # fmt: skip
+            gate = shadow.linear(hidden, module.index_kpool_compress_gate, dtype)
+            q = shadow.linear(q_resid, module.wq_b.weight, dtype).view(
+                *hidden.shape[:2], module.n_heads, module.head_dim
+            )
+            w = shadow.linear(hidden, module.weights_proj.weight, dtype).float() * module.n_heads**-0.5
+            ape = module.index_kpool_compress_ape.to(dtype)
+            out = {}
+            how = shadow.linear_path(q_resid, module.wq_b.weight, dtype)
+            for b, run in enumerate(self.runs):
+                shadow.record_kernel(run, "shadow_indexer_projections", how)
+                if hf_prefix.CACHED_PREFIX in run.state:
+                    continue
+                state = run.state.setdefault(("kpool_shadow", layer), [[], []])
+                state[0].append(keys[b])
+                state[1].append(gate[b])
+                first = run.state.setdefault(("kpool_first", layer), _first_valid(mask[b]))
+                k_all, g_all = torch.cat(state[0])[first:], torch.cat(state[1])[first:]
+                n = k_all.shape[0] // pool
+                if n == 0:
+                    continue
+                logits = g_all[: n * pool].view(n, pool, -1) + ape
+                pooled = (logits.softmax(dim=1) * k_all[: n * pool].view(n, pool, -1)).sum(dim=1)
+                visible = torch.div(step.positions[b] + 1, pool, rounding_mode="floor")
+                scores = shadow.indexer_scores(run, q[b], pooled, w[b], visible - 1, module.softmax_scale)
+                out[b] = scores
+            return out
 
 
 def _first_valid(mask: torch.Tensor) -> int:
