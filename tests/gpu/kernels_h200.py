@@ -14,7 +14,12 @@ Rows:
   `kernels.row_stats` and `stats.site_device`, which uses it on CUDA;
 - compare: `selection.compare` with production's scores and values, a shadow and a band,
   through Triton's `kernels.compare_masks` and through torch's ops, with whether the two
-  packets are identical.
+  packets are identical; the same on the CPU, against the lists the GPU made on its side
+  stream (`Packet.later`), also with the inputs freed and overwritten once that work is queued;
+- projection: `shadow.linear` (bf16 operands, fp32 results on the tensor cores) against the
+  fp32 GEMM, both against fp64.
+
+It exits 1 when a packet differs or the projection's error is over its bound.
 """
 
 import argparse
@@ -175,6 +180,54 @@ def main() -> int:
         return packet.ship()
 
     rows["compare, production only (with ship) ms"] = timed(compare_prod, args.repeat)
+
+    def same(a_arrays, b_arrays) -> bool:
+        return len(a_arrays) == len(b_arrays) and all(
+            a.shape == b.shape and bool(((a == b) | ((a != a) & (b != b))).all())
+            for a, b in zip(a_arrays, b_arrays, strict=True)
+        )
+
+    # The lists made on the side stream (Packet.later) against the same comparison on the CPU,
+    # where they are made at once; then with the inputs freed right after the side stream's
+    # work is queued and their memory filled with NaN on the main stream: a missing wait
+    # would let the side stream read the NaN (or stale) scores.
+    host = Packet()
+    cpu = lambda x: x.cpu()  # noqa: E731
+    selection.compare(
+        host, cpu(prod_top.indices), cpu(pos), t, k, prod_scores=cpu(fp32), shadow_scores=cpu(split),
+        band=1e-3, prod_top_values=cpu(prod_top.values),
+    )  # fmt: skip
+    by_host = host.ship().arrays()
+    rows["compare lists, side stream vs CPU: identical packet"] = same(by_kernel, by_host)
+    packet = Packet()
+    p_scores, s_scores = fp32.clone(), split.clone()
+    selection.compare(
+        packet, prod_top.indices, pos, t, k, prod_scores=p_scores, shadow_scores=s_scores, band=1e-3,
+        prod_top_values=prod_top.values,
+    )  # fmt: skip
+    del p_scores, s_scores
+    packet.settle()
+    junk = [torch.full((t, t), math.nan, device=dev) for _ in range(4)]
+    rows["compare lists, inputs overwritten: identical packet"] = same(by_kernel, packet.ship().arrays())
+    del junk
+
+    # The shadow's projections (`shadow.linear`): bf16 operands to fp32 results on the tensor
+    # cores against the fp32 GEMM of the upcast operands, both against fp64, at GLM-5's q
+    # projection (q_lora 2048 -> 32 heads x 128).
+    xq = torch.randn(t, 2048, device=dev, generator=gen).bfloat16()
+    wq = (torch.randn(h * d, 2048, device=dev, generator=gen) * 2048**-0.5).bfloat16()
+    with shadow.full_fp32():
+        rows["projection path"] = shadow.linear_path(xq, wq, torch.float32)
+        rows["projection tensor cores ms"] = timed(lambda: shadow.linear(xq, wq, torch.float32), args.repeat)
+        rows["projection fp32 GEMM ms"] = timed(
+            lambda: torch.nn.functional.linear(xq.float(), wq.float()), args.repeat
+        )
+        tc = shadow.linear(xq, wq, torch.float32)
+        full = torch.nn.functional.linear(xq.float(), wq.float())
+    exact = xq[:256].double() @ wq.double().t()
+    scale = xq[:256].double().abs() @ wq.double().abs().t()
+    rows["projection tensor cores max err / sum|xw|"] = float(((tc[:256] - exact).abs() / scale).max())
+    rows["projection fp32 GEMM max err / sum|xw|"] = float(((full[:256] - exact).abs() / scale).max())
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -188,7 +241,17 @@ def main() -> int:
     except ImportError as exc:
         rows["triton"] = f"absent ({exc})"
     print(json.dumps(rows, indent=1))
-    return 0
+    # fp32 accumulation over 2048 terms: well inside 2048 * 2^-24 = 1.2e-4 of sum |x w|
+    checks = {
+        "compare kernel vs torch: identical packet": rows["compare kernel vs torch: identical packet"],
+        "side stream vs CPU": rows["compare lists, side stream vs CPU: identical packet"],
+        "inputs freed and overwritten": rows["compare lists, inputs overwritten: identical packet"],
+        "projection on the tensor cores": rows["projection path"] == "tensor cores",
+        "projection error <= 2048 * 2^-24": rows["projection tensor cores max err / sum|xw|"] <= 2.0**-13,
+    }  # fmt: skip
+    failed = [name for name, ok in checks.items() if not ok]
+    print("checks failed: " + ", ".join(failed) if failed else "checks passed: " + ", ".join(checks))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

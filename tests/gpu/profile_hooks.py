@@ -63,7 +63,10 @@ def child(args: argparse.Namespace) -> None:
             setattr(module, name, wrapped)
 
         for module, names in (
-            (selection, ("compare", "_membership", "_kth", "_kth_from_top", "_near", "columns")),
+            (
+                selection,
+                ("compare", "_membership", "_kth", "_kth_from_top", "_near", "_gap_coded", "columns"),
+            ),
             (
                 stats,
                 ("counts_device", "hidden_device", "events_device", "site_device", "slot_nonfinite_device"),

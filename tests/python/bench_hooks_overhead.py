@@ -76,7 +76,7 @@ FALLBACKS = (
     "process.kernel_failed.row_stats",
 )
 # manifest settings that name what computed a row's numbers (a Triton kernel or torch's ops)
-KERNEL_SETTINGS = ("hidden_stats", "shadow_indexer_scores")
+KERNEL_SETTINGS = ("hidden_stats", "shadow_indexer_scores", "shadow_indexer_projections")
 
 
 def _rss(key: str) -> int:
