@@ -272,7 +272,10 @@ def _chunk_tail(
         if spec.churn:
             removed = ints["churn_shared"] + ints["churn_prod_only"] + ints["churn_shadow_only"]
             floats["jaccard_no_churn"] = _ratio(ints["shared"] - ints["churn_shared"], union - removed)
-    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, paths, stacked))
+    # Only what the lists read, and that as tensors of their own: a slice of the engine's
+    # scores would keep all of them alive until the work runs (the next layer's indexer).
+    kept = {name: tuple(map(_own, path)) for name, path in paths.items() if name in spec.lists}
+    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, kept, stacked))
     return _Chunk(
         rows=rows,
         ints=packet.add(torch.stack([ints[n] for n in _INTS])),
@@ -303,6 +306,11 @@ def _gap_coded(
             offsets = torch.where(here, (scores[row, key] - kth[row]).float(), offsets)
             selected = torch.where(here, chosen[row, key], selected)
     return gaps, offsets, selected
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where t is a view into a larger tensor."""
+    return t if t.untyped_storage().nbytes() <= t.numel() * t.element_size() else t.clone()
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,13 @@ and nothing on the forward's thread waits for it. `Shipment.arrays`, called on t
 thread, waits for that copy (a CUDA event) and returns numpy views of each tensor.
 
 Tensors whose size depends on the data (a `nonzero`'s lists) cannot be made without the
-host waiting for the device. `Packet.later` puts that wait off: the work runs on a side
-stream at the packet's next `add` or `ship`, by which time the forward has queued more of
-its own work on the device, so the device keeps busy while the host waits for the side
-stream. Waiting at once would leave the device idle until the host caught up again.
+host waiting for the device. Waiting at once would leave the device idle until the host,
+held up, had queued enough work again. `Packet.later` puts that wait off: the work runs on
+a side stream once the device has reached it (checked, without waiting, at each `add`), or
+when more than `PENDING` such pieces are waiting (a layer's chunks of rows), or when the
+packet ships. By then the forward has queued more of its own work, so the device keeps
+busy while the host waits for the side stream. The inputs of at most `PENDING` pieces of
+work stay alive meanwhile (each a chunk's masks and the scores it reads).
 
 On a CPU there is no copy to wait for: the buffer is the host's already.
 """
@@ -57,6 +60,9 @@ class _Job:
     ready: torch.cuda.Event
 
 
+# Pieces of work put off at most, before the oldest is run whether the device has reached it
+# or not: two chunks of 4096 rows, a GLM-5 layer's comparison at 8192 tokens.
+PENDING = 2
 # One side stream per device, made on first use.
 _side: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -73,7 +79,7 @@ class Packet:
         return len(self.tensors)
 
     def add(self, tensor: torch.Tensor) -> int:
-        self.settle()
+        self.settle(reached=True)
         _check(tensor)
         self.tensors.append(tensor.detach())
         return len(self.tensors) - 1
@@ -81,7 +87,7 @@ class Packet:
     def later(self, device: torch.device, count: int, produce: Produce) -> Later:
         """Reserves `count` indices for the tensors `produce()` returns, made from what the
         device has been asked so far. On CUDA (outside a graph capture) `produce` runs on a
-        side stream at the next `add` or `ship`; elsewhere it runs now. A `produce` that
+        side stream at the next `later` or `ship`; elsewhere it runs now. A `produce` that
         raises leaves its arrays empty and says why in the `Later` returned."""
         later = Later(list(range(len(self.tensors), len(self.tensors) + count)))
         placeholder = torch.empty(0, dtype=torch.uint8, device=device)
@@ -94,13 +100,18 @@ class Packet:
             ready = torch.cuda.Event()
             ready.record(stream)
         self._jobs.append(_Job(produce, later, stream, ready))
+        self.settle(keep=PENDING)
         return later
 
-    def settle(self) -> None:
-        """Runs the work `later` put off, each on its device's side stream once the work it
-        reads is done; the stream that queued it waits for the results before going on."""
-        jobs, self._jobs = self._jobs, []
-        for job in jobs:
+    def settle(self, *, keep: int = 0, reached: bool = False) -> None:
+        """Runs the work `later` put off, oldest first, each on its device's side stream once
+        the work it reads is done; the stream that queued it waits for the results before
+        going on. Leaves the newest `keep` pieces waiting; with `reached`, runs only those
+        the device has already reached, which the host then waits for only briefly."""
+        while len(self._jobs) > keep:
+            if reached and not self._jobs[0].ready.query():
+                return
+            job = self._jobs.pop(0)
             device = job.stream.device
             with torch.cuda.device(device):
                 side = _side.get(device)
