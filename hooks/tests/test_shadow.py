@@ -91,3 +91,4 @@ def test_a_shadow_projection_off_cuda_is_the_product_of_the_upcast_operands_and_
     assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()))
     assert shadow.linear_path(x, w, torch.float32) == "fp32"
     assert shadow.linear_path(x, w, torch.float64) == "fp64"
+    assert shadow.linear_path(x, w, torch.bfloat16) == "bf16"

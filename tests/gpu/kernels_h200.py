@@ -29,7 +29,7 @@ import statistics
 import sys
 
 import torch
-from shadowtrace_hooks import kernels, numerics, selection, shadow, stats
+from shadowtrace_hooks import kernels, numerics, selection, shadow, stats, transfer
 from shadowtrace_hooks.transfer import Packet
 
 
@@ -187,18 +187,38 @@ def main() -> int:
             for a, b in zip(a_arrays, b_arrays, strict=True)
         )
 
+    def differences(a_arrays, b_arrays) -> str:
+        out = []
+        for i, (a, b) in enumerate(zip(a_arrays, b_arrays, strict=True)):
+            if a.shape != b.shape:
+                out.append(f"array {i}: shape {a.shape} vs {b.shape}")
+            elif not ((a == b) | ((a != a) & (b != b))).all():
+                out.append(f"array {i}: {int((a != b).sum())} of {a.size} differ")
+        return "; ".join(out) or "none"
+
     # The lists made on the side stream (Packet.later) against the same comparison on the CPU,
-    # where they are made at once; then with the inputs freed right after the side stream's
-    # work is queued and their memory filled with NaN on the main stream: a missing wait
-    # would let the side stream read the NaN (or stale) scores.
-    host = Packet()
-    cpu = lambda x: x.cpu()  # noqa: E731
-    selection.compare(
-        host, cpu(prod_top.indices), cpu(pos), t, k, prod_scores=cpu(fp32), shadow_scores=cpu(split),
-        band=1e-3, prod_top_values=cpu(prod_top.values),
-    )  # fmt: skip
-    by_host = host.ship().arrays()
-    rows["compare lists, side stream vs CPU: identical packet"] = same(by_kernel, by_host)
+    # where they are made at once. The shadow's scores have no ties (each row a permutation of
+    # 0..T-1, masked as causal): torch's top-k orders tied keys differently on the CPU and the
+    # GPU, which would change the selection, not show a fault.
+    distinct = torch.argsort(torch.rand(t, t, device=dev, generator=gen), dim=1).float()
+    distinct = distinct.masked_fill(torch.arange(t, device=dev)[None, :] > pos[:, None], -math.inf)
+
+    def compare_on(device: str):
+        packet = Packet()
+        on = lambda x: x.to(device)  # noqa: E731
+        selection.compare(
+            packet, on(prod_top.indices), on(pos), t, k, prod_scores=on(fp32), shadow_scores=on(distinct),
+            band=1e-3, prod_top_values=on(prod_top.values),
+        )  # fmt: skip
+        return packet.ship().arrays()
+
+    by_gpu, by_host = compare_on("cuda"), compare_on("cpu")
+    rows["compare lists, side stream vs CPU: identical packet"] = same(by_gpu, by_host)
+    rows["compare lists, side stream vs CPU: differences"] = differences(by_gpu, by_host)
+    rows["compare kernel vs torch: differences"] = differences(by_kernel, by_torch)
+    # The same comparison with its inputs freed as soon as the side stream's work is queued,
+    # and their memory filled with NaN on the main stream: without the wait the side stream
+    # would read NaN or stale scores.
     packet = Packet()
     p_scores, s_scores = fp32.clone(), split.clone()
     selection.compare(
@@ -210,6 +230,24 @@ def main() -> int:
     junk = [torch.full((t, t), math.nan, device=dev) for _ in range(4)]
     rows["compare lists, inputs overwritten: identical packet"] = same(by_kernel, packet.ship().arrays())
     del junk
+
+    # Two requests' comparisons in flight (a packet each): the inputs held by the work put
+    # off stay within transfer.PENDING_BYTES (one piece may exceed it alone), and both
+    # packets still match.
+    packets, held = [Packet(), Packet()], []
+    for packet in packets:
+        selection.compare(
+            packet, prod_top.indices, pos, t, k, prod_scores=fp32, shadow_scores=split, band=1e-3,
+            prod_top_values=prod_top.values,
+        )  # fmt: skip
+        held.append((transfer.held_bytes(), len(transfer._waiting)))
+    rows["compare, two requests: held MiB, pieces waiting"] = [(b / 2**20, n) for b, n in held]
+    rows["compare, two requests: held within PENDING_BYTES"] = all(
+        b <= transfer.PENDING_BYTES or n == 1 for b, n in held
+    )
+    rows["compare, two requests: identical packets"] = all(
+        same(by_kernel, packet.ship().arrays()) for packet in packets
+    )
 
     # The shadow's projections (`shadow.linear`): bf16 operands to fp32 results on the tensor
     # cores against the fp32 GEMM of the upcast operands, both against fp64, at GLM-5's q
@@ -246,6 +284,8 @@ def main() -> int:
         "compare kernel vs torch: identical packet": rows["compare kernel vs torch: identical packet"],
         "side stream vs CPU": rows["compare lists, side stream vs CPU: identical packet"],
         "inputs freed and overwritten": rows["compare lists, inputs overwritten: identical packet"],
+        "two requests held": rows["compare, two requests: held within PENDING_BYTES"],
+        "two requests packets": rows["compare, two requests: identical packets"],
         "projection on the tensor cores": rows["projection path"] == "tensor cores",
         "projection error <= 2048 * 2^-24": rows["projection tensor cores max err / sum|xw|"] <= 2.0**-13,
     }  # fmt: skip

@@ -275,7 +275,8 @@ def _chunk_tail(
     # Only what the lists read, and that as tensors of their own: a slice of the engine's
     # scores would keep all of them alive until the work runs (the next layer's indexer).
     kept = {name: tuple(map(_own, path)) for name, path in paths.items() if name in spec.lists}
-    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, kept, stacked))
+    held = stacked.nbytes + sum(t.nbytes for path in kept.values() for t in path)
+    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, kept, stacked), held)
     return _Chunk(
         rows=rows,
         ints=packet.add(torch.stack([ints[n] for n in _INTS])),

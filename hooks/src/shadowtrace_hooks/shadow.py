@@ -32,6 +32,7 @@ import torch
 from shadowtrace_hooks import kernels, numerics
 
 _UPCASTABLE = (torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # nn.Module's per-instance hook registries: emptied for the shadow call, restored after.
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -257,7 +258,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> st
     fp32 products hold exactly) or `dtype`'s own GEMM ("fp32", with why where the tensor
     cores raised)."""
     exact = x.dtype in _UPCASTABLE and weight.dtype == x.dtype and x.shape[-1] == weight.shape[-1]
-    own = str(dtype).removeprefix("torch.").replace("float", "fp")
+    own = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     if dtype == torch.float32 and x.is_cuda and exact:
         return "tensor cores" if tensor_cores_failed is None else f"{own} ({tensor_cores_failed})"
     return own

@@ -10,10 +10,10 @@ Tensors whose size depends on the data (a `nonzero`'s lists) cannot be made with
 host waiting for the device. Waiting at once would leave the device idle until the host,
 held up, had queued enough work again. `Packet.later` puts that wait off: the work runs on
 a side stream once the device has reached it (checked, without waiting, at each `add`), or
-when more than `PENDING` such pieces are waiting (a layer's chunks of rows), or when the
-packet ships. By then the forward has queued more of its own work, so the device keeps
-busy while the host waits for the side stream. The inputs of at most `PENDING` pieces of
-work stay alive meanwhile (each a chunk's masks and the scores it reads).
+when the inputs of all work put off in the process would hold more than `PENDING_BYTES`
+of device memory, or when its packet ships (each layer, in the HF adapter). By then the
+forward has queued more of its own work, so the device keeps busy while the host waits
+for the side stream.
 
 On a CPU there is no copy to wait for: the buffer is the host's already.
 """
@@ -52,19 +52,30 @@ class Later:
 @dataclass
 class _Job:
     """Work put off: `produce` runs once `ready` (recorded on `stream`, the stream that
-    queued the work it reads) has passed."""
+    queued the work it reads) has passed; its inputs hold `nbytes` of device memory."""
 
+    packet: "Packet"
     produce: Produce
     later: Later
     stream: torch.cuda.Stream
     ready: torch.cuda.Event
+    nbytes: int
 
 
-# Pieces of work put off at most, before the oldest is run whether the device has reached it
-# or not: two chunks of 4096 rows, a GLM-5 layer's comparison at 8192 tokens.
-PENDING = 2
+# Device memory the inputs of put-off work may hold at once, over every packet (one per
+# request) of the process: beyond it the oldest runs whether the device has reached it or
+# not. A GLM-5 comparison chunk (4096 rows x 8192 keys, prod and shadow, a band) holds about
+# 450 MiB, so one chunk waits at a time there; with production only, two.
+PENDING_BYTES = 512 << 20
+# Work put off in the process, oldest first.
+_waiting: list[_Job] = []
 # One side stream per device, made on first use.
 _side: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def held_bytes() -> int:
+    """Device memory the inputs of put-off work hold now."""
+    return sum(job.nbytes for job in _waiting)
 
 
 class Packet:
@@ -73,7 +84,6 @@ class Packet:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self._jobs: list[_Job] = []
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -84,11 +94,12 @@ class Packet:
         self.tensors.append(tensor.detach())
         return len(self.tensors) - 1
 
-    def later(self, device: torch.device, count: int, produce: Produce) -> Later:
+    def later(self, device: torch.device, count: int, produce: Produce, nbytes: int = 0) -> Later:
         """Reserves `count` indices for the tensors `produce()` returns, made from what the
-        device has been asked so far. On CUDA (outside a graph capture) `produce` runs on a
-        side stream at the next `later` or `ship`; elsewhere it runs now. A `produce` that
-        raises leaves its arrays empty and says why in the `Later` returned."""
+        device has been asked so far (inputs of `nbytes` it keeps alive until it runs). On
+        CUDA (outside a graph capture) `produce` runs on a side stream later (see the module
+        docstring), at the latest when the packet ships; elsewhere it runs now. A `produce`
+        that raises leaves its arrays empty and says why in the `Later` returned."""
         later = Later(list(range(len(self.tensors), len(self.tensors) + count)))
         placeholder = torch.empty(0, dtype=torch.uint8, device=device)
         self.tensors.extend([placeholder] * count)
@@ -99,34 +110,18 @@ class Packet:
             stream = torch.cuda.current_stream()
             ready = torch.cuda.Event()
             ready.record(stream)
-        self._jobs.append(_Job(produce, later, stream, ready))
-        self.settle(keep=PENDING)
+        _waiting.append(_Job(self, produce, later, stream, ready, nbytes))
+        while len(_waiting) > 1 and held_bytes() > PENDING_BYTES:
+            _run(_waiting[0])
         return later
 
-    def settle(self, *, keep: int = 0, reached: bool = False) -> None:
-        """Runs the work `later` put off, oldest first, each on its device's side stream once
-        the work it reads is done; the stream that queued it waits for the results before
-        going on. Leaves the newest `keep` pieces waiting; with `reached`, runs only those
-        the device has already reached, which the host then waits for only briefly."""
-        while len(self._jobs) > keep:
-            if reached and not self._jobs[0].ready.query():
+    def settle(self, *, reached: bool = False) -> None:
+        """Runs this packet's put-off work, oldest first; with `reached`, only the work the
+        device has already reached, which the host then waits for only briefly."""
+        for job in [j for j in _waiting if j.packet is self]:
+            if reached and not job.ready.query():
                 return
-            job = self._jobs.pop(0)
-            device = job.stream.device
-            with torch.cuda.device(device):
-                side = _side.get(device)
-                if side is None:
-                    side = _side[device] = torch.cuda.Stream(device=device)
-                side.wait_event(job.ready)
-                with torch.cuda.stream(side):
-                    made = self._fill(job.later, job.produce)
-                    done = torch.cuda.Event()
-                    done.record(side)
-                # The inputs, freed once `job` goes, return to `job.stream`'s pool: this
-                # wait orders their next use there after the side stream's reads.
-                job.stream.wait_event(done)
-            for t in made:
-                t.record_stream(job.stream)  # made on the side stream, read on job.stream
+            _run(job)
 
     def _fill(self, later: Later, produce: Produce) -> tuple[torch.Tensor, ...]:
         try:
@@ -174,6 +169,27 @@ class Packet:
         done = torch.cuda.Event()
         done.record()
         return Shipment(host, done, layout)
+
+
+def _run(job: _Job) -> None:
+    """Runs put-off work on its device's side stream once the work it reads is done; the
+    stream that queued it waits for the results before going on."""
+    _waiting.remove(job)
+    device = job.stream.device
+    with torch.cuda.device(device):
+        side = _side.get(device)
+        if side is None:
+            side = _side[device] = torch.cuda.Stream(device=device)
+        side.wait_event(job.ready)
+        with torch.cuda.stream(side):
+            made = job.packet._fill(job.later, job.produce)
+            done = torch.cuda.Event()
+            done.record(side)
+        # The inputs, freed once `job` goes, return to `job.stream`'s pool: this wait
+        # orders their next use there after the side stream's reads.
+        job.stream.wait_event(done)
+    for t in made:
+        t.record_stream(job.stream)  # made on the side stream, read on job.stream
 
 
 def _check(tensor: torch.Tensor) -> None:
