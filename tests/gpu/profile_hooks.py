@@ -105,9 +105,39 @@ def child(args: argparse.Namespace) -> None:
         dev = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
         host = e.cpu_time_total / 1e3
         print(f"  {e.key:40} calls {e.count:5}  host {host:8.1f} ms  device {dev / 1e3:8.1f} ms")
+    if device == "cuda":
+        idle(prof, args.gaps)
     waits = [e for e in events if "Synchron" in e.key or "Memcpy" in e.key]
     syncs = {e.key: (e.count, e.cpu_time_total / 1e3) for e in waits}
     print("syncs and copies:", json.dumps(syncs))
+
+
+def idle(prof, shown: int) -> None:
+    """How long the GPU ran no kernel during the profiled forward (the union of every
+    stream's kernels against the span from the first to the last), and the longest gaps
+    with the kernels on either side: where the device waited for the host."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+        and not e.name.startswith(("st:", "fn:"))
+    )  # fmt: skip
+    if not kernels:
+        return
+    busy, gaps, end, last = 0.0, [], kernels[0][0], kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, last, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    span = end - kernels[0][0]
+    print(f"device busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms "
+          f"in {len(gaps)} gaps")  # fmt: skip
+    for gap, before, after in sorted(gaps, reverse=True)[:shown]:
+        print(f"  gap {gap / 1e3:7.2f} ms after {before[:60]} before {after[:60]}")
 
 
 def main() -> int:
@@ -116,6 +146,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--modes", default="unhooked,capture,on")
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--gaps", type=int, default=12, help="longest device idle gaps listed")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -126,7 +157,8 @@ def main() -> int:
     status = 0
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "--layers", str(args.layers)]
-        cmd += ["--tokens", str(args.tokens), "--rows", str(args.rows)] + (["--tiny"] if args.tiny else [])
+        cmd += ["--tokens", str(args.tokens), "--rows", str(args.rows), "--gaps", str(args.gaps)]
+        cmd += ["--tiny"] if args.tiny else []
         env = {**clean, **MODES[mode], "SHADOWTRACE_DIR": f"/tmp/profile-runs/{mode}"}
         print(f"===== {mode}: {MODES[mode]}", flush=True)
         out = subprocess.run(cmd, env=env, check=False)
