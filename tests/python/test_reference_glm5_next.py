@@ -33,6 +33,9 @@ HIDDEN_REL_TOL = 1e-5
 # depends on the CPU's bf16 kernels (2.96e-2 on this machine's AMD EPYC at layer 5, whose
 # tensor sits at 2.4e-3).
 BF16_REL_L2 = 2.0**-8
+# FP8 production against fp32: what one layer may add to the relative L2 distance, e4m3's
+# unit roundoff (3 mantissa bits); see the FP8 test.
+FP8_UNIT_ROUNDOFF = 2.0**-4
 # Selected tokens may differ only where a pool's score is tied with the k-th within this
 # relative margin; none are expected on random weights.
 TIE_REL_TOL = 1e-5
@@ -159,18 +162,24 @@ def test_the_k_pool_selections_agree_with_transformers_and_the_shared_layer_reus
     assert torch.equal(rust["topk.2"], rust["topk.1"])
 
 
-def test_the_production_path_runs_fp8_linears_within_bf16_distance_of_the_fp32_path(
+def test_each_layer_of_the_fp8_production_path_adds_at_most_e4m3s_unit_roundoff_to_its_distance(
     reference: tuple[Path, dict],
 ) -> None:
-    """Not parity (production is FP8 by design): it runs every layer finite and stays close
-    to transformers' fp32 numbers, so a broken production path cannot pass unnoticed."""
+    """Not parity (production is FP8 by design): it runs every layer finite, and each layer
+    adds at most FP8 e4m3's unit roundoff (2^-4, 3 mantissa bits) to the relative L2 distance
+    from transformers' fp32 numbers: a layer rounds its linears' operands to e4m3 once each,
+    and the distance the earlier layers left rides along the residual stream (measured here:
+    3.7e-2 after layer 0, then 0.2e-2 to 1.7e-2 a layer, 7.9e-2 after layer 5). A broken
+    production path (a wrong scale, a dropped block, a NaN) moves a layer by O(1)."""
     tmp, hf = reference
     rust = rust_dump(tmp, "fp8")
-    for i, want in hf["layer_out"].items():
+    before = 0.0
+    for i, want in sorted(hf["layer_out"].items()):
         got = rust[f"layer_out.{i}"].view(want.shape)
         assert torch.isfinite(got).all(), i
-        err = float((got - want).abs().max() / want.abs().max())
-        assert 0 < err <= 0.25, (i, err)
+        err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+        assert 0 < err <= before + FP8_UNIT_ROUNDOFF, (i, err, before)
+        before = err
 
 
 def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tuple[Path, dict]) -> None:
