@@ -69,25 +69,36 @@ def test_within_a_suspension_only_the_capture_hooks_fire_and_every_hook_comes_ba
 
 def test_full_fp32_turns_off_tf32_and_reduced_precision_sums_and_puts_back_what_the_engine_set() -> None:
     matmul = torch.backends.cuda.matmul
-    names = ("allow_tf32", "allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
-    saved = [getattr(matmul, n) for n in names]
+    names = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+    def reductions() -> list[tuple[bool, bool]]:
+        return [(getattr(matmul, n), getattr(matmul, f"{n}_split_k")) for n in names]
+
+    saved = (reductions(), matmul.allow_tf32, matmul.allow_fp16_accumulation)
     try:
-        for n in names:
-            setattr(matmul, n, True)
-        with shadow.full_fp32():
-            assert [getattr(matmul, n) for n in names] == [False, False, False]
-            assert torch.backends.cudnn.allow_tf32 is False
-        assert [getattr(matmul, n) for n in names] == [True, True, True]
+        # (False, False): reduced precision and split-K both off, which a bool written back
+        # to the first flag would turn into (False, True).
+        for engine in ((False, False), (True, True)):
+            for n in names:
+                setattr(matmul, n, engine)
+            matmul.allow_tf32 = matmul.allow_fp16_accumulation = True
+            with shadow.full_fp32():
+                assert reductions() == [(False, False)] * 2
+                assert (matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+                assert matmul.allow_fp16_accumulation is False
+            assert reductions() == [engine] * 2
+            assert (matmul.allow_tf32, matmul.allow_fp16_accumulation) == (True, True)
     finally:
-        for n, value in zip(names, saved, strict=True):
+        for n, value in zip(names, saved[0], strict=True):
             setattr(matmul, n, value)
+        matmul.allow_tf32, matmul.allow_fp16_accumulation = saved[1], saved[2]
 
 
 def test_a_shadow_projection_off_cuda_is_the_product_of_the_upcast_operands_and_says_so() -> None:
     torch.manual_seed(0)
-    x, w = torch.randn(5, 16).bfloat16(), torch.randn(3, 16).bfloat16()
+    x, w = torch.randn(2, 5, 16).bfloat16(), torch.randn(3, 16).bfloat16()
     got = shadow.linear(x, w, torch.float32)
-    assert got.dtype == torch.float32
+    assert (got.dtype, tuple(got.shape)) == (torch.float32, (2, 5, 3))
     assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()))
     assert shadow.linear_path(x, w, torch.float32) == "fp32"
     assert shadow.linear_path(x, w, torch.float64) == "fp64"

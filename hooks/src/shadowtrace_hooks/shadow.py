@@ -76,22 +76,28 @@ def in_precision(
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
     """fp32 matmuls and convolutions in full fp32 within the block (no TF32), and no
-    reduced-precision reductions in bf16/fp16 GEMMs (`linear`'s fp32 results from bf16
-    operands accumulate in fp32 throughout), restored after."""
-    flags = [
-        (torch.backends.cuda.matmul, "allow_tf32"),
-        (torch.backends.cudnn, "allow_tf32"),
-        (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
-        (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
-    ]
-    saved = [getattr(owner, name) for owner, name in flags]
-    for owner, name in flags:
-        setattr(owner, name, False)
+    reduced-precision or fp16 accumulation in bf16/fp16 GEMMs (`linear`'s fp32 results from
+    bf16 operands accumulate in fp32 throughout); every setting the engine made is put back
+    as it was, split-K flags included."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = {"tf32": (matmul.allow_tf32, cudnn.allow_tf32)}
+    for kind in ("bf16", "fp16"):
+        name = f"allow_{kind}_reduced_precision_reduction"
+        # (reduced precision, split-K): a plain bool set on the first would reset the second
+        saved[name] = (getattr(matmul, name), getattr(matmul, f"{name}_split_k"))
+    saved["fp16_accumulation"] = matmul.allow_fp16_accumulation
     try:
+        matmul.allow_tf32 = cudnn.allow_tf32 = False
+        for kind in ("bf16", "fp16"):
+            setattr(matmul, f"allow_{kind}_reduced_precision_reduction", (False, False))
+        matmul.allow_fp16_accumulation = False
         yield
     finally:
-        for (owner, name), value in zip(flags, saved, strict=True):
-            setattr(owner, name, value)
+        matmul.allow_tf32, cudnn.allow_tf32 = saved["tf32"]
+        for kind in ("bf16", "fp16"):
+            name = f"allow_{kind}_reduced_precision_reduction"
+            setattr(matmul, name, saved[name])
+        matmul.allow_fp16_accumulation = saved["fp16_accumulation"]
 
 
 # === expert banks ===
@@ -248,7 +254,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.T
         try:
             out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), torch.float32)
             return out.view(*x.shape[:-1], weight.shape[0])
-        except RuntimeError as e:
+        except torch.cuda.OutOfMemoryError:
+            raise  # the fp32 GEMM would need more; the capture's guard counts it
+        except (RuntimeError, TypeError) as e:  # TypeError: a torch without mm's out_dtype
             tensor_cores_failed = f"{type(e).__name__}: {str(e)[:160]}"
     return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
 
@@ -259,7 +267,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> st
     cores raised)."""
     exact = x.dtype in _UPCASTABLE and weight.dtype == x.dtype and x.shape[-1] == weight.shape[-1]
     own = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    if dtype == torch.float32 and x.is_cuda and exact:
+    if dtype == torch.float32 and x.is_cuda and weight.device == x.device and exact:
         return "tensor cores" if tensor_cores_failed is None else f"{own} ({tensor_cores_failed})"
     return own
 
