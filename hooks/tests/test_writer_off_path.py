@@ -140,3 +140,33 @@ def test_a_dropped_shipment_counts_its_rows_and_its_events_too(tmp_path: Path) -
     # their own: the queue still full, they were dropped too, and counted
     events = manifest["tables"]["events"]
     assert (events["sent_rows"], events["dropped_rows"], events["rows"]) == (1, 1, 0)
+
+
+def test_a_comparison_whose_lists_were_lost_drops_its_rows_counted_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The top-k lists' work failing (selection.ListsLost) costs that comparison's rows,
+    counted as dropped and as topk_lists_lost_rows in the manifest on disk; the writer keeps
+    writing the same shipment's other rows and every later shipment, and the run completes."""
+    from shadowtrace_hooks import selection
+
+    def lost(*_: object) -> None:
+        raise RuntimeError("CUDA error: out of memory in nonzero")
+
+    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
+    run = session.Run(RunWriter(tmp_path / "run", IDENTITY), settings)
+    positions = np.arange(6, dtype=np.int32)
+    scores = torch.arange(36, dtype=torch.float32).view(6, 6)
+    with monkeypatch.context() as m:
+        m.setattr(selection, "_gap_coded", lost)
+        run.topk(0, 0, 4, positions, torch.arange(6), scores.topk(4).indices, scores, {"raw": scores})
+    run.logits(torch.randn(6, 10), None, positions)
+    run.ship()
+    run.logits(torch.randn(6, 10), None, positions)
+    run.ship()
+    manifest = run.writer.close()
+    topk, logits = manifest["tables"]["topk"], manifest["tables"]["logits"]
+    assert (topk["sent_rows"], topk["rows"], topk["dropped_rows"]) == (6, 0, 6)
+    assert (logits["sent_rows"], logits["rows"]) == (12, 12)
+    assert manifest["counters"]["topk_lists_lost_rows"] == 6
+    assert manifest["status"] == "complete", manifest.get("errors")

@@ -217,16 +217,24 @@ def main() -> int:
     rows["compare lists, side stream vs CPU: differences"] = differences(by_gpu, by_host)
     rows["compare kernel vs torch: differences"] = differences(by_kernel, by_torch)
     # The same comparison with its inputs freed as soon as the side stream's work is queued,
-    # and their memory filled with NaN on the main stream: without the wait the side stream
-    # would read NaN or stale scores.
+    # and their memory filled with NaN on the main stream. The side stream first sleeps
+    # (about 50 ms) so that, without the main stream's wait for it, the NaN would land before
+    # it reads the scores; the inputs it reads are its own copies, freed when the work is
+    # dropped, and the junk, as large, reuses their blocks.
+    real = selection._gap_coded
+
+    def slow(*a):
+        torch.cuda._sleep(100_000_000)
+        return real(*a)
+
+    selection._gap_coded = slow
     packet = Packet()
-    p_scores, s_scores = fp32.clone(), split.clone()
     selection.compare(
-        packet, prod_top.indices, pos, t, k, prod_scores=p_scores, shadow_scores=s_scores, band=1e-3,
+        packet, prod_top.indices, pos, t, k, prod_scores=fp32, shadow_scores=split, band=1e-3,
         prod_top_values=prod_top.values,
     )  # fmt: skip
-    del p_scores, s_scores
     packet.settle()
+    selection._gap_coded = real
     junk = [torch.full((t, t), math.nan, device=dev) for _ in range(4)]
     rows["compare lists, inputs overwritten: identical packet"] = same(by_kernel, packet.ship().arrays())
     del junk
@@ -242,6 +250,7 @@ def main() -> int:
         )  # fmt: skip
         held.append((transfer.held_bytes(), len(transfer._waiting)))
     rows["compare, two requests: held MiB, pieces waiting"] = [(b / 2**20, n) for b, n in held]
+    # one piece alone may exceed the budget (it waits until the next); two may not
     rows["compare, two requests: held within PENDING_BYTES"] = all(
         b <= transfer.PENDING_BYTES or n == 1 for b, n in held
     )

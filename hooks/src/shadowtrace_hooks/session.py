@@ -262,6 +262,10 @@ class Run:
     def ship(self) -> None:
         """Sends every capture since the last ship in one device-to-host copy."""
         if not self._decoders:
+            # Tensors of captures that failed before registering a decoder, and their put-off
+            # work: nothing would read them, and the work would hold its inputs for good.
+            self._packet.discard()
+            self._device = None
             return
         decoders, counted = self._decoders, self._counted
         self._decoders, self._counted, self._device = [], {}, None
@@ -365,7 +369,12 @@ class Run:
         def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
             out = []
             for shadow_input, spec in specs.items():
-                cols = selection.columns(spec, arrays, visible, k, sampled)
+                try:
+                    cols = selection.columns(spec, arrays, visible, k, sampled)
+                except selection.ListsLost:
+                    # The writer counts the rows dropped (fewer than counted); this says why.
+                    self.writer.count("topk_lists_lost_rows", rows)
+                    continue
                 out.append(("topk", {**cols, **fixed, "shadow_input": shadow_input}, rows))
             return out
 

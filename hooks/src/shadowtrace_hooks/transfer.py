@@ -84,6 +84,7 @@ class Packet:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
+        self._made: list[torch.cuda.Event] = []
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -103,13 +104,19 @@ class Packet:
         later = Later(list(range(len(self.tensors), len(self.tensors) + count)))
         placeholder = torch.empty(0, dtype=torch.uint8, device=device)
         self.tensors.extend([placeholder] * count)
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if device.type != "cuda":
             self._fill(later, produce)
             return later
         with torch.cuda.device(device):
+            if torch.cuda.is_current_stream_capturing():
+                # A CUDA graph cannot hold the host's wait; the capture's guard counts this.
+                raise RuntimeError("packet: data-sized tensors cannot be made during CUDA graph capture")
             stream = torch.cuda.current_stream()
             ready = torch.cuda.Event()
             ready.record(stream)
+        # Until the work has run, its arrays are not made: an exit (SIGTERM's SystemExit)
+        # in the middle leaves this, never empty arrays that look made.
+        later.error = "not made: the work put off never ran"
         _waiting.append(_Job(self, produce, later, stream, ready, nbytes))
         while len(_waiting) > 1 and held_bytes() > PENDING_BYTES:
             _run(_waiting[0])
@@ -123,6 +130,11 @@ class Packet:
                 return
             _run(job)
 
+    def discard(self) -> None:
+        """Drops what was added and the work put off for it (a packet no decoder reads)."""
+        _waiting[:] = [job for job in _waiting if job.packet is not self]
+        self.tensors, self._made = [], []
+
     def _fill(self, later: Later, produce: Produce) -> tuple[torch.Tensor, ...]:
         try:
             made = tuple(t.detach() for t in produce())
@@ -135,12 +147,14 @@ class Packet:
             return ()
         for slot, tensor in zip(later.slots, made, strict=True):
             self.tensors[slot] = tensor
+        later.error = None
         return made
 
     def ship(self) -> "Shipment":
         """Starts the copy of every tensor added; the packet is empty afterwards."""
         self.settle()
         tensors, self.tensors = self.tensors, []
+        made, self._made = self._made, []
         layout = []
         pieces = []
         offset = 0
@@ -158,38 +172,51 @@ class Packet:
             offset += flat.numel()
         if not pieces:
             return Shipment(torch.empty(0, dtype=torch.uint8), None, layout)
-        buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
         if device.type != "cuda":
+            buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
             return Shipment(buffer.cpu(), None, layout)
-        try:
-            host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
-            return Shipment(buffer.cpu(), None, layout)
-        host.copy_(buffer, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream()
+            for event in made:  # the side stream's tensors, whichever stream ships them
+                stream.wait_event(event)
+            buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+            try:
+                host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
+                return Shipment(buffer.cpu(), None, layout)
+            host.copy_(buffer, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
         return Shipment(host, done, layout)
 
 
 def _run(job: _Job) -> None:
     """Runs put-off work on its device's side stream once the work it reads is done; the
-    stream that queued it waits for the results before going on."""
+    stream that queued it waits for the results before going on. A failure stays with the
+    work (`Later.error`), never with the capture whose call ran it."""
     _waiting.remove(job)
     device = job.stream.device
-    with torch.cuda.device(device):
-        side = _side.get(device)
-        if side is None:
-            side = _side[device] = torch.cuda.Stream(device=device)
-        side.wait_event(job.ready)
-        with torch.cuda.stream(side):
-            made = job.packet._fill(job.later, job.produce)
-            done = torch.cuda.Event()
-            done.record(side)
-        # The inputs, freed once `job` goes, return to `job.stream`'s pool: this wait
-        # orders their next use there after the side stream's reads.
-        job.stream.wait_event(done)
-    for t in made:
-        t.record_stream(job.stream)  # made on the side stream, read on job.stream
+    try:
+        with torch.cuda.device(device):
+            side = _side.get(device)
+            if side is None:
+                # high priority: a reached `nonzero` need not queue behind the forward's GEMMs
+                side = _side[device] = torch.cuda.Stream(device=device, priority=-1)
+            side.wait_event(job.ready)
+            with torch.cuda.stream(side):
+                made = job.packet._fill(job.later, job.produce)
+                done = torch.cuda.Event()
+                done.record(side)
+            # The inputs, freed once `job` goes, return to `job.stream`'s pool: this wait
+            # orders their next use there after the side stream's reads.
+            job.stream.wait_event(done)
+        for t in made:
+            t.record_stream(job.stream)  # made on the side stream, read on job.stream
+        job.packet._made.append(done)
+    except Exception as e:
+        job.later.error = f"{type(e).__name__}: {e}"
+        for slot in job.later.slots:  # nothing half made goes out as if it were the lists
+            job.packet.tensors[slot] = torch.empty(0, dtype=torch.uint8, device=device)
 
 
 def _check(tensor: torch.Tensor) -> None:

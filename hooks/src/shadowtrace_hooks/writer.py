@@ -452,6 +452,9 @@ class RunWriter:
             for table, columns, rows in batches:
                 self.tables[table].push_columns(columns, rows)
                 written[table] = written.get(table, 0) + rows
+            with self._lock:  # a decoder that made fewer rows than it counted dropped them
+                for table, rows in payload.counted.items():
+                    self.dropped[table] += max(0, rows - written.get(table, 0))
         except Exception as e:
             with self._lock:
                 if not self.errors:
@@ -459,6 +462,11 @@ class RunWriter:
                 for table, rows in payload.counted.items():
                     self.dropped[table] += max(0, rows - written.get(table, 0))
                 self.counters["undecoded_shipments"] = self.counters.get("undecoded_shipments", 0) + 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Adds n to the manifest counter `name` (either thread may call it)."""
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
 
     def _sent_changed(self) -> bool:
         """Whether rows were sent since the manifest on disk counted them."""
