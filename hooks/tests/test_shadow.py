@@ -83,7 +83,7 @@ def test_full_fp32_turns_off_tf32_and_reduced_precision_sums_and_puts_back_what_
                 setattr(matmul, n, engine)
             matmul.allow_tf32 = matmul.allow_fp16_accumulation = True
             with shadow.full_fp32():
-                assert reductions() == [(False, False)] * 2
+                assert reductions() == [(False, True)] * 2
                 assert (matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
                 assert matmul.allow_fp16_accumulation is False
             assert reductions() == [engine] * 2
