@@ -24,13 +24,6 @@ from shadowtrace_hooks.writer import ByteBudget, RunWriter
 
 log = logging.getLogger("shadowtrace")
 
-_DTYPE_NAMES = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float8_e4m3fn: "fp8_e4m3",
-}
-
 
 def capturing() -> bool:
     """True while a CUDA graph is being captured or torch.compile is tracing: Python hooks
@@ -39,10 +32,6 @@ def capturing() -> bool:
         return True
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def topk_lists(raw: Any) -> dict[str, Any]:

@@ -32,7 +32,14 @@ import torch
 from shadowtrace_hooks import kernels, numerics
 
 _UPCASTABLE = (torch.bfloat16, torch.float16)
-_DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The manifest's names of dtypes (`dtype_name`); others go by torch's own name.
+_DTYPE_NAMES = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+}
 # nn.Module's per-instance hook registries: emptied for the shadow call, restored after.
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -41,6 +48,10 @@ _HOOK_DICTS = (
     "_forward_pre_hooks",
     "_forward_pre_hooks_with_kwargs",
 )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 @contextlib.contextmanager
@@ -268,7 +279,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> st
     fp32 products hold exactly) or `dtype`'s own GEMM ("fp32", with why where the tensor
     cores raised)."""
     exact = x.dtype in _UPCASTABLE and weight.dtype == x.dtype and x.shape[-1] == weight.shape[-1]
-    own = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    own = dtype_name(dtype)
     if dtype == torch.float32 and x.is_cuda and weight.device == x.device and exact:
         return "tensor cores" if tensor_cores_failed is None else f"{own} ({tensor_cores_failed})"
     return own

@@ -421,7 +421,7 @@ class _Tracer:
             model=self.identity,
             engine={"name": NAME, "version": _version(), "commit": None, "variant": None},
             device=session.device_of(torch.empty(0, device=device)),
-            dtypes={"prod": session.dtype_name(dtype), "shadow": self.settings.precision},
+            dtypes={"prod": shadow.dtype_name(dtype), "shadow": self.settings.precision},
         )
         run.writer.manifest["settings"]["adapter"] = f"{NAME}: layout {layout.name} ({layout.source})"
         return run

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from shadowtrace_hooks import session
 from shadowtrace_hooks.adapters import hf
 from shadowtrace_hooks.adapters.layout import Layout, Symbol
 from shadowtrace_hooks.session import Run, Session
+from shadowtrace_hooks.shadow import dtype_name
 
 NAME = hf.NAME
 LAYOUTS: tuple[Layout, ...] = ()  # the structure is found at the first call, not declared
@@ -153,7 +153,7 @@ class GenericTracer(hf._Tracer):
         prod = next(layers.parameters()).dtype
         if _PRECISION.get(shadow, 0) < _PRECISION.get(prod, 0):
             return (
-                f"{kind}: production runs in {session.dtype_name(prod)}, above the shadow's "
+                f"{kind}: production runs in {dtype_name(prod)}, above the shadow's "
                 f"{self.settings.precision}; production is traced alone"
             )
         return None
