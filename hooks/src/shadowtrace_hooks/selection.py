@@ -48,7 +48,8 @@ _FLOATS = ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "shadow_kth_
 
 class ListsLost(RuntimeError):
     """A comparison's lists were not made (their `Packet.later` work raised): the rows of
-    that comparison cannot be written, and the shipment that holds them is counted lost."""
+    that comparison cannot be written. The topk decoder leaves them out and counts them
+    (`topk_lists_lost_rows`); the writer counts them dropped."""
 
 
 @dataclass

@@ -452,16 +452,15 @@ class RunWriter:
             for table, columns, rows in batches:
                 self.tables[table].push_columns(columns, rows)
                 written[table] = written.get(table, 0) + rows
-            with self._lock:  # a decoder that made fewer rows than it counted dropped them
-                for table, rows in payload.counted.items():
-                    self.dropped[table] += max(0, rows - written.get(table, 0))
         except Exception as e:
             with self._lock:
                 if not self.errors:
                     self.errors.append(f"shipment: {e}")
-                for table, rows in payload.counted.items():
-                    self.dropped[table] += max(0, rows - written.get(table, 0))
                 self.counters["undecoded_shipments"] = self.counters.get("undecoded_shipments", 0) + 1
+        # Rows counted at queueing and not written: a failure's, or those a decoder left out.
+        with self._lock:
+            for table, rows in payload.counted.items():
+                self.dropped[table] += max(0, rows - written.get(table, 0))
 
     def count(self, name: str, n: int = 1) -> None:
         """Adds n to the manifest counter `name` (either thread may call it)."""
