@@ -15,7 +15,8 @@ Rows:
 - compare: `selection.compare` with production's scores and values, a shadow and a band,
   through Triton's `kernels.compare_masks` and through torch's ops, with whether the two
   packets are identical; the same on the CPU, against the lists the GPU made on its side
-  stream (`Packet.later`), also with the inputs freed and overwritten once that work is queued;
+  stream (`Packet.later`), also with the inputs freed and overwritten once that work is queued,
+  and with two requests' comparisons in flight (the inputs held within `PENDING_BYTES`);
 - projection: `shadow.linear` (bf16 operands, fp32 results on the tensor cores) against the
   fp32 GEMM, both against fp64.
 
@@ -45,6 +46,27 @@ def timed(fn, repeat: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def equal(a, b) -> bool:
+    """Two host arrays of a packet alike: shape and every element, NaN equal to NaN."""
+    return a.shape == b.shape and bool(((a == b) | ((a != a) & (b != b))).all())
+
+
+def same(a_arrays, b_arrays) -> bool:
+    """Two packets' arrays alike, array by array."""
+    return len(a_arrays) == len(b_arrays) and all(map(equal, a_arrays, b_arrays))
+
+
+def differences(a_arrays, b_arrays) -> str:
+    """Which arrays of two packets differ, and how, for the printout."""
+    out = [f"{len(a_arrays)} arrays vs {len(b_arrays)}"] if len(a_arrays) != len(b_arrays) else []
+    for i, (a, b) in enumerate(zip(a_arrays, b_arrays, strict=False)):
+        if a.shape != b.shape:
+            out.append(f"array {i}: shape {a.shape} vs {b.shape}")
+        elif not equal(a, b):
+            out.append(f"array {i}: {int((a != b).sum())} of {a.size} differ")
+    return "; ".join(out) or "none"
 
 
 def jaccard(a: torch.Tensor, b: torch.Tensor, keys: int) -> float:
@@ -167,10 +189,7 @@ def main() -> int:
     rows["compare, torch's ops (with ship) ms"] = timed(compare, args.repeat)
     by_torch = compare().arrays()
     kernels.failed.pop("compare_masks")
-    rows["compare kernel vs torch: identical packet"] = all(
-        a.shape == b.shape and bool(((a == b) | ((a != a) & (b != b))).all())
-        for a, b in zip(by_kernel, by_torch, strict=True)
-    )
+    rows["compare kernel vs torch: identical packet"] = same(by_kernel, by_torch)
 
     def compare_prod():
         packet = Packet()
@@ -180,21 +199,6 @@ def main() -> int:
         return packet.ship()
 
     rows["compare, production only (with ship) ms"] = timed(compare_prod, args.repeat)
-
-    def same(a_arrays, b_arrays) -> bool:
-        return len(a_arrays) == len(b_arrays) and all(
-            a.shape == b.shape and bool(((a == b) | ((a != a) & (b != b))).all())
-            for a, b in zip(a_arrays, b_arrays, strict=True)
-        )
-
-    def differences(a_arrays, b_arrays) -> str:
-        out = []
-        for i, (a, b) in enumerate(zip(a_arrays, b_arrays, strict=True)):
-            if a.shape != b.shape:
-                out.append(f"array {i}: shape {a.shape} vs {b.shape}")
-            elif not ((a == b) | ((a != a) & (b != b))).all():
-                out.append(f"array {i}: {int((a != b).sum())} of {a.size} differ")
-        return "; ".join(out) or "none"
 
     # The lists made on the side stream (Packet.later) against the same comparison on the CPU,
     # where they are made at once. The shadow's scores have no ties (each row a permutation of
