@@ -5,10 +5,11 @@ Every hook body of the HF adapter runs inside `Session.guarded`; this script wra
 in a `record_function` named after the capture (`st:<key>`, the layer number dropped), so the
 table shows how much host and device time each capture costs beside the model's own ops. It
 also counts the host syncs the forward made (`cudaStreamSynchronize`, `cudaMemcpyAsync` to
-pageable memory show as long CPU rows).
+pageable memory show as long CPU rows), and on CUDA how long the device ran no kernel during
+the forward, with its longest gaps and the kernels on either side (`--gaps`).
 
 usage: python tests/gpu/profile_hooks.py [--layers 4] [--tokens 8192] [--modes unhooked,capture,on]
-       [--rows 30] [--tiny]
+       [--rows 30] [--gaps 12] [--tiny]
 
 The figures are a profile's (the profiler adds its own cost): read them as shares, and take
 ratios from bench_hooks_overhead.py.
