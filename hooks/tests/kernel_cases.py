@@ -212,5 +212,34 @@ def test_kv_slot_counts_through_the_kernel_equal_torchs_sum():
     cache[1, 7, 3], cache[2, 7, 0], cache[0, 33, 15] = math.nan, math.inf, -math.inf
     window = cache.narrow(-2, 5, 30)  # a cache's window: not contiguous across heads
     want = (~torch.isfinite(window)).sum((0, 2))
+    assert torch.equal(kernels.slot_counts(window), want.to(torch.int32))
     assert torch.equal(stats.slot_nonfinite_device(window), want)
     assert want.sum() == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_slot_counts_span_tiles_and_merged_leading_dimensions(dtype):
+    # 2 x 3 heads (merged into one O), 70 slots (three slot tiles) of 200 elements (two
+    # element tiles, the second partial); one slot poisoned in several heads at once, so
+    # the programs' partial counts meet in the atomic sum.
+    gen = torch.Generator().manual_seed(6)
+    cache = torch.randn(2, 3, 90, 200, generator=gen).to(dtype)
+    for head, slot, dim, value in ((0, 0, 199, math.nan), (1, 64, 0, math.inf), (2, 64, 130, -math.inf),
+                                   (0, 64, 5, math.nan), (2, 89, 128, math.nan)):  # fmt: skip
+        cache[head // 3, head % 3, slot, dim] = value
+    window = cache.narrow(-2, 10, 80)
+    want = (~torch.isfinite(window)).sum((0, 1, 3))
+    assert torch.equal(kernels.slot_counts(window.view(-1, 80, 200)), want.to(torch.int32))
+    assert torch.equal(stats.slot_nonfinite_device(window), want)
+    assert want.tolist().count(0) == 78
+    assert (want[54], want[79]) == (3, 1)
+
+
+def test_kv_slot_counts_of_a_window_whose_heads_do_not_merge_come_from_torchs_sum():
+    cache = torch.randn(4, 3, 50, 8)
+    cache[2, 1, 9, 4] = math.nan
+    window = cache.transpose(0, 1)  # [3, 4, 50, 8]: heads that no view merges
+    with pytest.raises(RuntimeError):
+        window.view(-1, 50, 8)
+    got = stats.slot_nonfinite_device(window)
+    assert got.tolist() == [1 if s == 9 else 0 for s in range(50)]

@@ -74,6 +74,8 @@ FALLBACKS = (
     "indexer_scores_recomputed",
     "process.kernel_failed.index_scores",
     "process.kernel_failed.row_stats",
+    "process.kernel_failed.compare_masks",
+    "process.kernel_failed.slot_counts",
 )
 # manifest settings that name what computed a row's numbers (a Triton kernel or torch's ops)
 KERNEL_SETTINGS = ("hidden_stats", "shadow_indexer_scores", "shadow_indexer_projections")

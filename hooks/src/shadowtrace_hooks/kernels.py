@@ -12,6 +12,9 @@ interpreter, from test_kernels.py; tests/gpu/kernels_h200.py times and checks th
   torch's ops take two dozen over [rows, keys].
 - `row_stats`: a site's per-row statistics (`stats.counts_device` and `stats.hidden_device`'s
   sums) in one pass over prod and shadow, where torch's ops take a dozen.
+- `slot_counts`: the non-finite elements of each slot of a KV-cache window
+  (`stats.slot_nonfinite_device`), read where the cache holds them: slots lie along the
+  middle dimension, and a slot-major copy for `row_stats` cost more than the count.
 
 Triton is imported when a kernel is first asked for, never at the hooks' import: a process
 that does not trace, or traces on the CPU, never loads it.
@@ -38,7 +41,7 @@ failed: dict[str, str] = {}
 
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
-    """Why kernel `name` ("index_scores", "row_stats", "compare_masks") will not run on x
+    """Why kernel `name` ("index_scores", "row_stats", "compare_masks", "slot_counts") will not run on x
     (None when it will): it raised before in this process, x is not on CUDA (or Triton's CPU
     interpreter is off), or Triton is absent; for "index_scores", a head size (x's last)
     that is not a power of two >= 16."""
@@ -164,6 +167,29 @@ def _blocks(n: int) -> int:
     compiled for one row length serves every length up to twice it (the indexer's rows grow
     with the prompt; a constexpr length would compile anew for each)."""
     return 1 << max(0, (-(-n // _ROW_BLOCK) - 1).bit_length())
+
+
+# (slots, elements of a slot's vector) per program of `slot_counts`
+_SLOT_TILE = (32, 128)
+
+
+def slot_counts(window: torch.Tensor) -> torch.Tensor:
+    """[S] int32: the NaN, +Inf and -Inf elements of each slot s of window [O, S, D], summed
+    over O and D, read in place whatever its strides (a narrowed cache is not contiguous)."""
+    if window.dim() != 3 or not window.is_floating_point():
+        raise ValueError(
+            f"kernels.slot_counts: window {tuple(window.shape)} {window.dtype}: expected a floating [O, S, D]"
+        )
+    o, s, d = window.shape
+    out = torch.zeros(s, dtype=torch.int32, device=window.device)
+    if o and s and d:
+        block_s, block_d = _SLOT_TILE
+        with _on(window):
+            _slot_kernel()[(-(-s // block_s), o)](
+                window, out, s, d, *window.stride(), BLOCK_S=block_s, BLOCK_D=block_d,
+                D_BLOCKS=-(-d // block_d),
+            )  # fmt: skip
+    return out
 
 
 # the lists `compare_masks` can write, in `selection.compare`'s names
@@ -359,6 +385,30 @@ def _row_kernel() -> Any:
             tl.store(out + 12 * T, tl.max(d_top, axis=0))
 
     return row_kernel
+
+
+@functools.cache
+def _slot_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def slot_kernel(x_ptr, out_ptr, S, D, stride_o, stride_s, stride_d,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, D_BLOCKS: tl.constexpr):  # fmt: skip
+        slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        slot_ok = slots < S
+        base = x_ptr + tl.program_id(1).to(tl.int64) * stride_o + slots[:, None].to(tl.int64) * stride_s
+        count = tl.zeros([BLOCK_S], dtype=tl.int32)
+        for block in range(D_BLOCKS):
+            dims = block * BLOCK_D + tl.arange(0, BLOCK_D)
+            ok = slot_ok[:, None] & (dims[None, :] < D)
+            x = tl.load(base + dims[None, :].to(tl.int64) * stride_d, mask=ok, other=0.0).to(tl.float32)
+            bad = (x != x) | (tl.abs(x) == float("inf"))
+            count += tl.sum(bad.to(tl.int32), axis=1)
+        # each program holds one slice of O: slices meet in the sum, which is zero nearly always
+        tl.atomic_add(out_ptr + slots, count, mask=slot_ok & (count > 0))
+
+    return slot_kernel
 
 
 @functools.cache

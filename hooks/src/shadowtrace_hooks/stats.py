@@ -42,30 +42,30 @@ def counts_device(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.T
     return torch.stack([nan, pos, neg])
 
 
-# Cache slots a kernel pass reads at once: bounds the slot-major copy it reads them from.
-_SLOT_CHUNK = 4096
-
-
 def slot_nonfinite_device(window: torch.Tensor) -> torch.Tensor:
     """[S] int64: the non-finite elements of each slot of a KV-cache window [..., S, D]
-    (slots along dim -2, as HF's caches hold them). On CUDA, chunks of slots are copied
-    slot-major and counted by one pass of Triton's `kernels.row_stats`; elsewhere (or when
-    it raised) the sum over every other dimension where the elements lie, without a copy."""
-    counted, _ = kernels.attempt("row_stats", window, lambda: _slot_counts(window))
-    if counted is not None:
-        return counted
+    (slots along dim -2, as HF's caches hold them). On CUDA one pass of Triton's
+    `kernels.slot_counts`, read in place, when the leading dimensions merge without a copy;
+    elsewhere (or when it raised) the sum over every other dimension where the elements lie."""
+    merged = _leading_merged(window)
+    if merged is not None:
+        count = lambda: kernels.slot_counts(merged).to(torch.int64)  # noqa: E731
+        counted, _ = kernels.attempt("slot_counts", merged, count)
+        if counted is not None:
+            return counted
     others = [d for d in range(window.dim()) if d != window.dim() - 2]
     return torch.isfinite(window).logical_not_().sum(others)
 
 
-def _slot_counts(window: torch.Tensor) -> torch.Tensor:
-    slots = window.shape[-2]
-    out = []
-    for first in range(0, slots, _SLOT_CHUNK):
-        part = window.narrow(-2, first, min(_SLOT_CHUNK, slots - first))
-        rows = part.movedim(-2, 0).reshape(part.shape[-2], -1)
-        out.append(kernels.row_stats(rows)[:3].sum(0).to(torch.int64))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=window.device)
+def _leading_merged(window: torch.Tensor) -> torch.Tensor | None:
+    """window [..., S, D] as a view [O, S, D]; None when its leading dimensions cannot merge
+    without a copy, or it has fewer than two dimensions."""
+    if window.dim() < 2:
+        return None
+    try:
+        return window.view(-1, *window.shape[-2:])
+    except RuntimeError:  # strides that do not merge: torch's sum reads them where they lie
+        return None
 
 
 def _finite_float(x: torch.Tensor) -> torch.Tensor:
