@@ -9,7 +9,7 @@ pageable memory show as long CPU rows), and on CUDA how long the device ran no k
 the forward, with its longest gaps and the kernels on either side (`--gaps`).
 
 usage: python tests/gpu/profile_hooks.py [--layers 4] [--tokens 8192] [--modes unhooked,capture,on]
-       [--rows 30] [--gaps 12] [--tiny]
+       [--rows 30] [--gaps 12] [--inside fn:selection._gap_coded,...] [--tiny]
 
 The figures are a profile's (the profiler adds its own cost): read them as shares, and take
 ratios from bench_hooks_overhead.py.
@@ -108,6 +108,8 @@ def child(args: argparse.Namespace) -> None:
         print(f"  {e.key:40} calls {e.count:5}  host {host:8.1f} ms  device {dev / 1e3:8.1f} ms")
     if device == "cuda":
         idle(prof, args.gaps)
+        for name in filter(None, args.inside.split(",")):
+            inside(prof, name, args.rows)
     waits = [e for e in events if "Synchron" in e.key or "Memcpy" in e.key]
     syncs = {e.key: (e.count, e.cpu_time_total / 1e3) for e in waits}
     print("syncs and copies:", json.dumps(syncs))
@@ -141,6 +143,26 @@ def idle(prof, shown: int) -> None:
         print(f"  gap {gap / 1e3:7.2f} ms after {before[:60]} before {after[:60]}")
 
 
+def inside(prof, name: str, shown: int) -> None:
+    """The kernels launched within every range `name` (a capture's `st:` row or a function's
+    `fn:` row), by device time: what a row's device total is made of."""
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.name != name:
+            continue
+        stack = [event]
+        while stack:
+            op = stack.pop()
+            for kernel in op.kernels:
+                total = totals.setdefault(kernel.name, [0, 0.0])
+                total[0] += 1
+                total[1] += kernel.duration
+            stack.extend(op.cpu_children)
+    print(f"kernels inside {name}:")
+    for kernel, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:shown]:
+        print(f"  {us / 1e3:8.2f} ms  calls {n:5}  {kernel[:100]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -148,6 +170,7 @@ def main() -> int:
     parser.add_argument("--modes", default="unhooked,capture,on")
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--gaps", type=int, default=12, help="longest device idle gaps listed")
+    parser.add_argument("--inside", default="", help="comma list of ranges whose kernels are listed")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,6 +182,7 @@ def main() -> int:
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--child", "--layers", str(args.layers)]
         cmd += ["--tokens", str(args.tokens), "--rows", str(args.rows), "--gaps", str(args.gaps)]
+        cmd += ["--inside", args.inside]
         cmd += ["--tiny"] if args.tiny else []
         env = {**clean, **MODES[mode], "SHADOWTRACE_DIR": f"/tmp/profile-runs/{mode}"}
         print(f"===== {mode}: {MODES[mode]}", flush=True)
