@@ -4,7 +4,8 @@ A capture computes its rows on the engine's device and adds the tensors to a `Pa
 `Packet.ship` lays them end to end in one byte buffer on the device and starts a single
 copy into pinned host memory (`non_blocking`): the forward goes on while the copy runs,
 and nothing on the forward's thread waits for it. `Shipment.arrays`, called on the writer's
-thread, waits for that copy (a CUDA event) and returns numpy views of each tensor.
+thread, waits for that copy (a blocking CUDA event: the thread sleeps, where a spinning wait
+slowed the forward's launches) and returns numpy views of each tensor.
 
 Tensors whose size depends on the data (a `nonzero`'s lists) cannot be made without the
 host waiting for the device. Waiting at once would leave the device idle until the host,
@@ -185,7 +186,9 @@ class Packet:
             except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
                 return Shipment(buffer.cpu(), None, layout)
             host.copy_(buffer, non_blocking=True)
-            done = torch.cuda.Event()
+            # The writer's thread waits on it for most of a forward: a blocking event sleeps
+            # there, where the default one spins in the driver against the forward's launches.
+            done = torch.cuda.Event(blocking=True)
             done.record(stream)
         return Shipment(host, done, layout)
 
