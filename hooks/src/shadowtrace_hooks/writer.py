@@ -212,7 +212,10 @@ def _column(value: Any, kind: pa.DataType, rows: int) -> pa.Array:
         if len(value) != rows:
             raise ValueError(f"column of {len(value)} rows in a batch of {rows}")
         return pa.array(value, kind)
-    return pa.array([value] * rows, kind)
+    # One scalar for every row (the run id, a layer number): built by Arrow, not from a list
+    # of `rows` Python objects, which cost 0.35 ms per 8192 rows on the writer's thread,
+    # holding the GIL the traced forward needs.
+    return pa.repeat(pa.scalar(value, kind), rows)
 
 
 def _nbytes(columns: dict) -> int:
