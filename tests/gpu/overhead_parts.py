@@ -57,7 +57,7 @@ def child(args: argparse.Namespace) -> None:
     writers: list[tuple[float, float]] = []
     calls: dict[str, int] = defaultdict(int)
     if variant != "unhooked":
-        from shadowtrace_hooks import session
+        from shadowtrace_hooks import session, writer
         from shadowtrace_hooks.adapters import hf
 
         inner = session.Session.guarded
@@ -76,8 +76,6 @@ def child(args: argparse.Namespace) -> None:
             hf._Tracer._record_sentinels = lambda self, layer, step: None
         if variant == "switch":
             sys.setswitchinterval(0.0005)
-        from shadowtrace_hooks import writer
-
         if variant == "no-parquet":
             writer.pq.ParquetWriter.write_table = lambda self, table, row_group_size=None: None
         if variant == "no-decode":
@@ -110,9 +108,7 @@ def child(args: argparse.Namespace) -> None:
     walls, parts = [], []
     for i in range(args.repeat + 1):
         if variant == "settled":
-            from shadowtrace_hooks import session as s
-
-            s.current().wait_closed(time.monotonic() + 120)
+            session.current().wait_closed(time.monotonic() + 120)
         if cuda:
             torch.cuda.synchronize()
         host.clear()
@@ -126,10 +122,8 @@ def child(args: argparse.Namespace) -> None:
         if i:
             walls.append(wall)
             parts.append({k: (calls[k], v) for k, v in host.items()})
-    if variant != "unhooked":
-        from shadowtrace_hooks import session as s
-
-        s.current().wait_closed(time.monotonic() + 120)
+    if variant != "unhooked":  # every run written, so its writer's times are in
+        session.current().wait_closed(time.monotonic() + 120)
     print(json.dumps({"walls": walls, "parts": parts, "writers": writers}))
 
 
