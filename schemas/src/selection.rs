@@ -338,37 +338,69 @@ pub fn churn_from_boundaries(
     let mut counts = ChurnCounts::default();
     let within =
         |b: BoundaryView<'_>, i: usize| b.offsets.get(i).is_some_and(|o| o.abs() <= margin);
+    // Every list is ascending and each loop asks in ascending key order, so
+    // membership is one forward walk per list, not a search per key: the
+    // summary check runs this on every row of a trace.
+    let (mut in_prod_only, mut in_shadow_only) =
+        (Ascending::of(prod_only), Ascending::of(shadow_only));
     // Keys in prod's list first; a shadow candidate also in prod's churn is counted once.
-    for (i, key) in prod.keys.iter().enumerate() {
+    for (i, &key) in prod.keys.iter().enumerate() {
         if !within(prod, i) {
             continue;
         }
         let in_prod = prod.selected.get(i).copied().unwrap_or(false);
         let in_shadow = if in_prod {
-            prod_only.binary_search(key).is_err()
+            !in_prod_only.holds(key)
         } else {
-            shadow_only.binary_search(key).is_ok()
+            in_shadow_only.holds(key)
         };
         counts.add(in_prod, in_shadow);
     }
-    for (i, key) in shadow.keys.iter().enumerate() {
+    let (mut in_prod_only, mut in_shadow_only) =
+        (Ascending::of(prod_only), Ascending::of(shadow_only));
+    let mut in_prod_candidates = Ascending::of(prod.keys);
+    for (i, &key) in shadow.keys.iter().enumerate() {
         if !within(shadow, i) {
             continue;
         }
-        if let Ok(j) = prod.keys.binary_search(key)
+        if let Some(j) = in_prod_candidates.position(key)
             && within(prod, j)
         {
             continue;
         }
         let in_shadow = shadow.selected.get(i).copied().unwrap_or(false);
         let in_prod = if in_shadow {
-            shadow_only.binary_search(key).is_err()
+            !in_shadow_only.holds(key)
         } else {
-            prod_only.binary_search(key).is_ok()
+            in_prod_only.holds(key)
         };
         counts.add(in_prod, in_shadow);
     }
     counts
+}
+
+/// Membership in an ascending list for keys asked in ascending order.
+struct Ascending<'a> {
+    keys: &'a [i32],
+    at: usize,
+}
+
+impl<'a> Ascending<'a> {
+    fn of(keys: &'a [i32]) -> Ascending<'a> {
+        Ascending { keys, at: 0 }
+    }
+
+    /// Where `key` is, given every earlier question asked for a smaller key.
+    fn position(&mut self, key: i32) -> Option<usize> {
+        while self.keys.get(self.at).is_some_and(|&k| k < key) {
+            self.at += 1;
+        }
+        (self.keys.get(self.at) == Some(&key)).then_some(self.at)
+    }
+
+    fn holds(&mut self, key: i32) -> bool {
+        self.position(key).is_some()
+    }
 }
 
 #[cfg(test)]
@@ -546,6 +578,71 @@ mod tests {
         let (all, clean) = overlap_with_and_without(&prod, &shadow, &churn);
         assert_eq!((c.overlap(), c.overlap_no_churn()), (all, clean));
         assert_eq!(c.churn.total(), 3);
+    }
+
+    #[test]
+    fn churn_from_boundaries_equals_a_set_recount_on_random_rows() {
+        use std::collections::BTreeSet;
+        // A splitmix64 stream: rows of 64 keys, each path selecting about
+        // half, candidates drawn from every key with random offsets.
+        let mut state = 0x5eed_u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        for row in 0..500 {
+            let pick = |next: &mut dyn FnMut() -> u64, one_in: u64| -> BTreeSet<i32> {
+                (0..64).filter(|_| next().is_multiple_of(one_in)).collect()
+            };
+            let prod = pick(&mut next, 2);
+            let shadow = pick(&mut next, 2);
+            let candidates = |next: &mut dyn FnMut() -> u64, selected: &BTreeSet<i32>| {
+                let keys: Vec<i32> = pick(next, 3).into_iter().collect();
+                let offsets: Vec<f32> = keys
+                    .iter()
+                    .map(|_| (next() % 9) as f32 / 8.0 - 0.5)
+                    .collect();
+                let flags: Vec<bool> = keys.iter().map(|k| selected.contains(k)).collect();
+                (keys, offsets, flags)
+            };
+            let (pk, po, ps) = candidates(&mut next, &prod);
+            let (sk, so, ss) = candidates(&mut next, &shadow);
+            let prod_only: Vec<i32> = prod.difference(&shadow).copied().collect();
+            let shadow_only: Vec<i32> = shadow.difference(&prod).copied().collect();
+            for margin in [0.0_f32, 0.25, 0.5] {
+                let mut churn = BTreeSet::new();
+                for (keys, offsets) in [(&pk, &po), (&sk, &so)] {
+                    for (k, o) in keys.iter().zip(offsets.iter()) {
+                        if o.abs() <= margin {
+                            churn.insert(*k);
+                        }
+                    }
+                }
+                let mut expected = ChurnCounts::default();
+                for k in &churn {
+                    expected.add(prod.contains(k), shadow.contains(k));
+                }
+                let got = churn_from_boundaries(
+                    &prod_only,
+                    &shadow_only,
+                    BoundaryView {
+                        keys: &pk,
+                        offsets: &po,
+                        selected: &ps,
+                    },
+                    BoundaryView {
+                        keys: &sk,
+                        offsets: &so,
+                        selected: &ss,
+                    },
+                    margin,
+                );
+                assert_eq!(got, expected, "row {row}, margin {margin}");
+            }
+        }
     }
 
     #[test]
