@@ -167,7 +167,7 @@ pub enum LoadError {
         source: polars::prelude::PolarsError,
     },
     /// arrow-rs failed to read a file that passed the checks above
-    /// (`load::RowGroup`).
+    /// (`load::RowGroupBatches`).
     #[error("parquet file {path}: {part}: {source}")]
     ArrowDecode {
         /// The part file.

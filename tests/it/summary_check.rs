@@ -13,9 +13,11 @@ use arrow_array::{Array, ArrayRef, Float32Array, Int32Array, ListArray, RecordBa
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::properties::WriterProperties;
+use shadowtrace_analyzer::load::BATCH_ROWS;
 use shadowtrace_analyzer::metrics::topk_check::{self, RowAt, SummaryCheck};
 use shadowtrace_analyzer::{Options, Run, analyze, inspect};
 use shadowtrace_tracer::WriterOptions;
+use shadowtrace_tracer::synth::SynthSpec;
 use shadowtrace_tracer::writer::TopkLists;
 
 use crate::analyze_verdicts::clean;
@@ -59,8 +61,13 @@ fn plant_rows(
         .file_metadata()
         .key_value_metadata()
         .cloned();
-    let batches: Vec<RecordBatch> = builder.build().unwrap().map(Result::unwrap).collect();
-    assert_eq!(batches.len(), 1, "the small run fits one batch");
+    let batches: Vec<RecordBatch> = builder
+        .with_batch_size(1 << 20)
+        .build()
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(batches.len(), 1, "the run fits one batch");
     let batch = batches[0].clone();
     let schema = batch.schema();
     let column = |name: &str| batch.column(schema.index_of(name).unwrap()).clone();
@@ -255,6 +262,37 @@ fn disagreements_in_several_row_groups_are_all_counted_and_the_first_is_named() 
     assert_eq!((check.rows_disagreeing, check.shared), (2, 2), "{check:?}");
     assert_eq!(check.first_disagreeing, Some(at[0].min(at[1])));
     assert!(at[1] < at[0], "the second sparse row comes first: {at:?}");
+}
+
+#[test]
+fn a_row_group_longer_than_a_batch_is_checked_whole_across_its_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("planted");
+    // 5 layers x 2000 queries: one row group of 10,000 rows, read in two
+    // batches; the first sparse row is in the first, the last in the second.
+    let spec = SynthSpec {
+        tokens: 2048,
+        topk_queries: 2000,
+        ..clean("planted")
+    };
+    spec.write(&dir, WriterOptions::default()).unwrap();
+    let rows = usize::try_from(spec.layers * spec.topk_queries).unwrap();
+    assert!(rows > BATCH_ROWS, "{rows} rows, batches of {BATCH_ROWS}");
+    let at = plant_rows(
+        &dir,
+        |n| vec![0, n - 1],
+        None,
+        |name, c, rows| (name == "shared").then(|| with_i32_rows(c, rows, |v| v + 1)),
+    );
+    let groups = ParquetRecordBatchReaderBuilder::try_new(File::open(topk_part(&dir)).unwrap())
+        .unwrap()
+        .metadata()
+        .num_row_groups();
+    assert_eq!(groups, 1);
+    let check = checked(&dir);
+    assert_eq!(check.rows_checked, rows, "every row, in both batches");
+    assert_eq!((check.rows_disagreeing, check.shared), (2, 2), "{check:?}");
+    assert_eq!(check.first_disagreeing, Some(at[0].min(at[1])));
 }
 
 #[test]

@@ -1,129 +1,341 @@
-//! A part file's columns decoded by arrow-rs, one row group at a time, each
-//! column of it a task of its own.
+//! A part file's columns decoded by the `parquet` crate's column readers,
+//! one row group at a time and a batch of its rows at a time, each column of
+//! a batch a task of its own.
 //!
 //! Why not polars here: the summary check (`metrics::topk_check`) reads
 //! every difference and boundary list of a v2 top-k part, and polars'
 //! nested Parquet decoding costs about 30 ns a value on them, which made the
-//! check nearly all of `analyze`'s time on a v2 run. Read this way, with
-//! each column of a row group decoded as a task of its own (so a part of a
-//! single row group still keeps both cores busy), the check of a 65,536-row
-//! run went from 0.99 s to about 0.27 s on a quiet machine, 0.44–0.56 s at
-//! load average 3 (README, analyze throughput). Flat
-//! columns the metrics stack across parts stay with polars
-//! ([`super::PartFile::read`]).
+//! check nearly all of `analyze`'s time on a v2 run.
 //!
-//! Types come from the Parquet schema, not the embedded Arrow schema
-//! (`with_skip_arrow_metadata`), so a list is an Arrow `List` (i32 offsets)
-//! whoever wrote the file, the Rust writer or pyarrow.
+//! Why not arrow-rs arrays either: building Arrow lists from the levels
+//! (offsets, validity bitmaps of lists and items, booleans packed into bits
+//! and unpacked again) took about a fifth of the check, and each batch's
+//! arrays were fresh memory the kernel had to zero. Here each column keeps
+//! its levels, values and row starts in buffers that every batch reuses, and
+//! a row is a slice of them.
+//!
+//! Why batches: decoded whole, a 65,536-row row group's lists took about
+//! 350 MB, and a fresh process spent as much time having the kernel zero
+//! those pages as decoding them. [`BATCH_ROWS`] rows at a time, the same
+//! memory serves every batch (README, analyze throughput). Flat columns the
+//! metrics stack across parts stay with polars ([`super::PartFile::read`]).
 
 use std::fs::File;
 use std::sync::Arc;
 
-use arrow_array::cast::AsArray;
-use arrow_array::types::ArrowPrimitiveType;
-use arrow_array::{Array, ArrayRef, BooleanArray, ListArray, PrimitiveArray};
-use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::{
-    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
-};
+use parquet::basic::Type as PhysicalType;
+use parquet::column::reader::{ColumnReader, ColumnReaderImpl, get_column_reader};
+use parquet::data_type::{BoolType, FloatType, Int32Type};
 use parquet::errors::ParquetError;
+use parquet::file::metadata::ParquetMetaData;
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::file::serialized_reader::SerializedPageReader;
 use rayon::prelude::*;
 
 use super::PartFile;
 use crate::{AnalyzeError, LoadError};
 
-/// Some columns of one row group of a part file.
+/// Rows decoded at a time: a few MB per list column, and a task per column
+/// large enough that the split costs nothing.
+pub const BATCH_ROWS: usize = 8192;
+
+/// The non-null values of one leaf column of a batch, by physical type.
 #[derive(Debug)]
-pub struct RowGroup {
-    /// Its index in the file.
-    pub index: usize,
+pub enum Values {
+    /// INT32.
+    I32(Vec<i32>),
+    /// FLOAT.
+    F32(Vec<f32>),
+    /// BOOLEAN.
+    Bool(Vec<bool>),
+}
+
+/// A primitive type a column's values can be read as.
+pub trait Leaf: Copy + Default + std::fmt::Debug {
+    /// The values, when the column holds this type.
+    fn of(values: &Values) -> Option<&[Self]>;
+}
+
+impl Leaf for i32 {
+    fn of(values: &Values) -> Option<&[i32]> {
+        match values {
+            Values::I32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Leaf for f32 {
+    fn of(values: &Values) -> Option<&[f32]> {
+        match values {
+            Values::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+impl Leaf for bool {
+    fn of(values: &Values) -> Option<&[bool]> {
+        match values {
+            Values::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+enum Reader {
+    I32(ColumnReaderImpl<Int32Type>),
+    F32(ColumnReaderImpl<FloatType>),
+    Bool(ColumnReaderImpl<BoolType>),
+}
+
+/// How a column nests: a flat value or a list of them, and which
+/// definition levels mean a present value, a null item or a null list.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    list: bool,
+    max_def: i16,
+    /// A list's definition level when it is present and empty; below it, null.
+    empty_def: i16,
+    item_optional: bool,
+}
+
+/// One column of a batch: its levels, non-null values, and where each row's
+/// values start; the buffers are kept for the next batch.
+struct Column {
+    name: String,
+    shape: Shape,
+    def: Vec<i16>,
+    rep: Vec<i16>,
+    values: Values,
+    /// `rows + 1` entries: row `i`'s values are `values[starts[i]..starts[i + 1]]`.
+    starts: Vec<u32>,
+    /// Whether row `i` is not null; empty for a column that never is.
+    valid: Vec<bool>,
+    null_items: bool,
+}
+
+impl Column {
+    /// Decodes the next `rows` rows from `reader` into the column's buffers.
+    fn read(&mut self, reader: &mut Reader, rows: usize) -> Result<(), String> {
+        self.def.clear();
+        self.rep.clear();
+        let (def, rep) = (Some(&mut self.def), Some(&mut self.rep));
+        let read = match (reader, &mut self.values) {
+            (Reader::I32(r), Values::I32(v)) => {
+                v.clear();
+                r.read_records(rows, def, rep, v)
+            }
+            (Reader::F32(r), Values::F32(v)) => {
+                v.clear();
+                r.read_records(rows, def, rep, v)
+            }
+            (Reader::Bool(r), Values::Bool(v)) => {
+                v.clear();
+                r.read_records(rows, def, rep, v)
+            }
+            _ => return Err("reader and values of different types (a defect)".to_owned()),
+        };
+        let (records, _, _) = read.map_err(|e| e.to_string())?;
+        if records != rows {
+            return Err(format!("{records} rows decoded, expected {rows}"));
+        }
+        self.index_rows(rows)
+    }
+
+    /// Fills `starts` and `valid` from the levels.
+    fn index_rows(&mut self, rows: usize) -> Result<(), String> {
+        let Shape {
+            list,
+            max_def,
+            empty_def,
+            item_optional,
+        } = self.shape;
+        self.starts.clear();
+        self.valid.clear();
+        self.null_items = false;
+        let mut count = 0_u32;
+        if !list && max_def == 0 {
+            self.starts
+                .extend(0..=u32::try_from(rows).map_err(|e| e.to_string())?);
+            return Ok(());
+        }
+        if !list {
+            for &d in &self.def {
+                self.starts.push(count);
+                self.valid.push(d == max_def);
+                count += u32::from(d == max_def);
+            }
+        } else {
+            for (&d, &r) in self.def.iter().zip(&self.rep) {
+                if r == 0 {
+                    self.starts.push(count);
+                    self.valid.push(d >= empty_def);
+                }
+                if d == max_def {
+                    count += 1;
+                } else if item_optional && d == max_def - 1 {
+                    self.null_items = true;
+                }
+            }
+        }
+        self.starts.push(count);
+        if self.starts.len() != rows + 1 {
+            return Err(format!(
+                "{} rows in the levels, expected {rows}",
+                self.starts.len() - 1
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Some columns of a batch of rows of one row group of a part file.
+#[derive(Debug)]
+pub struct RowBatch<'a> {
     /// Its rows.
     pub rows: usize,
-    columns: Vec<(String, ArrayRef)>,
+    columns: &'a [Column],
+}
+
+impl std::fmt::Debug for Column {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Column")
+            .field("name", &self.name)
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Some columns of one row group, read a batch of [`BATCH_ROWS`] rows at a
+/// time ([`PartFile::row_group_batches`]).
+pub struct RowGroupBatches<'a> {
+    part: &'a PartFile,
+    index: usize,
+    rows: usize,
+    read: usize,
+    readers: Vec<Reader>,
+    columns: Vec<Column>,
+}
+
+impl std::fmt::Debug for RowGroupBatches<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowGroupBatches")
+            .field("part", &self.part.path)
+            .field("index", &self.index)
+            .field("rows", &self.rows)
+            .field("read", &self.read)
+            .finish_non_exhaustive()
+    }
 }
 
 impl PartFile {
-    /// The footer as arrow-rs reads it: row groups and the Parquet schema.
+    /// The file's footer: row groups and the Parquet schema.
     ///
     /// # Errors
     /// When the file cannot be opened or its footer parsed.
-    pub fn arrow_metadata(&self) -> Result<ArrowReaderMetadata, LoadError> {
-        let file = self.open_file()?;
-        let options = ArrowReaderOptions::new().with_skip_arrow_metadata(true);
-        ArrowReaderMetadata::load(&file, options)
-            .map_err(|source| self.decode_error("footer".to_owned(), source))
+    pub fn parquet_metadata(&self) -> Result<Arc<ParquetMetaData>, LoadError> {
+        let reader = SerializedFileReader::new(self.open_file()?)
+            .map_err(|source| self.decode_error("footer".to_owned(), source))?;
+        Ok(Arc::new(reader.metadata().clone()))
     }
 
     /// The named columns of row group `index` (`metadata` from
-    /// [`PartFile::arrow_metadata`]), each column decoded in parallel.
+    /// [`PartFile::parquet_metadata`]), to be read a batch at a time.
     ///
     /// # Errors
-    /// A column the file lacks, or one arrow-rs cannot decode.
-    pub fn read_row_group(
-        &self,
-        metadata: &ArrowReaderMetadata,
+    /// A column the file lacks, one that is not a primitive or a list of
+    /// primitives, or a reader that cannot be built.
+    pub fn row_group_batches<'a>(
+        &'a self,
+        metadata: &ParquetMetaData,
         index: usize,
         columns: &[&str],
-    ) -> Result<RowGroup, LoadError> {
-        let rows = metadata
-            .metadata()
-            .row_groups()
-            .get(index)
-            .map_or(0, |rg| usize::try_from(rg.num_rows()).unwrap_or(0));
-        let columns = columns
-            .par_iter()
-            .map(|name| {
-                Ok((
-                    (*name).to_owned(),
-                    self.read_column(metadata, index, name, rows)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, LoadError>>()?;
-        Ok(RowGroup {
+    ) -> Result<RowGroupBatches<'a>, LoadError> {
+        let group = metadata.row_group(index);
+        let rows = usize::try_from(group.num_rows()).unwrap_or(0);
+        let (readers, columns) = columns
+            .iter()
+            .map(|name| self.column(metadata, index, name))
+            .collect::<Result<Vec<_>, LoadError>>()?
+            .into_iter()
+            .unzip();
+        Ok(RowGroupBatches {
+            part: self,
             index,
             rows,
+            read: 0,
+            readers,
             columns,
         })
     }
 
-    fn read_column(
+    fn column(
         &self,
-        metadata: &ArrowReaderMetadata,
+        metadata: &ParquetMetaData,
         index: usize,
         name: &str,
-        rows: usize,
-    ) -> Result<ArrayRef, LoadError> {
-        let fail = |source| self.decode_error(format!("row group {index}, column {name}"), source);
-        let root = metadata
-            .schema()
-            .index_of(name)
-            .map_err(|_| LoadError::MissingColumn {
+    ) -> Result<(Reader, Column), LoadError> {
+        let schema = metadata.file_metadata().schema_descr();
+        let fail = |detail: String| {
+            self.decode_error(
+                format!("row group {index}, column {name}"),
+                ParquetError::General(detail),
+            )
+        };
+        let mut leaves = (0..schema.num_columns())
+            .filter(|&i| schema.column(i).path().parts().first().map(String::as_str) == Some(name));
+        let (Some(leaf), None) = (leaves.next(), leaves.next()) else {
+            return Err(LoadError::MissingColumn {
                 path: self.path.clone(),
                 table: self.table.name(),
                 column: name.to_owned(),
+            });
+        };
+        let descr = schema.column(leaf);
+        let (max_def, max_rep) = (descr.max_def_level(), descr.max_rep_level());
+        if max_rep > 1 {
+            return Err(fail(format!(
+                "nested {max_rep} lists deep, expected at most one"
+            )));
+        }
+        let item_optional = descr.self_type().is_optional();
+        let shape = Shape {
+            list: max_rep == 1,
+            max_def,
+            empty_def: max_def - 1 - i16::from(item_optional),
+            item_optional,
+        };
+        let chunk = metadata.row_group(index).column(leaf);
+        let rows = usize::try_from(metadata.row_group(index).num_rows()).unwrap_or(0);
+        let pages = SerializedPageReader::new(Arc::new(self.open_file()?), chunk, rows, None)
+            .map_err(|source| {
+                self.decode_error(format!("row group {index}, column {name}"), source)
             })?;
-        let reader =
-            ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, metadata.clone())
-                .with_projection(ProjectionMask::roots(metadata.parquet_schema(), [root]))
-                .with_row_groups(vec![index])
-                .with_batch_size(rows.max(1))
-                .build()
-                .map_err(fail)?;
-        let mut arrays = Vec::with_capacity(1);
-        for batch in reader {
-            let batch = batch.map_err(|e| fail(e.into()))?;
-            arrays.push(Arc::clone(batch.column(0)));
-        }
-        // One batch of the row group's rows, or none for an empty one.
-        match arrays.len() {
-            0 => Ok(arrow_array::new_empty_array(
-                metadata.schema().field(root).data_type(),
-            )),
-            1 => Ok(arrays.swap_remove(0)),
-            n => Err(fail(ParquetError::General(format!(
-                "{n} batches for one row group of {rows} rows, expected one"
-            )))),
-        }
+        let (reader, values) = match get_column_reader(descr.clone(), Box::new(pages)) {
+            ColumnReader::Int32ColumnReader(r) => (Reader::I32(r), Values::I32(Vec::new())),
+            ColumnReader::FloatColumnReader(r) => (Reader::F32(r), Values::F32(Vec::new())),
+            ColumnReader::BoolColumnReader(r) => (Reader::Bool(r), Values::Bool(Vec::new())),
+            _ => {
+                let ty: PhysicalType = descr.physical_type();
+                return Err(fail(format!(
+                    "values of Parquet type {ty}, expected INT32, FLOAT or BOOLEAN"
+                )));
+            }
+        };
+        Ok((
+            reader,
+            Column {
+                name: name.to_owned(),
+                shape,
+                def: Vec::new(),
+                rep: Vec::new(),
+                values,
+                starts: Vec::new(),
+                valid: Vec::new(),
+                null_items: false,
+            },
+        ))
     }
 
     fn open_file(&self) -> Result<File, LoadError> {
@@ -142,91 +354,104 @@ impl PartFile {
     }
 }
 
-impl RowGroup {
-    fn column(&self, name: &str) -> Result<&ArrayRef, AnalyzeError> {
+impl RowGroupBatches<'_> {
+    /// The next batch of rows of every column, each column decoded as a task
+    /// of its own into its own buffers; `None` after the row group's last row.
+    ///
+    /// # Errors
+    /// A column that cannot be decoded, or columns that end at different rows.
+    pub fn next_batch(&mut self) -> Option<Result<RowBatch<'_>, LoadError>> {
+        if self.read >= self.rows {
+            return None;
+        }
+        let want = BATCH_ROWS.min(self.rows - self.read);
+        let (part, index, first) = (self.part, self.index, self.read);
+        let decoded = self
+            .columns
+            .par_iter_mut()
+            .zip(self.readers.par_iter_mut())
+            .map(|(column, reader)| {
+                column.read(reader, want).map_err(|detail| {
+                    part.decode_error(
+                        format!(
+                            "row group {index}, column {}, rows from {first}",
+                            column.name
+                        ),
+                        ParquetError::General(detail),
+                    )
+                })
+            })
+            .collect::<Result<Vec<()>, LoadError>>();
+        self.read += want;
+        Some(decoded.map(|_| RowBatch {
+            rows: want,
+            columns: &self.columns,
+        }))
+    }
+}
+
+impl RowBatch<'_> {
+    fn column(&self, name: &str) -> Result<&Column, AnalyzeError> {
         self.columns
             .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, a)| a)
+            .find(|c| c.name == name)
             .ok_or_else(|| layout(name, "not read"))
     }
 
-    fn primitive<T: ArrowPrimitiveType>(
-        &self,
-        name: &str,
-    ) -> Result<&PrimitiveArray<T>, AnalyzeError> {
-        self.column(name)?
-            .as_primitive_opt::<T>()
-            .ok_or_else(|| layout(name, "not of the expected primitive type"))
+    fn typed<T: Leaf>(&self, name: &str, list: bool) -> Result<(&Column, &[T]), AnalyzeError> {
+        let column = self.column(name)?;
+        if column.shape.list != list {
+            let detail = if list {
+                "not a list"
+            } else {
+                "a list, expected one value per row"
+            };
+            return Err(layout(name, detail));
+        }
+        let values =
+            T::of(&column.values).ok_or_else(|| layout(name, "values of an unexpected type"))?;
+        Ok((column, values))
     }
 
     /// A column without nulls, as a slice.
     ///
     /// # Errors
     /// A column not read, of another type, or holding a null.
-    pub fn values<T: ArrowPrimitiveType>(&self, name: &str) -> Result<&[T::Native], AnalyzeError> {
-        let array = self.primitive::<T>(name)?;
-        if array.null_count() > 0 {
+    pub fn values<T: Leaf>(&self, name: &str) -> Result<&[T], AnalyzeError> {
+        let (column, values) = self.typed::<T>(name, false)?;
+        if values.len() != self.rows || column.valid.iter().any(|v| !v) {
             return Err(layout(name, "null in a column that never holds one"));
         }
-        Ok(array.values())
+        Ok(values)
     }
 
     /// A nullable column.
     ///
     /// # Errors
     /// A column not read or of another type.
-    pub fn nullable<T: ArrowPrimitiveType>(
-        &self,
-        name: &str,
-    ) -> Result<Nullable<'_, T>, AnalyzeError> {
+    pub fn nullable<T: Leaf>(&self, name: &str) -> Result<Nullable<'_, T>, AnalyzeError> {
+        let (column, values) = self.typed::<T>(name, false)?;
         Ok(Nullable {
-            array: self.primitive::<T>(name)?,
+            values,
+            starts: &column.starts,
+            valid: &column.valid,
         })
-    }
-
-    fn list_array(&self, name: &str) -> Result<&ListArray, AnalyzeError> {
-        let list = self
-            .column(name)?
-            .as_list_opt::<i32>()
-            .ok_or_else(|| layout(name, "not a list"))?;
-        if list.values().null_count() > 0 {
-            return Err(layout(name, "null entries inside a list"));
-        }
-        Ok(list)
     }
 
     /// A list column of primitive values, row by row as slices.
     ///
     /// # Errors
     /// A column not read, not a list of `T`, or with null entries in a list.
-    pub fn list<T: ArrowPrimitiveType>(
-        &self,
-        name: &str,
-    ) -> Result<ListColumn<'_, T::Native>, AnalyzeError> {
-        let list = self.list_array(name)?;
-        let values = list
-            .values()
-            .as_primitive_opt::<T>()
-            .ok_or_else(|| layout(name, "list values of an unexpected type"))?;
+    pub fn list<T: Leaf>(&self, name: &str) -> Result<ListColumn<'_, T>, AnalyzeError> {
+        let (column, values) = self.typed::<T>(name, true)?;
+        if column.null_items {
+            return Err(layout(name, "null entries inside a list"));
+        }
         Ok(ListColumn {
-            list,
-            offsets: list.value_offsets(),
-            values: values.values(),
+            values,
+            starts: &column.starts,
+            valid: &column.valid,
         })
-    }
-
-    /// A `list<bool>` column.
-    ///
-    /// # Errors
-    /// A column not read, not a list of booleans, or with null entries.
-    pub fn bool_list(&self, name: &str) -> Result<BoolListColumn<'_>, AnalyzeError> {
-        let list = self.list_array(name)?;
-        let values = list
-            .values()
-            .as_boolean_opt()
-            .ok_or_else(|| layout(name, "list values of an unexpected type"))?;
-        Ok(BoolListColumn { list, values })
     }
 }
 
@@ -237,62 +462,194 @@ fn layout(column: &str, detail: &str) -> AnalyzeError {
     }
 }
 
-/// A nullable primitive column of a [`RowGroup`].
+/// A nullable primitive column of a [`RowBatch`].
 #[derive(Debug, Clone, Copy)]
-pub struct Nullable<'a, T: ArrowPrimitiveType> {
-    array: &'a PrimitiveArray<T>,
+pub struct Nullable<'a, T> {
+    values: &'a [T],
+    starts: &'a [u32],
+    valid: &'a [bool],
 }
 
-impl<T: ArrowPrimitiveType> Nullable<'_, T> {
+impl<T: Copy> Nullable<'_, T> {
     /// Row `i`, `None` where null.
     #[must_use]
-    pub fn get(&self, i: usize) -> Option<T::Native> {
-        self.array.is_valid(i).then(|| self.array.value(i))
+    pub fn get(&self, i: usize) -> Option<T> {
+        if self.valid.get(i) == Some(&false) {
+            return None;
+        }
+        self.values.get(*self.starts.get(i)? as usize).copied()
     }
 }
 
-/// A list column of a [`RowGroup`], row by row as slices into one buffer.
+/// A list column of a [`RowBatch`], row by row as slices into one buffer.
 #[derive(Debug, Clone, Copy)]
 pub struct ListColumn<'a, T> {
-    list: &'a ListArray,
-    offsets: &'a [i32],
     values: &'a [T],
+    starts: &'a [u32],
+    valid: &'a [bool],
 }
 
 impl<'a, T> ListColumn<'a, T> {
     /// Row `i`, `None` where the list is null.
     #[must_use]
     pub fn get(&self, i: usize) -> Option<&'a [T]> {
-        if !self.list.is_valid(i) {
+        if self.valid.get(i) == Some(&false) {
             return None;
         }
-        let (start, end) = (self.offsets[i], self.offsets[i + 1]);
-        self.values
-            .get(usize::try_from(start).ok()?..usize::try_from(end).ok()?)
+        let (start, end) = (*self.starts.get(i)?, *self.starts.get(i + 1)?);
+        self.values.get(start as usize..end as usize)
     }
 }
 
-/// A `list<bool>` column of a [`RowGroup`]: booleans are bit-packed, so a
-/// row is copied into a caller's buffer.
-#[derive(Debug, Clone, Copy)]
-pub struct BoolListColumn<'a> {
-    list: &'a ListArray,
-    values: &'a BooleanArray,
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
 
-impl BoolListColumn<'_> {
-    /// Copies row `i` into `out` (cleared first); `false` where the list is null.
-    pub fn fill(&self, i: usize, out: &mut Vec<bool>) -> bool {
-        out.clear();
-        if !self.list.is_valid(i) {
-            return false;
+    use arrow_array::builder::{BooleanBuilder, Float32Builder, Int32Builder, ListBuilder};
+    use arrow_array::{ArrayRef, Int32Array, RecordBatch};
+    use parquet::arrow::ArrowWriter;
+    use parquet::file::properties::WriterProperties;
+    use shadowtrace_schemas::Table;
+
+    use super::*;
+
+    const ROWS: usize = BATCH_ROWS + 1808;
+
+    /// Row `i` of the list column: null, empty, or a few ascending values.
+    fn gaps(i: usize) -> Option<Vec<i32>> {
+        let i32_of = |v: usize| i32::try_from(v).unwrap();
+        match (i % 11, i % 5) {
+            (0, _) => None,
+            (_, 0) => Some(Vec::new()),
+            _ => Some((0..=i % 4).map(|j| i32_of(i * 10 + j)).collect()),
         }
-        let offsets = self.list.value_offsets();
-        let (Ok(start), Ok(end)) = (usize::try_from(offsets[i]), usize::try_from(offsets[i + 1]))
-        else {
-            return false;
-        };
-        out.extend((start..end).map(|j| self.values.value(j)));
-        true
+    }
+
+    fn flat(i: usize) -> Option<i32> {
+        (!i.is_multiple_of(7)).then(|| i32::try_from(i).unwrap())
+    }
+
+    fn flags(i: usize) -> Vec<bool> {
+        (0..i % 3).map(|j| (i + j).is_multiple_of(2)).collect()
+    }
+
+    /// Writes the columns with arrow-rs's own writer, in small pages and in
+    /// record batches that do not line up with [`BATCH_ROWS`].
+    fn part(dir: &std::path::Path, null_item_at: Option<usize>) -> PartFile {
+        let path = dir.join("part.parquet");
+        let mut list = ListBuilder::new(Int32Builder::new());
+        let mut bools = ListBuilder::new(BooleanBuilder::new());
+        let mut offsets = ListBuilder::new(Float32Builder::new());
+        for i in 0..ROWS {
+            match gaps(i) {
+                Some(v) => {
+                    for x in v {
+                        list.values().append_value(x);
+                    }
+                    if null_item_at == Some(i) {
+                        list.values().append_null();
+                    }
+                    list.append(true);
+                }
+                None => list.append(false),
+            }
+            for b in flags(i) {
+                bools.values().append_value(b);
+            }
+            bools.append(true);
+            offsets.values().append_value(i as f32 * 0.5);
+            offsets.append(true);
+        }
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            (
+                "flat",
+                Arc::new((0..ROWS).map(flat).collect::<Int32Array>()),
+            ),
+            (
+                "required",
+                Arc::new(Int32Array::from_iter_values(
+                    (0..ROWS).map(|i| i32::try_from(i).unwrap()),
+                )),
+            ),
+            ("gaps", Arc::new(list.finish())),
+            ("flags", Arc::new(bools.finish())),
+            ("offsets", Arc::new(offsets.finish())),
+        ];
+        let batch = RecordBatch::try_from_iter(columns).unwrap();
+        let props = WriterProperties::builder()
+            .set_data_page_size_limit(1024)
+            .set_write_batch_size(97)
+            .build();
+        let file = File::create(&path).unwrap();
+        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props)).unwrap();
+        for start in (0..ROWS).step_by(3001) {
+            writer
+                .write(&batch.slice(start, 3001.min(ROWS - start)))
+                .unwrap();
+        }
+        writer.close().unwrap();
+        PartFile {
+            bytes: std::fs::metadata(&path).unwrap().len(),
+            path,
+            table: Table::Topk,
+            version: 2,
+            rows: ROWS as u64,
+        }
+    }
+
+    #[test]
+    fn every_row_of_every_batch_reads_back_as_arrow_rs_wrote_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let part = part(tmp.path(), None);
+        let metadata = part.parquet_metadata().unwrap();
+        assert_eq!(metadata.num_row_groups(), 1);
+        let names = ["flat", "required", "gaps", "flags", "offsets"];
+        let mut batches = part.row_group_batches(&metadata, 0, &names).unwrap();
+        let (mut first, mut seen) = (0, 0);
+        while let Some(batch) = batches.next_batch() {
+            let batch = batch.unwrap();
+            let required = batch.values::<i32>("required").unwrap();
+            let flat_col = batch.nullable::<i32>("flat").unwrap();
+            let (list, bools, offs) = (
+                batch.list::<i32>("gaps").unwrap(),
+                batch.list::<bool>("flags").unwrap(),
+                batch.list::<f32>("offsets").unwrap(),
+            );
+            assert_eq!(required.len(), batch.rows);
+            for (r, &value) in required.iter().enumerate() {
+                let i = first + r;
+                assert_eq!(value, i32::try_from(i).unwrap());
+                assert_eq!(flat_col.get(r), flat(i), "row {i}");
+                assert_eq!(list.get(r).map(<[i32]>::to_vec), gaps(i), "row {i}");
+                assert_eq!(bools.get(r), Some(flags(i).as_slice()), "row {i}");
+                assert_eq!(offs.get(r), Some([i as f32 * 0.5].as_slice()), "row {i}");
+            }
+            first += batch.rows;
+            seen += 1;
+        }
+        assert_eq!((first, seen), (ROWS, 2), "every row, in two batches");
+    }
+
+    #[test]
+    fn a_null_inside_a_list_a_null_in_a_required_read_and_a_wrong_type_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let part = part(tmp.path(), Some(1));
+        let metadata = part.parquet_metadata().unwrap();
+        let mut batches = part
+            .row_group_batches(&metadata, 0, &["flat", "required", "gaps"])
+            .unwrap();
+        let batch = batches.next_batch().unwrap().unwrap();
+        let refused = |r: Result<(), AnalyzeError>| r.unwrap_err().to_string();
+        assert!(
+            refused(batch.list::<i32>("gaps").map(|_| ())).contains("null entries inside a list")
+        );
+        assert!(refused(batch.values::<i32>("flat").map(|_| ())).contains("null in a column"));
+        assert!(refused(batch.values::<f32>("required").map(|_| ())).contains("unexpected type"));
+        assert!(refused(batch.nullable::<i32>("gaps").map(|_| ())).contains("a list"));
+        assert!(refused(batch.list::<i32>("absent").map(|_| ())).contains("not read"));
+        let missing = part
+            .row_group_batches(&metadata, 0, &["absent"])
+            .unwrap_err();
+        assert!(missing.to_string().contains("absent"), "{missing}");
     }
 }

@@ -17,7 +17,6 @@
 //! this check makes the drift a counted disagreement (`analyze`) and a
 //! problem (`inspect`).
 
-use arrow_array::types::{Float32Type, Int32Type};
 use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::columns::topk as c;
@@ -25,7 +24,7 @@ use shadowtrace_schemas::selection::{
     BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
-use crate::load::{BoolListColumn, ListColumn, Nullable, PartFile, RowGroup, Run};
+use crate::load::{ListColumn, Nullable, PartFile, RowBatch, Run};
 use crate::{AnalyzeError, RunProblem};
 
 /// Largest difference between a stored Jaccard and the one its counts give
@@ -147,7 +146,7 @@ fn close(stored: Option<f32>, counted: f64) -> bool {
     stored.is_none_or(|s| (f64::from(s) - counted).abs() <= JACCARD_TOLERANCE)
 }
 
-/// The columns of one row group the check reads ([`COLUMNS`]).
+/// The columns of one batch of rows the check reads ([`COLUMNS`]).
 struct Columns<'a> {
     step: &'a [i32],
     layer: &'a [i32],
@@ -155,53 +154,57 @@ struct Columns<'a> {
     k: &'a [i32],
     visible: &'a [i32],
     prod_selected: &'a [i32],
-    shadow_selected: Nullable<'a, Int32Type>,
-    shared: Nullable<'a, Int32Type>,
-    band: Nullable<'a, Float32Type>,
-    churn: [Nullable<'a, Int32Type>; 4],
-    jaccard: Nullable<'a, Float32Type>,
-    jaccard_no_churn: Nullable<'a, Float32Type>,
+    shadow_selected: Nullable<'a, i32>,
+    shared: Nullable<'a, i32>,
+    band: Nullable<'a, f32>,
+    churn: [Nullable<'a, i32>; 4],
+    jaccard: Nullable<'a, f32>,
+    jaccard_no_churn: Nullable<'a, f32>,
     prod_only: ListColumn<'a, i32>,
     shadow_only: ListColumn<'a, i32>,
-    boundary: [(ListColumn<'a, i32>, ListColumn<'a, f32>, BoolListColumn<'a>); 2],
+    boundary: [(
+        ListColumn<'a, i32>,
+        ListColumn<'a, f32>,
+        ListColumn<'a, bool>,
+    ); 2],
     prod_gaps: ListColumn<'a, i32>,
 }
 
 impl<'a> Columns<'a> {
-    fn of(g: &'a RowGroup) -> Result<Columns<'a>, AnalyzeError> {
+    fn of(g: &'a RowBatch<'_>) -> Result<Columns<'a>, AnalyzeError> {
         Ok(Columns {
-            step: g.values::<Int32Type>(c::STEP)?,
-            layer: g.values::<Int32Type>(c::LAYER)?,
-            token: g.values::<Int32Type>(c::TOKEN)?,
-            k: g.values::<Int32Type>(c::K)?,
-            visible: g.values::<Int32Type>(c::VISIBLE)?,
-            prod_selected: g.values::<Int32Type>(c::PROD_SELECTED)?,
-            shadow_selected: g.nullable::<Int32Type>(c::SHADOW_SELECTED)?,
-            shared: g.nullable::<Int32Type>(c::SHARED)?,
-            band: g.nullable::<Float32Type>(c::BOUNDARY_BAND)?,
+            step: g.values::<i32>(c::STEP)?,
+            layer: g.values::<i32>(c::LAYER)?,
+            token: g.values::<i32>(c::TOKEN)?,
+            k: g.values::<i32>(c::K)?,
+            visible: g.values::<i32>(c::VISIBLE)?,
+            prod_selected: g.values::<i32>(c::PROD_SELECTED)?,
+            shadow_selected: g.nullable::<i32>(c::SHADOW_SELECTED)?,
+            shared: g.nullable::<i32>(c::SHARED)?,
+            band: g.nullable::<f32>(c::BOUNDARY_BAND)?,
             churn: [
-                g.nullable::<Int32Type>(c::CHURN_SHARED)?,
-                g.nullable::<Int32Type>(c::CHURN_PROD_ONLY)?,
-                g.nullable::<Int32Type>(c::CHURN_SHADOW_ONLY)?,
-                g.nullable::<Int32Type>(c::CHURN_UNSELECTED)?,
+                g.nullable::<i32>(c::CHURN_SHARED)?,
+                g.nullable::<i32>(c::CHURN_PROD_ONLY)?,
+                g.nullable::<i32>(c::CHURN_SHADOW_ONLY)?,
+                g.nullable::<i32>(c::CHURN_UNSELECTED)?,
             ],
-            jaccard: g.nullable::<Float32Type>(c::JACCARD)?,
-            jaccard_no_churn: g.nullable::<Float32Type>(c::JACCARD_NO_CHURN)?,
-            prod_only: g.list::<Int32Type>(c::PROD_ONLY_GAPS)?,
-            shadow_only: g.list::<Int32Type>(c::SHADOW_ONLY_GAPS)?,
+            jaccard: g.nullable::<f32>(c::JACCARD)?,
+            jaccard_no_churn: g.nullable::<f32>(c::JACCARD_NO_CHURN)?,
+            prod_only: g.list::<i32>(c::PROD_ONLY_GAPS)?,
+            shadow_only: g.list::<i32>(c::SHADOW_ONLY_GAPS)?,
             boundary: [
                 (
-                    g.list::<Int32Type>(c::PROD_BOUNDARY_GAPS)?,
-                    g.list::<Float32Type>(c::PROD_BOUNDARY_OFFSETS)?,
-                    g.bool_list(c::PROD_BOUNDARY_SELECTED)?,
+                    g.list::<i32>(c::PROD_BOUNDARY_GAPS)?,
+                    g.list::<f32>(c::PROD_BOUNDARY_OFFSETS)?,
+                    g.list::<bool>(c::PROD_BOUNDARY_SELECTED)?,
                 ),
                 (
-                    g.list::<Int32Type>(c::SHADOW_BOUNDARY_GAPS)?,
-                    g.list::<Float32Type>(c::SHADOW_BOUNDARY_OFFSETS)?,
-                    g.bool_list(c::SHADOW_BOUNDARY_SELECTED)?,
+                    g.list::<i32>(c::SHADOW_BOUNDARY_GAPS)?,
+                    g.list::<f32>(c::SHADOW_BOUNDARY_OFFSETS)?,
+                    g.list::<bool>(c::SHADOW_BOUNDARY_SELECTED)?,
                 ),
             ],
-            prod_gaps: g.list::<Int32Type>(c::PROD_GAPS)?,
+            prod_gaps: g.list::<i32>(c::PROD_GAPS)?,
         })
     }
 }
@@ -212,7 +215,6 @@ struct Scratch {
     prod_only: Vec<i32>,
     shadow_only: Vec<i32>,
     keys: [Vec<i32>; 2],
-    selected: [Vec<bool>; 2],
     full: Vec<i32>,
 }
 
@@ -268,18 +270,19 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
     {
         let mut listed = true;
         let mut offsets: [&[f32]; 2] = [&[], &[]];
+        let mut selected: [&[bool]; 2] = [&[], &[]];
         for (path, (gaps, offs, flags)) in t.boundary.iter().enumerate() {
-            listed &= decode(gaps, i, &mut s.keys[path]) & flags.fill(i, &mut s.selected[path]);
-            match offs.get(i) {
-                Some(o) => offsets[path] = o,
-                None => listed = false,
+            listed &= decode(gaps, i, &mut s.keys[path]);
+            match (offs.get(i), flags.get(i)) {
+                (Some(o), Some(f)) => (offsets[path], selected[path]) = (o, f),
+                _ => listed = false,
             }
         }
         if listed {
             let view = |path: usize| BoundaryView {
                 keys: &s.keys[path],
                 offsets: offsets[path],
-                selected: &s.selected[path],
+                selected: selected[path],
             };
             let recount =
                 churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), band);
@@ -308,21 +311,21 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
 }
 
 /// Rows a worker checks at a time: large enough that splitting costs
-/// nothing, small enough that both cores share a row group.
-const ROWS_PER_TASK: usize = 4096;
+/// nothing, small enough that both cores share a batch.
+const ROWS_PER_TASK: usize = 2048;
 
-/// Checks every row of one row group of a v2 `topk` part ([`COLUMNS`]), in
+/// Checks every row of one batch of a v2 `topk` part ([`COLUMNS`]), in
 /// parallel over rows.
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
-pub fn check(group: &RowGroup) -> Result<SummaryCheck, AnalyzeError> {
-    let t = Columns::of(group)?;
-    let tasks = group.rows.div_ceil(ROWS_PER_TASK);
+pub fn check(batch: &RowBatch<'_>) -> Result<SummaryCheck, AnalyzeError> {
+    let t = Columns::of(batch)?;
+    let tasks = batch.rows.div_ceil(ROWS_PER_TASK);
     Ok((0..tasks)
         .into_par_iter()
         .map_init(Scratch::default, |scratch, task| {
-            let rows = task * ROWS_PER_TASK..group.rows.min((task + 1) * ROWS_PER_TASK);
+            let rows = task * ROWS_PER_TASK..batch.rows.min((task + 1) * ROWS_PER_TASK);
             let mut out = SummaryCheck::default();
             for i in rows {
                 if let Some(row) = check_row(&t, i, scratch) {
@@ -338,9 +341,10 @@ pub fn check(group: &RowGroup) -> Result<SummaryCheck, AnalyzeError> {
 }
 
 /// Checks every v2 top-k part of a run; `None` for a v1 run (no summary).
-/// Row groups are read and checked in parallel, each column of one decoded
-/// as a task of its own ([`RowGroup`]), so at most a few row groups'
-/// lists are in memory at once.
+/// Row groups are checked in parallel, each a batch of rows at a time with
+/// every column of a batch decoded as a task of its own
+/// ([`crate::load::RowGroupBatches`]), so at most a few batches' lists are
+/// in memory at once.
 ///
 /// # Errors
 /// When a part cannot be read or a column is missing.
@@ -356,16 +360,23 @@ pub fn check_run(run: &Run) -> Result<Option<SummaryCheck>, AnalyzeError> {
         .collect();
     let metadata = parts
         .par_iter()
-        .map(|part| part.arrow_metadata())
+        .map(|part| part.parquet_metadata())
         .collect::<Result<Vec<_>, _>>()?;
     let groups: Vec<(&PartFile, _, usize)> = parts
         .iter()
         .zip(&metadata)
-        .flat_map(|(part, m)| (0..m.metadata().num_row_groups()).map(move |g| (*part, m, g)))
+        .flat_map(|(part, m)| (0..m.num_row_groups()).map(move |g| (*part, m, g)))
         .collect();
     groups
         .par_iter()
-        .map(|(part, metadata, index)| check(&part.read_row_group(metadata, *index, &COLUMNS)?))
+        .map(|(part, metadata, index)| {
+            let mut batches = part.row_group_batches(metadata, *index, &COLUMNS)?;
+            let mut total = SummaryCheck::default();
+            while let Some(batch) = batches.next_batch() {
+                total.add(&check(&batch?)?);
+            }
+            Ok(total)
+        })
         .try_reduce(SummaryCheck::default, |mut a, b| {
             a.add(&b);
             Ok(a)
