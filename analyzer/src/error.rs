@@ -166,15 +166,15 @@ pub enum LoadError {
         #[source]
         source: polars::prelude::PolarsError,
     },
-    /// arrow-rs failed to read a file that passed the checks above
-    /// (`load::RowGroupBatches`).
+    /// The `parquet` crate's column readers failed to decode a file that
+    /// passed the checks above (`load::RowGroupBatches`).
     #[error("parquet file {path}: {part}: {source}")]
-    ArrowDecode {
+    ParquetDecode {
         /// The part file.
         path: PathBuf,
-        /// Which part of it: the footer, or a row group's column.
+        /// Which part of it: the footer, or a row group's column and rows.
         part: String,
-        /// What arrow-rs said.
+        /// What the `parquet` crate said.
         #[source]
         source: parquet::errors::ParquetError,
     },
@@ -250,7 +250,7 @@ impl LoadError {
             | LoadError::MissingColumn { path, .. }
             | LoadError::WrongType { path, .. }
             | LoadError::Decode { path, .. }
-            | LoadError::ArrowDecode { path, .. }
+            | LoadError::ParquetDecode { path, .. }
             | LoadError::Io { path, .. } => path,
             LoadError::MissingManifest { run } => run,
             LoadError::Problem(

@@ -346,7 +346,7 @@ impl PartFile {
     }
 
     fn decode_error(&self, part: String, source: ParquetError) -> LoadError {
-        LoadError::ArrowDecode {
+        LoadError::ParquetDecode {
             path: self.path.clone(),
             part,
             source,
