@@ -17,26 +17,29 @@
 //! Why batches: decoded whole, a 65,536-row row group's lists took about
 //! 350 MB, and a fresh process spent as much time having the kernel zero
 //! those pages as decoding them. [`BATCH_ROWS`] rows at a time, the same
-//! memory serves every batch (README, analyze throughput). Flat columns the
+//! buffers serve every batch of a row group, and the allocator (mimalloc)
+//! keeps their pages for the next row group (README, analyze throughput). Flat columns the
 //! metrics stack across parts stay with polars ([`super::PartFile::read`]).
 
 use std::fs::File;
 use std::sync::Arc;
 
-use parquet::basic::Type as PhysicalType;
+use parquet::basic::{ConvertedType, LogicalType, Repetition, Type as PhysicalType};
 use parquet::column::reader::{ColumnReader, ColumnReaderImpl, get_column_reader};
 use parquet::data_type::{BoolType, FloatType, Int32Type};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::ParquetMetaData;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::file::serialized_reader::SerializedPageReader;
+use parquet::schema::types::Type as SchemaType;
 use rayon::prelude::*;
 
 use super::PartFile;
 use crate::{AnalyzeError, LoadError};
 
-/// Rows decoded at a time: a few MB per list column, and a task per column
-/// large enough that the split costs nothing.
+/// Rows decoded at a time: a few MB per difference or candidate column at
+/// the default tier (a sampled full prod list adds about 16 KB a row), and a
+/// task per column large enough that the split costs nothing.
 pub const BATCH_ROWS: usize = 8192;
 
 /// The non-null values of one leaf column of a batch, by physical type.
@@ -293,19 +296,10 @@ impl PartFile {
             });
         };
         let descr = schema.column(leaf);
-        let (max_def, max_rep) = (descr.max_def_level(), descr.max_rep_level());
-        if max_rep > 1 {
-            return Err(fail(format!(
-                "nested {max_rep} lists deep, expected at most one"
-            )));
+        let shape = shape_of(schema.get_column_root(leaf), descr.max_def_level()).map_err(fail)?;
+        if descr.physical_type() == PhysicalType::INT32 {
+            signed_32(descr.converted_type(), descr.logical_type_ref()).map_err(fail)?;
         }
-        let item_optional = descr.self_type().is_optional();
-        let shape = Shape {
-            list: max_rep == 1,
-            max_def,
-            empty_def: max_def - 1 - i16::from(item_optional),
-            item_optional,
-        };
         let chunk = metadata.row_group(index).column(leaf);
         let rows = usize::try_from(metadata.row_group(index).num_rows()).unwrap_or(0);
         let pages = SerializedPageReader::new(Arc::new(self.open_file()?), chunk, rows, None)
@@ -317,9 +311,9 @@ impl PartFile {
             ColumnReader::FloatColumnReader(r) => (Reader::F32(r), Values::F32(Vec::new())),
             ColumnReader::BoolColumnReader(r) => (Reader::Bool(r), Values::Bool(Vec::new())),
             _ => {
-                let ty: PhysicalType = descr.physical_type();
                 return Err(fail(format!(
-                    "values of Parquet type {ty}, expected INT32, FLOAT or BOOLEAN"
+                    "values of Parquet type {}, expected INT32, FLOAT or BOOLEAN",
+                    descr.physical_type()
                 )));
             }
         };
@@ -354,6 +348,75 @@ impl PartFile {
     }
 }
 
+/// How the column under `root` nests, from its schema path: one value per
+/// row, or a list whose repeated node is the leaf (a legacy 2-level list) or
+/// the leaf's parent (a 3-level `LIST`). Anything else (a struct, a list of
+/// structs, a list of lists) is refused, since its levels mean something else.
+fn shape_of(root: &SchemaType, max_def: i16) -> Result<Shape, String> {
+    let mut nodes = vec![root];
+    let mut node = root;
+    while let SchemaType::GroupType { fields, .. } = node {
+        let [field] = fields.as_slice() else {
+            return Err(format!(
+                "a group of {} fields, expected a value or a list of values",
+                fields.len()
+            ));
+        };
+        node = field;
+        nodes.push(node);
+    }
+    let leaf = nodes.len() - 1;
+    let repetition = |i: usize| nodes[i].get_basic_info().repetition();
+    let repeated: Vec<usize> = (0..nodes.len())
+        .filter(|&i| repetition(i) == Repetition::REPEATED)
+        .collect();
+    // Each node that is not required adds a definition level.
+    let def_through = |i: usize| {
+        (0..=i)
+            .filter(|&j| repetition(j) != Repetition::REQUIRED)
+            .count()
+    };
+    let level = |n: usize| i16::try_from(n).map_err(|e| e.to_string());
+    match repeated.as_slice() {
+        [] if leaf == 0 => Ok(Shape {
+            list: false,
+            max_def,
+            empty_def: 0,
+            item_optional: false,
+        }),
+        [] => Err("a group, expected a value or a list of values".to_owned()),
+        &[r] if r == leaf || r + 1 == leaf => Ok(Shape {
+            list: true,
+            max_def,
+            // A list with no item stops at the repeated node's parent's level.
+            empty_def: level(def_through(r))? - 1,
+            item_optional: r != leaf && repetition(leaf) == Repetition::OPTIONAL,
+        }),
+        [_] => Err("a list of groups, expected a list of values".to_owned()),
+        _ => Err(format!(
+            "nested {} lists deep, expected at most one",
+            repeated.len()
+        )),
+    }
+}
+
+/// Refuses an INT32 leaf annotated as anything but a signed 32-bit integer
+/// (unsigned, a date, a decimal): its values would read as other numbers.
+fn signed_32(converted: ConvertedType, logical: Option<&LogicalType>) -> Result<(), String> {
+    let plain_logical = match logical {
+        None => true,
+        Some(LogicalType::Integer(int)) => int.bit_width == 32 && int.is_signed,
+        Some(_) => false,
+    };
+    if plain_logical && matches!(converted, ConvertedType::NONE | ConvertedType::INT_32) {
+        Ok(())
+    } else {
+        Err(format!(
+            "INT32 annotated {converted} ({logical:?}), expected a signed 32-bit integer"
+        ))
+    }
+}
+
 impl RowGroupBatches<'_> {
     /// The next batch of rows of every column, each column decoded as a task
     /// of its own into its own buffers; `None` after the row group's last row.
@@ -382,7 +445,12 @@ impl RowGroupBatches<'_> {
                 })
             })
             .collect::<Result<Vec<()>, LoadError>>();
-        self.read += want;
+        // After a failure the columns may stand at different rows: no more batches.
+        self.read = if decoded.is_ok() {
+            self.read + want
+        } else {
+            self.rows
+        };
         Some(decoded.map(|_| RowBatch {
             rows: want,
             columns: &self.columns,
@@ -651,5 +719,90 @@ mod tests {
             .row_group_batches(&metadata, 0, &["absent"])
             .unwrap_err();
         assert!(missing.to_string().contains("absent"), "{missing}");
+    }
+
+    /// Required lists of required items, a legacy 2-level list, a list of
+    /// structs and a DATE, written with the `parquet` crate's low-level
+    /// writer from a schema written by hand (arrow-rs writes only optional
+    /// lists of optional items).
+    #[test]
+    fn hand_written_list_shapes_read_as_their_levels_say_and_structs_and_dates_are_refused() {
+        use parquet::data_type::Int32Type as Int32;
+        use parquet::file::writer::SerializedFileWriter;
+        use parquet::schema::parser::parse_message_type;
+
+        let schema = "message m {
+            required group req_list (LIST) { repeated group list { required int32 element; } }
+            optional group legacy (LIST) { repeated int32 array; }
+            optional group structs (LIST) {
+                repeated group list { optional group element { optional int32 x; } }
+            }
+            optional int32 day (DATE);
+        }";
+        // (values, definition levels, repetition levels) per leaf, 4 rows:
+        // req_list [1, 2], [], [3], []; legacy [5], null, [], [6, 7].
+        let leaves: [(&[i32], &[i16], &[i16]); 4] = [
+            (&[1, 2, 3], &[1, 1, 0, 1, 0], &[0, 1, 0, 0, 0]),
+            (&[5, 6, 7], &[2, 0, 1, 2, 2], &[0, 0, 0, 0, 1]),
+            (&[1, 1, 1, 1], &[4, 4, 4, 4], &[0, 0, 0, 0]),
+            (&[1, 2, 3, 4], &[1, 1, 1, 1], &[]),
+        ];
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("part.parquet");
+        let mut writer = SerializedFileWriter::new(
+            File::create(&path).unwrap(),
+            Arc::new(parse_message_type(schema).unwrap()),
+            Arc::new(WriterProperties::builder().build()),
+        )
+        .unwrap();
+        let mut group = writer.next_row_group().unwrap();
+        for (values, def, rep) in leaves {
+            let mut column = group.next_column().unwrap().unwrap();
+            let rep = (!rep.is_empty()).then_some(rep);
+            column
+                .typed::<Int32>()
+                .write_batch(values, Some(def), rep)
+                .unwrap();
+            column.close().unwrap();
+        }
+        group.close().unwrap();
+        writer.close().unwrap();
+        let part = PartFile {
+            bytes: std::fs::metadata(&path).unwrap().len(),
+            path,
+            table: Table::Topk,
+            version: 2,
+            rows: 4,
+        };
+        let metadata = part.parquet_metadata().unwrap();
+        let mut batches = part
+            .row_group_batches(&metadata, 0, &["req_list", "legacy"])
+            .unwrap();
+        let batch = batches.next_batch().unwrap().unwrap();
+        let rows = |name: &str| -> Vec<Option<Vec<i32>>> {
+            let list = batch.list::<i32>(name).unwrap();
+            (0..batch.rows)
+                .map(|i| list.get(i).map(<[i32]>::to_vec))
+                .collect()
+        };
+        assert_eq!(
+            rows("req_list"),
+            [Some(vec![1, 2]), Some(vec![]), Some(vec![3]), Some(vec![])]
+        );
+        assert_eq!(
+            rows("legacy"),
+            [Some(vec![5]), None, Some(vec![]), Some(vec![6, 7])]
+        );
+        let refused = |name: &str| {
+            part.row_group_batches(&metadata, 0, &[name])
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(
+            refused("structs").contains("a list of groups"),
+            "{}",
+            refused("structs")
+        );
+        assert!(refused("day").contains("DATE"), "{}", refused("day"));
     }
 }
