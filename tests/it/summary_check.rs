@@ -355,6 +355,87 @@ fn a_stored_jaccard_off_by_more_than_rounding_is_counted_and_rounding_is_not() {
     assert_eq!(checked(&dir).rows_disagreeing, 0, "one ulp is rounding");
 }
 
+/// Row `row` of a list column with its first two entries swapped.
+fn swap_first_two<T: Copy>(
+    c: &ArrayRef,
+    row: usize,
+    values: impl Fn(&ArrayRef) -> Vec<T>,
+    build: impl Fn(Vec<Option<Vec<Option<T>>>>) -> ArrayRef,
+) -> ArrayRef {
+    let a = c.as_any().downcast_ref::<ListArray>().unwrap();
+    let rows = (0..a.len())
+        .map(|i| {
+            a.is_valid(i).then(|| {
+                let mut v = values(&a.value(i));
+                if i == row {
+                    assert!(v.len() >= 2, "the planted row lists two candidates");
+                    v.swap(0, 1);
+                }
+                v.into_iter().map(Some).collect()
+            })
+        })
+        .collect();
+    build(rows)
+}
+
+#[test]
+fn boundary_keys_out_of_order_are_a_churn_disagreement() {
+    use arrow_array::types::Float32Type;
+    use arrow_array::{BooleanArray, builder::BooleanBuilder, builder::ListBuilder};
+    let tmp = tempfile::tempdir().unwrap();
+    // prod's first two candidates swapped, key, offset and flag together:
+    // the same candidates, listed out of order.
+    let dir = run_with(tmp.path(), |name, c, row| match name {
+        "prod_boundary_gaps" => Some(with_list(c, row, |gaps| {
+            let (k0, k1) = (gaps[0], gaps[0] + gaps[1]);
+            let mut swapped = vec![k1, k0 - k1];
+            if let Some(g2) = gaps.get(2) {
+                swapped.push(k1 + g2 - k0);
+            }
+            swapped.extend_from_slice(gaps.get(3..).unwrap_or(&[]));
+            swapped
+        })),
+        "prod_boundary_offsets" => Some(swap_first_two(
+            c,
+            row,
+            |v| {
+                v.as_any()
+                    .downcast_ref::<Float32Array>()
+                    .unwrap()
+                    .values()
+                    .to_vec()
+            },
+            |rows| Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(rows)),
+        )),
+        "prod_boundary_selected" => Some(swap_first_two(
+            c,
+            row,
+            |v| {
+                let b = v.as_any().downcast_ref::<BooleanArray>().unwrap();
+                (0..b.len()).map(|j| b.value(j)).collect()
+            },
+            |rows| {
+                let mut list = ListBuilder::new(BooleanBuilder::new());
+                for r in rows {
+                    match r {
+                        Some(v) => {
+                            for x in v {
+                                list.values().append_option(x);
+                            }
+                            list.append(true);
+                        }
+                        None => list.append(false),
+                    }
+                }
+                Arc::new(list.finish())
+            },
+        )),
+        _ => None,
+    });
+    let check = checked(&dir);
+    assert_eq!((check.rows_disagreeing, check.churn), (1, 1), "{check:?}");
+}
+
 #[test]
 fn churn_counts_that_contradict_the_boundary_lists_are_counted() {
     let tmp = tempfile::tempdir().unwrap();
