@@ -11,10 +11,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// mimalloc keeps freed pages for the next allocation. glibc hands the
-/// summary check's decode buffers (tens of MB per column of a row group) back
-/// to the kernel and faults them in again: a third of `analyze`'s time on a
-/// v2 run went to page faults (README, analyze throughput).
+/// mimalloc keeps freed pages for the next allocation. glibc handed the
+/// summary check's decode buffers back to the kernel and faulted them in
+/// again: a third of `analyze`'s time on a v2 run went to page faults
+/// (README, analyze throughput).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

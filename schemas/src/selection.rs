@@ -390,7 +390,7 @@ impl<'a> Ascending<'a> {
         Ascending { keys, at: 0 }
     }
 
-    /// Where `key` is, given every earlier question asked for a smaller key.
+    /// Where `key` is, given every earlier question asked for a key no larger.
     fn position(&mut self, key: i32) -> Option<usize> {
         while self.keys.get(self.at).is_some_and(|&k| k < key) {
             self.at += 1;
