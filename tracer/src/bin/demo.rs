@@ -60,8 +60,10 @@ struct Args {
     layers: i64,
     /// Prompt lengths of the suspects section: every deviation beside the
     /// clean production path on tool and no-tool prompts, and each synthetic
-    /// assumption switched on the tool prompt at the longest.
-    #[arg(long, value_delimiter = ',', default_values_t = [3072])]
+    /// assumption switched on the tool prompt at the longest. The default
+    /// reaches past the 5.4-5.9k tokens where the central report's
+    /// corruption sets in (TensorRT-LLM issue #15295).
+    #[arg(long, value_delimiter = ',', default_values_t = [3072, 6144])]
     suspects_lengths: Vec<usize>,
     /// Decoder layers of the suspects section's checkpoints (the grid's
     /// shapes, seeds and assumptions; the first layer dense, the rest MoE).
