@@ -39,6 +39,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use shadowtrace_analyzer::metrics::topk_check;
+use shadowtrace_schemas::stats::Summary;
 use shadowtrace_tracer::record::{Boundary, Selection, SelectionUnit, TopkRow};
 use shadowtrace_tracer::synth::{
     SplitMix64, SynthSpec, realistic_selection_pair, symmetric_difference,
@@ -136,16 +137,9 @@ fn topk_bytes(run: &Path) -> u64 {
         .sum()
 }
 
-/// The median of `times` (the mean of the middle two for an even count).
+/// The median of `times`, as the analyzer's summaries compute it.
 fn median(times: &[f64]) -> f64 {
-    let mut sorted = times.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        f64::midpoint(sorted[n / 2 - 1], sorted[n / 2])
-    }
+    Summary::of(times.to_vec()).map_or(f64::NAN, |s| s.p50)
 }
 
 fn seconds_list(times: &[f64]) -> String {

@@ -3,7 +3,7 @@
 Reads the topk Parquet files of one run, computes |P & S| / |P | S| per informative row
 (visible > k) with list.set_intersection / list.set_union, and the mean per layer, with
 polars' streaming engine so memory stays bounded. Prints the wall time of each
-repetition as `seconds N` (`--repeat R`, default 1: the first is the cold one).
+repetition as `seconds N` (`--repeat R`, default 1; the first is often the slowest).
 """
 
 import argparse

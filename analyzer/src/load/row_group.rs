@@ -54,7 +54,7 @@ pub enum Values {
 }
 
 /// A primitive type a column's values can be read as.
-pub trait Leaf: Copy + Default + std::fmt::Debug {
+pub trait Leaf: Copy {
     /// The values, when the column holds this type.
     fn of(values: &Values) -> Option<&[Self]>;
 }
@@ -499,11 +499,11 @@ impl RowBatch<'_> {
     /// A column not read or of another type.
     pub fn nullable<T: Leaf>(&self, name: &str) -> Result<Nullable<'_, T>, AnalyzeError> {
         let (column, values) = self.typed::<T>(name, false)?;
-        Ok(Nullable {
+        Ok(Nullable(ListColumn {
             values,
             starts: &column.starts,
             valid: &column.valid,
-        })
+        }))
     }
 
     /// A list column of primitive values, row by row as slices.
@@ -530,22 +530,16 @@ fn layout(column: &str, detail: &str) -> AnalyzeError {
     }
 }
 
-/// A nullable primitive column of a [`RowBatch`].
+/// A nullable primitive column of a [`RowBatch`]: a list of at most one
+/// value per row, read as one.
 #[derive(Debug, Clone, Copy)]
-pub struct Nullable<'a, T> {
-    values: &'a [T],
-    starts: &'a [u32],
-    valid: &'a [bool],
-}
+pub struct Nullable<'a, T>(ListColumn<'a, T>);
 
 impl<T: Copy> Nullable<'_, T> {
     /// Row `i`, `None` where null.
     #[must_use]
     pub fn get(&self, i: usize) -> Option<T> {
-        if self.valid.get(i) == Some(&false) {
-            return None;
-        }
-        self.values.get(*self.starts.get(i)? as usize).copied()
+        self.0.get(i)?.first().copied()
     }
 }
 

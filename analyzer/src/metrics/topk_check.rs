@@ -144,6 +144,11 @@ fn count(v: i32) -> usize {
     usize::try_from(v).unwrap_or(0)
 }
 
+/// Whether `keys` are strictly ascending, as v2 stores every key list.
+fn ascending(keys: &[i32]) -> bool {
+    keys.windows(2).all(|w| w[0] < w[1])
+}
+
 fn close(stored: Option<f32>, counted: f64) -> bool {
     stored.is_none_or(|s| (f64::from(s) - counted).abs() <= JACCARD_TOLERANCE)
 }
@@ -288,7 +293,7 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
             };
             let ordered = [&s.prod_only, &s.shadow_only, &s.keys[0], &s.keys[1]]
                 .iter()
-                .all(|keys| keys.windows(2).all(|w| w[0] < w[1]));
+                .all(|keys| ascending(keys));
             let recount =
                 churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), band);
             row.churn = usize::from(!ordered || recount != recorded);
@@ -296,13 +301,13 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
     }
     if decode(&t.prod_gaps, i, &mut s.full) {
         let full = &s.full;
-        let ascending = full.windows(2).all(|w| w[0] < w[1]);
         let holds_prod_only = !prod_only_listed
             || s.prod_only
                 .iter()
                 .all(|key| full.binary_search(key).is_ok());
-        row.full_list =
-            usize::from(full.len() != count(t.prod_selected[i]) || !ascending || !holds_prod_only);
+        row.full_list = usize::from(
+            full.len() != count(t.prod_selected[i]) || !ascending(full) || !holds_prod_only,
+        );
     }
     if row.shared + row.jaccard + row.jaccard_no_churn + row.churn + row.full_list > 0 {
         row.rows_disagreeing = 1;
