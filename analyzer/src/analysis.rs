@@ -14,6 +14,7 @@ use shadowtrace_schemas::{Convention, Table};
 use crate::AnalyzeError;
 use crate::cache_pair::{self, CachePairs, FirstPosition};
 use crate::grid::{Grid, group_runs};
+use crate::judged::{self, EVERY_QUESTION, NotMeasured, Question, why_not_judged};
 use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
@@ -97,6 +98,10 @@ pub struct RunAnalysis {
     pub hidden_verdict: Option<LayerVerdict>,
     /// First top-k divergence.
     pub topk_verdict: Option<LayerVerdict>,
+    /// What the run did not measure, each with the verdicts it leaves not
+    /// judged ([`crate::judged`]): a verdict is given only where its data is
+    /// whole.
+    pub not_measured: Vec<NotMeasured>,
     /// The rules the verdicts applied, thresholds included.
     pub rules: Vec<String>,
     /// For a request traced on several ranks: the ranks read as this run
@@ -119,12 +124,18 @@ pub struct RunAnalysis {
 }
 
 impl RunAnalysis {
-    /// Whether the absence of a verdict in this run means something: its
-    /// producer closed it, and no capture failed (`hook_errors`). A run that
-    /// is not still reports every verdict it has.
+    /// Whether the absence of a verdict in this run means something for at
+    /// least one question: its data is whole there ([`Self::not_measured`]).
     #[must_use]
     pub fn can_be_judged(&self) -> bool {
-        self.complete && self.counters.get("hook_errors").copied().unwrap_or(0) == 0
+        EVERY_QUESTION.iter().any(|&q| self.judged(q))
+    }
+
+    /// Whether `question`'s data is whole in this run, so that its verdict,
+    /// or the absence of one, means something.
+    #[must_use]
+    pub fn judged(&self, question: Question) -> bool {
+        why_not_judged(&self.not_measured, question).is_none()
     }
 
     /// Whether any verdict fired.
@@ -342,6 +353,7 @@ pub fn analyze_run(
             counters.insert(format!("dropped_rows.{table}"), entry.dropped_rows);
         }
     }
+    let not_measured = judged::not_measured(m, &counters, topk_summary_check.as_ref());
     Ok(RunAnalysis {
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
@@ -353,11 +365,6 @@ pub fn analyze_run(
             .iter()
             .cloned()
             .chain(run.problems.iter().map(ToString::to_string))
-            .chain(
-                topk_summary_check
-                    .filter(|c| c.rows_disagreeing > 0)
-                    .map(|c| c.text()),
-            )
             .collect(),
         topk,
         topk_dequant,
@@ -389,6 +396,7 @@ pub fn analyze_run(
         failed_sentinels,
         hidden_verdict,
         topk_verdict,
+        not_measured,
         rules: vec![hidden_rule.text, topk_rule.text, CONVENTION_RULE.to_owned()],
         ranks: None,
         topk_rows,

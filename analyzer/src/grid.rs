@@ -31,6 +31,9 @@ pub struct GroupRow {
     pub hidden_verdicts: Vec<i32>,
     /// First top-k divergence layer of each run that has one.
     pub topk_verdicts: Vec<i32>,
+    /// Runs with a verdict not judged: data that was not measured
+    /// ([`crate::judged`]).
+    pub not_judged_runs: usize,
 }
 
 /// The grid.
@@ -210,6 +213,7 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
                     .iter()
                     .filter_map(|r| r.topk_verdict.as_ref().map(|v| v.layer))
                     .collect(),
+                not_judged_runs: runs.iter().filter(|r| !r.not_measured.is_empty()).count(),
             }
         })
         .collect();

@@ -7,6 +7,7 @@
 //! - [`metrics`]: top-k overlap, hidden-state error, logits agreement,
 //!   non-finite onset — one per module, each with its definition;
 //! - [`verdict`]: first-divergence layers and the thresholds behind them;
+//! - [`judged`]: what a run did not measure, and the verdicts it leaves not judged;
 //! - [`analysis`], [`grid`], [`report`]: runs to answers, tables, files;
 //! - [`cache_pair`]: prefix-cache hits against the same prompt from scratch;
 //! - [`inspect`]: one run as a person reads it;
@@ -21,6 +22,7 @@ pub mod export;
 mod frame;
 pub mod grid;
 pub mod inspect;
+pub mod judged;
 pub mod load;
 pub mod metrics;
 pub mod ranks;

@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use crate::analysis::{RunAnalysis, identity_tag};
+use crate::judged::NotMeasured;
 
 /// How the ranks of one request compare with its lowest rank.
 #[derive(Debug, Clone, Serialize)]
@@ -103,6 +104,16 @@ fn fold_ranks(first: &mut RunAnalysis, others: &[RunAnalysis]) {
         "counters are summed over ranks {}",
         ranks.join(", ")
     ));
+    // A rank that lost data leaves the request's verdicts not judged.
+    let not_measured = all()
+        .flat_map(|r| {
+            let rank = rank_of(r);
+            r.not_measured.iter().map(move |n| NotMeasured {
+                questions: n.questions.clone(),
+                why: format!("rank {rank}: {}", n.why),
+            })
+        })
+        .collect();
     let complete = all().all(|r| r.complete);
     let mut sentinels = first.failed_sentinels.clone();
     for s in others.iter().flat_map(|r| &r.failed_sentinels) {
@@ -116,6 +127,7 @@ fn fold_ranks(first: &mut RunAnalysis, others: &[RunAnalysis]) {
         }
     }
     first.notes = notes;
+    first.not_measured = not_measured;
     first.complete = complete;
     first.failed_sentinels = sentinels;
 }

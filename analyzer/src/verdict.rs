@@ -174,6 +174,45 @@ fn baseline_runs(f: &NoiseFloor) -> String {
     )
 }
 
+/// The rule's tail for the layers of `series` that no baseline run
+/// recorded (a baseline traced with fewer layers, say): they take the fixed
+/// threshold, since a floor of nothing would make any rounding a verdict.
+/// Empty when every layer has a floor.
+fn without_baseline(series: &[(i32, f64)], floor: &BTreeMap<i32, f64>, fixed: f64) -> String {
+    let missing: Vec<i32> = series
+        .iter()
+        .map(|&(layer, _)| layer)
+        .filter(|layer| !floor.contains_key(layer))
+        .collect();
+    if missing.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; layer{} {} had no baseline data and took the fixed threshold {fixed}",
+        if missing.len() == 1 { "" } else { "s" },
+        layer_ranges(&missing)
+    )
+}
+
+/// Ascending layers as ranges: `0, 3-5, 9`.
+fn layer_ranges(layers: &[i32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && layers[j + 1] == layers[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            layers[i].to_string()
+        } else {
+            format!("{}-{}", layers[i], layers[j])
+        });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
 /// The first-divergence layer in hidden states, and the rule applied.
 #[must_use]
 pub fn hidden_verdict(
@@ -187,13 +226,18 @@ pub fn hidden_verdict(
         Some(f) => (
             first_breaking(
                 &series,
-                |l| t.baseline_factor * f.hidden.get(&l).copied().unwrap_or(0.0).max(MIN_FLOOR.0),
+                |l| {
+                    f.hidden.get(&l).map_or(t.hidden_rel_err, |floor| {
+                        t.baseline_factor * floor.max(MIN_FLOOR.0)
+                    })
+                },
                 true,
             ),
             format!(
-                "hidden: first layer whose p95 relative L2 error at {site} exceeds {} x its baseline floor (from {})",
+                "hidden: first layer whose p95 relative L2 error at {site} exceeds {} x its baseline floor (from {}){}",
                 t.baseline_factor,
-                baseline_runs(f)
+                baseline_runs(f),
+                without_baseline(&series, &f.hidden, t.hidden_rel_err)
             ),
         ),
         None => (
@@ -226,15 +270,17 @@ pub fn topk_verdict(
             first_breaking(
                 &series,
                 |l| {
-                    1.0 - t.baseline_factor
-                        * f.topk.get(&l).copied().unwrap_or(0.0).max(MIN_FLOOR.1)
+                    f.topk.get(&l).map_or(t.topk_jaccard, |floor| {
+                        1.0 - t.baseline_factor * floor.max(MIN_FLOOR.1)
+                    })
                 },
                 false,
             ),
             format!(
-                "top-k: first layer whose mean Jaccard ({churn}) falls below 1 - {} x its baseline floor of 1 - Jaccard (from {})",
+                "top-k: first layer whose mean Jaccard ({churn}) falls below 1 - {} x its baseline floor of 1 - Jaccard (from {}){}",
                 t.baseline_factor,
-                baseline_runs(f)
+                baseline_runs(f),
+                without_baseline(&series, &f.topk, t.topk_jaccard)
             ),
         ),
         None => (

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use shadowtrace_analyzer::judged::{EVERY_QUESTION, NotMeasured, Question};
 use shadowtrace_analyzer::verdict::Thresholds;
 use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
 use shadowtrace_schemas::Convention;
@@ -639,4 +640,91 @@ fn render_terminal_of(run: &RunAnalysis) -> String {
         cache: None,
     };
     shadowtrace_analyzer::report::render_terminal(&analysis)
+}
+
+#[test]
+fn a_layer_without_baseline_data_takes_the_fixed_threshold_and_the_rule_says_so() {
+    // The baseline traced layers 0-2 only (SHADOWTRACE_LAYERS=0-2, say). A
+    // floor of nothing at layers 3 and 4 would make their healthy rounding
+    // (about 1e-3) a verdict against 3 x 1e-6.
+    let tmp = tempfile::tempdir().unwrap();
+    let baseline = write(
+        &tmp.path().join("baseline"),
+        &[SynthSpec {
+            layers: 3,
+            ..clean("healthy-3-layers")
+        }],
+    );
+    let runs = write(&tmp.path().join("runs"), &[clean("ok")]);
+    let a = analyze(&runs, &baseline, &Options::default(), |_, _, _| {}).unwrap();
+    let run = &a.runs[0];
+    assert!(run.hidden_verdict.is_none(), "{:?}", run.hidden_verdict);
+    assert!(run.topk_verdict.is_none(), "{:?}", run.topk_verdict);
+    assert!(
+        run.rules[0].ends_with(
+            "(from 1 baseline run); layers 3-4 had no baseline data and took the fixed threshold 0.1"
+        ),
+        "{}",
+        run.rules[0]
+    );
+    assert!(
+        run.rules[1].ends_with(
+            "(from 1 baseline run); layers 3-4 had no baseline data and took the fixed threshold 0.8"
+        ),
+        "{}",
+        run.rules[1]
+    );
+    // The fixed threshold still judges those layers: a collapse there is found.
+    let bad = SynthSpec {
+        collapse_from_layer: Some(4),
+        ..clean("collapse")
+    };
+    let runs = write(&tmp.path().join("bad"), &[bad]);
+    let a = analyze(&runs, &baseline, &Options::default(), |_, _, _| {}).unwrap();
+    assert_eq!(a.runs[0].topk_verdict.as_ref().unwrap().layer, 4);
+}
+
+#[test]
+fn a_capture_disabled_in_an_earlier_request_leaves_its_verdicts_not_judged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = write(tmp.path(), &[clean("indexer-off"), clean("unknown-loss")]);
+    // The hooks disabled the indexer capture in an earlier request of the
+    // process: this run is complete, with no error of its own.
+    crate::support::edit_manifest(&paths[0], |m| {
+        m["settings"]["disabled_sites"] =
+            serde_json::json!({"transformers:indexer": "RuntimeError: planted"});
+        m["tables"]["logits"]["dropped_rows"] = 2.into();
+    });
+    crate::support::edit_manifest(&paths[1], |m| {
+        m["counters"]["rows_lost_some_new_way"] = 7.into();
+    });
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let run = a.runs.iter().find(|r| r.run_id == "indexer-off").unwrap();
+    assert!(run.complete && run.can_be_judged());
+    assert!(!run.judged(Question::Topk) && !run.judged(Question::Logits));
+    assert!(run.judged(Question::Hidden) && run.judged(Question::Nonfinite));
+    let text = render_terminal_of(run);
+    assert!(
+        text.contains(
+            "  top-k divergence:  not judged: capture transformers:indexer disabled in this process: RuntimeError: planted\n"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("  logits:            not judged: counted dropped_rows.logits = 2; the partial data shows argmax agreement"),
+        "{text}"
+    );
+    assert!(text.contains("  hidden divergence: none\n"), "{text}");
+    // A counter the analyzer does not know is a loss of every verdict.
+    let unknown = a.runs.iter().find(|r| r.run_id == "unknown-loss").unwrap();
+    assert!(!unknown.can_be_judged());
+    assert_eq!(
+        unknown.not_measured,
+        [NotMeasured {
+            questions: EVERY_QUESTION.to_vec(),
+            why: "counted rows_lost_some_new_way = 7".to_owned(),
+        }]
+    );
+    let grid = &a.grid.groups[0];
+    assert_eq!(grid.not_judged_runs, 2);
 }

@@ -13,6 +13,7 @@ use arrow_array::{Array, ArrayRef, Float32Array, Int32Array, ListArray, RecordBa
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::properties::WriterProperties;
+use shadowtrace_analyzer::judged::Question;
 use shadowtrace_analyzer::load::BATCH_ROWS;
 use shadowtrace_analyzer::metrics::topk_check::{self, RowAt, SummaryCheck};
 use shadowtrace_analyzer::{Options, Run, analyze, inspect};
@@ -182,10 +183,17 @@ fn checked(dir: &Path) -> SummaryCheck {
     let run = &a.runs[0];
     let check = run.topk_summary_check.unwrap();
     assert_eq!(
-        run.notes.iter().any(|n| n.contains("summaries disagree")),
+        run.not_measured
+            .iter()
+            .any(|n| n.why.contains("summaries disagree")),
         check.rows_disagreeing > 0,
-        "a disagreement is a note of the run, and only then: {:?}",
-        run.notes
+        "a disagreement is listed as not measured, and only then: {:?}",
+        run.not_measured
+    );
+    assert_eq!(
+        run.judged(Question::Topk),
+        check.rows_disagreeing == 0,
+        "a disagreement leaves the top-k verdict not judged"
     );
     check
 }

@@ -165,11 +165,18 @@ def test_fail_on_does_not_pass_when_no_run_could_be_judged(demo_run: Path, tmp_p
     edited_copy(demo_run, tmp_path / "errored", lambda m: m["counters"].update(hook_errors=3))
     out = shadowtrace("analyze", tmp_path, "--fail-on", "hidden")
     assert out.returncode == 2, out.stdout
-    assert "--fail-on: no run could be judged: 1 unreadable, 1 incomplete, 1 with hook errors" in out.stderr
+    assert "--fail-on: no run could be judged: 1 unreadable, 1 incomplete, 1 with data not measured" in out.stderr
     assert shadowtrace("analyze", tmp_path).returncode == 0, "without --fail-on it only reports"
     assert shadowtrace("analyze", tmp_path, "--fail-on", "nonfinite").returncode == 1, "a verdict still fails"
     shutil.copytree(demo_run, tmp_path / "good")
-    assert shadowtrace("analyze", tmp_path, "--fail-on", "hidden").returncode == 0
+    # One good run beside them: the others' verdicts are still not judged, and do not pass
+    # unless partial data is accepted.
+    out = shadowtrace("analyze", tmp_path, "--fail-on", "hidden")
+    assert out.returncode == 2, out.stderr
+    assert ": hidden divergence not judged: counted hook_errors = 3" in out.stderr
+    assert ": hidden divergence not judged: the run is incomplete" in out.stderr
+    assert "2 verdicts not judged" in out.stderr
+    assert shadowtrace("analyze", tmp_path, "--fail-on", "hidden", "--allow-partial").returncode == 0
 
 
 def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(

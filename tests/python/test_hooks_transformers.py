@@ -239,9 +239,9 @@ def test_an_exception_inside_a_hook_is_counted_disables_its_capture_and_leaves_o
         session.stop()
     assert torch.equal(traced, untraced)
     assert torch.equal(again, untraced)
-    first, second = sorted(
-        (json.loads(p.read_text()) for p in tmp_path.glob("*/manifest.json")),
-        key=lambda m: m["started_unix_ms"],
+    (first_dir, first), (second_dir, second) = sorted(
+        ((p.parent, json.loads(p.read_text())) for p in tmp_path.glob("*/manifest.json")),
+        key=lambda dm: dm[1]["started_unix_ms"],
     )
     for manifest in (first, second):
         assert manifest["status"] == "complete"
@@ -250,3 +250,15 @@ def test_an_exception_inside_a_hook_is_counted_disables_its_capture_and_leaves_o
         assert manifest["tables"]["topk"]["rows"] == 3 * 64  # other captures go on
     assert first["counters"]["hook_errors"] == 1  # raised once, then the capture stayed off
     assert "hook_errors" not in second["counters"]
+    # The second request's run is complete with no error of its own, and has no hidden rows:
+    # its verdicts are not judged, and --fail-on does not pass it.
+    for run_dir in (first_dir, second_dir):
+        analyze = [binary("shadowtrace"), "analyze", run_dir, "--fail-on", "nonfinite"]
+        out = subprocess.run(analyze, capture_output=True, text=True, check=False)
+        assert out.returncode == 2, (out.stdout, out.stderr)
+        assert "non-finite onset not judged: capture hidden disabled in this process: RuntimeError: planted" in (
+            out.stderr
+        )
+        assert "non-finite onset:  not judged: capture hidden disabled" in out.stdout
+        partial = subprocess.run([*analyze, "--allow-partial"], capture_output=True, text=True, check=False)
+        assert partial.returncode == 0, partial.stderr

@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::ValueEnum;
+use shadowtrace_analyzer::judged::{Question, why_not_judged};
 use shadowtrace_analyzer::report::{render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::verdict::{
     DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
@@ -64,11 +65,17 @@ pub(crate) struct AnalyzeArgs {
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
     /// Exit with status 1 when a run has this verdict. Repeatable. When no
-    /// run has it and no run could be judged (every run unreadable,
-    /// incomplete, or with hook errors), exit with status 2: no verdict from
-    /// no data is not a pass.
+    /// run has it but a run's verdict is not judged (its data is not whole:
+    /// a capture disabled, rows dropped or lost, the run incomplete, ...),
+    /// or no run could be judged at all, exit with status 2: no verdict from
+    /// missing data is not a pass.
     #[arg(long, value_enum, value_name = "VERDICT")]
     fail_on: Vec<FailOn>,
+    /// With --fail-on: accept runs whose verdicts are not judged (each is
+    /// still reported as not judged, and a verdict found in the partial data
+    /// still fails). Exit with status 2 only when no run could be judged.
+    #[arg(long, requires = "fail_on")]
+    allow_partial: bool,
     /// Fail on the first unreadable run, or run whose files contradict its
     /// manifest, instead of reporting and skipping it (or noting it).
     #[arg(long)]
@@ -167,7 +174,54 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
         );
         return Ok(exit_error());
     }
+    if !args.allow_partial {
+        let lines = not_judged_lines(&analysis, &args.fail_on);
+        if !lines.is_empty() {
+            for line in &lines {
+                eprintln!("error: --fail-on: {line}");
+            }
+            eprintln!(
+                "error: --fail-on: {} verdict{} not judged: data missing is not a pass (--allow-partial accepts it)",
+                lines.len(),
+                if lines.len() == 1 { "" } else { "s" }
+            );
+            return Ok(exit_error());
+        }
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The questions a `--fail-on` verdict answers: the ones whose "not
+/// judged" it cannot pass.
+fn questions(f: FailOn) -> &'static [Question] {
+    match f {
+        FailOn::Any => &[Question::Nonfinite, Question::Hidden, Question::Topk],
+        FailOn::Nonfinite => &[Question::Nonfinite],
+        FailOn::Hidden => &[Question::Hidden],
+        FailOn::Topk => &[Question::Topk],
+        // Read from the manifest, and from paired runs' own verdicts.
+        FailOn::Convention | FailOn::Cache => &[],
+    }
+}
+
+/// One line per run and question asked for by `fail_on` whose verdict is
+/// not judged: `run r1: top-k divergence not judged: <why>`.
+fn not_judged_lines(a: &Analysis, fail_on: &[FailOn]) -> Vec<String> {
+    let mut asked: Vec<Question> = fail_on
+        .iter()
+        .flat_map(|&f| questions(f).to_vec())
+        .collect();
+    asked.sort_unstable();
+    asked.dedup();
+    a.runs
+        .iter()
+        .flat_map(|run| {
+            asked.iter().filter_map(move |&q| {
+                why_not_judged(&run.not_measured, q)
+                    .map(|why| format!("run {}: {} not judged: {why}", run.run_id, q.name()))
+            })
+        })
+        .collect()
 }
 
 /// Why no run could be judged, counted: `1 unreadable, 2 incomplete, ...`.
@@ -178,7 +232,7 @@ fn unjudged(a: &Analysis) -> String {
         .filter(|s| !s.starts_with("baseline "))
         .count();
     let incomplete = a.runs.iter().filter(|r| !r.complete).count();
-    let errored = a
+    let unmeasured = a
         .runs
         .iter()
         .filter(|r| r.complete && !r.can_be_judged())
@@ -186,7 +240,7 @@ fn unjudged(a: &Analysis) -> String {
     let parts: Vec<String> = [
         (unreadable, "unreadable"),
         (incomplete, "incomplete"),
-        (errored, "with hook errors"),
+        (unmeasured, "with data not measured"),
     ]
     .into_iter()
     .filter(|(n, _)| *n > 0)

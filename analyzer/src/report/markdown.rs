@@ -7,6 +7,7 @@ use super::{
     LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, model_label, sci,
 };
 use crate::Analysis;
+use crate::judged::{Question, cell};
 
 /// Renders the report; `plots` are paths relative to the report, embedded
 /// in order.
@@ -146,45 +147,64 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
         for line in super::sentinel_lines(&run.failed_sentinels) {
             let _ = writeln!(out, "- failed sentinel: {line}");
         }
-        if let Some(o) = &run.onset {
-            let _ = writeln!(
-                out,
-                "- non-finite onset: step {}, layer {}, `{}`, token {}: {} (shadow {})",
-                o.step,
-                o.layer,
-                o.site,
-                o.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
-                o.kind,
-                match o.shadow_finite {
-                    Some(true) => "finite",
-                    Some(false) => "non-finite too",
-                    None => "unknown",
-                }
-            );
-        } else {
-            let _ = writeln!(out, "- non-finite onset: none");
-        }
-        let _ = match &run.hidden_verdict {
-            Some(v) => writeln!(
-                out,
-                "- hidden divergence: layer {} (p95 rel L2 err {:.4e} > {:.4e})",
-                v.layer, v.value, v.limit
-            ),
-            None => writeln!(out, "- hidden divergence: none"),
-        };
-        let _ = match &run.topk_verdict {
-            Some(v) => writeln!(
-                out,
-                "- top-k divergence: layer {} (mean Jaccard {:.4} < {:.4})",
-                v.layer, v.value, v.limit
-            ),
-            None => writeln!(out, "- top-k divergence: none"),
-        };
+        let onset = run.onset.as_ref().map_or_else(
+            || "none".to_owned(),
+            |o| {
+                format!(
+                    "step {}, layer {}, `{}`, token {}: {} (shadow {})",
+                    o.step,
+                    o.layer,
+                    o.site,
+                    o.token.map_or_else(|| "-".to_owned(), |t| t.to_string()),
+                    o.kind,
+                    match o.shadow_finite {
+                        Some(true) => "finite",
+                        Some(false) => "non-finite too",
+                        None => "unknown",
+                    }
+                )
+            },
+        );
+        let hidden = run.hidden_verdict.as_ref().map_or_else(
+            || "none".to_owned(),
+            |v| {
+                format!(
+                    "layer {} (p95 rel L2 err {:.4e} > {:.4e})",
+                    v.layer, v.value, v.limit
+                )
+            },
+        );
+        let topk = run.topk_verdict.as_ref().map_or_else(
+            || "none".to_owned(),
+            |v| {
+                format!(
+                    "layer {} (mean Jaccard {:.4} < {:.4})",
+                    v.layer, v.value, v.limit
+                )
+            },
+        );
+        let nm = &run.not_measured;
+        let _ = writeln!(
+            out,
+            "- non-finite onset: {}",
+            cell(nm, Question::Nonfinite, &onset)
+        );
+        let _ = writeln!(
+            out,
+            "- hidden divergence: {}",
+            cell(nm, Question::Hidden, &hidden)
+        );
+        let _ = writeln!(
+            out,
+            "- top-k divergence: {}",
+            cell(nm, Question::Topk, &topk)
+        );
         if let Some(text) = churn_unknown_text(run) {
             let _ = writeln!(out, "- top-k {text}");
         }
         if let Some(l) = &run.logits {
-            let _ = writeln!(out, "- logits: argmax agreement {}", argmax_text(l));
+            let found = format!("argmax agreement {}", argmax_text(l));
+            let _ = writeln!(out, "- logits: {}", cell(nm, Question::Logits, &found));
         }
         for note in &run.notes {
             let _ = writeln!(out, "- note: {note}");

@@ -135,6 +135,17 @@ pub(crate) fn marks(nonfinite: Option<i32>, hidden: &[i32], topk: &[i32]) -> Str
     }
 }
 
+/// A group's verdict marks, then how many of its runs have a verdict not
+/// judged: `topk@L4 not-judged x1`, or `-`.
+fn group_marks(g: &GroupRow) -> String {
+    let found = marks(None, &g.hidden_verdicts, &g.topk_verdicts);
+    match (g.not_judged_runs, found.as_str()) {
+        (0, _) => found,
+        (n, "-") => format!("not-judged x{n}"),
+        (n, _) => format!("{found} not-judged x{n}"),
+    }
+}
+
 /// Header of the per-run layer table.
 /// `NaN tok` counts tokens whose prod vector is non-finite at any site of
 /// the layer (the largest count over its sites), `shadow-only NaN` those whose
@@ -180,7 +191,7 @@ pub(crate) fn grid_table(grid: &Grid) -> (Vec<String>, Vec<Vec<String>>) {
                 g.worst_hidden_layer
                     .map_or_else(|| "-".to_owned(), |(l, e)| format!("L{l} {e:.2e}")),
                 g.nonfinite_runs.to_string(),
-                marks(None, &g.hidden_verdicts, &g.topk_verdicts),
+                group_marks(g),
             ]);
             row
         })
@@ -203,11 +214,7 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
         } else {
             String::new()
         };
-        format!(
-            "{} {}{nan}",
-            num(g.jaccard_no_churn, 4),
-            marks(None, &g.hidden_verdicts, &g.topk_verdicts)
-        )
+        format!("{} {}{nan}", num(g.jaccard_no_churn, 4), group_marks(g))
     };
     let rows = c
         .rows

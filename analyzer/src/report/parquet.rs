@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use polars::prelude::{Column, DataFrame, ParquetWriter};
 
+use crate::judged::{Question, why_not_judged};
 use crate::metrics::summary::Summary;
 use crate::{Analysis, AnalyzeError};
 
@@ -87,6 +88,19 @@ fn runs(a: &Analysis) -> Frame {
         }),
         col_map("argmax_agreement", r, |x| {
             x.logits.as_ref().and_then(|l| l.argmax_agreement)
+        }),
+        // Null where the question's data is whole; else why it is not judged.
+        col_map("onset_not_judged", r, |x| {
+            why_not_judged(&x.not_measured, Question::Nonfinite)
+        }),
+        col_map("hidden_not_judged", r, |x| {
+            why_not_judged(&x.not_measured, Question::Hidden)
+        }),
+        col_map("topk_not_judged", r, |x| {
+            why_not_judged(&x.not_measured, Question::Topk)
+        }),
+        col_map("logits_not_judged", r, |x| {
+            why_not_judged(&x.not_measured, Question::Logits)
         }),
     ])
 }

@@ -8,6 +8,7 @@ use super::{
 };
 use crate::Analysis;
 use crate::analysis::RunAnalysis;
+use crate::judged::{Question, cell};
 
 /// Renders an analysis for a terminal: thresholds, grid, comparison,
 /// determinism, then each run with its verdicts and layer table.
@@ -167,7 +168,11 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
     for line in super::sentinel_lines(&run.failed_sentinels) {
         let _ = writeln!(out, "  failed sentinel:   {line}");
     }
-    let _ = writeln!(out, "  non-finite onset:  {onset}");
+    let _ = writeln!(
+        out,
+        "  non-finite onset:  {}",
+        cell(&run.not_measured, Question::Nonfinite, &onset)
+    );
     if let Some(worst) = run
         .topk_dequant
         .iter()
@@ -180,27 +185,33 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             worst.0, worst.1
         );
     }
-    let _ = writeln!(
-        out,
-        "  hidden divergence: {}",
-        run.hidden_verdict.as_ref().map_or_else(
-            || "none".to_owned(),
-            |v| format!(
+    let hidden = run.hidden_verdict.as_ref().map_or_else(
+        || "none".to_owned(),
+        |v| {
+            format!(
                 "layer {}: p95 rel L2 err {:.3e} > {:.3e}",
                 v.layer, v.value, v.limit
             )
-        )
+        },
+    );
+    let _ = writeln!(
+        out,
+        "  hidden divergence: {}",
+        cell(&run.not_measured, Question::Hidden, &hidden)
+    );
+    let topk = run.topk_verdict.as_ref().map_or_else(
+        || "none".to_owned(),
+        |v| {
+            format!(
+                "layer {}: mean Jaccard {:.4} < {:.4}",
+                v.layer, v.value, v.limit
+            )
+        },
     );
     let _ = writeln!(
         out,
         "  top-k divergence:  {}{}",
-        run.topk_verdict.as_ref().map_or_else(
-            || "none".to_owned(),
-            |v| format!(
-                "layer {}: mean Jaccard {:.4} < {:.4}",
-                v.layer, v.value, v.limit
-            )
-        ),
+        cell(&run.not_measured, Question::Topk, &topk),
         churn_unknown_text(run)
             .map(|t| format!("; {t}"))
             .unwrap_or_default()
@@ -220,10 +231,11 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
                 }
             )
         };
+        let found = format!("argmax agreement {}{detail}", argmax_text(l));
         let _ = writeln!(
             out,
-            "  logits:            argmax agreement {}{detail}",
-            argmax_text(l)
+            "  logits:            {}",
+            cell(&run.not_measured, Question::Logits, &found)
         );
     }
     let header = LAYER_COLUMNS.map(str::to_owned);

@@ -1,0 +1,274 @@
+//! What a run's verdicts could not look at.
+//!
+//! A reader takes "no verdict" for "clean". So every run analysis lists what
+//! was not measured (a capture disabled, rows dropped or lost, a writer that
+//! failed, a fallback that changed what production computed, summaries that
+//! disagree with their lists), each with the verdicts it leaves not judged.
+//! A verdict whose data is not whole is printed as `not judged: <why>`, and
+//! `--fail-on` fails on it unless `--allow-partial` is given.
+//!
+//! The producer's counters are read by name. A counter this analyzer does
+//! not know is taken as a loss of every verdict: a producer newer than the
+//! analyzer must never look clean because its counters were not understood.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use shadowtrace_schemas::Manifest;
+use shadowtrace_schemas::manifest::Status;
+
+use crate::metrics::topk_check::SummaryCheck;
+
+/// A question a run's verdicts answer (DESIGN.md, "The questions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Question {
+    /// Where the first non-finite value appears, and the sentinels.
+    Nonfinite,
+    /// The first layer whose hidden state departs from the shadow.
+    Hidden,
+    /// The first layer whose top-k selection departs from the shadow's.
+    Topk,
+    /// Prod against shadow logits.
+    Logits,
+}
+
+/// Every question, in the order the reports print them.
+pub const EVERY_QUESTION: [Question; 4] = [
+    Question::Nonfinite,
+    Question::Hidden,
+    Question::Topk,
+    Question::Logits,
+];
+
+impl Question {
+    /// The question as the reports name it.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Question::Nonfinite => "non-finite onset",
+            Question::Hidden => "hidden divergence",
+            Question::Topk => "top-k divergence",
+            Question::Logits => "logits",
+        }
+    }
+}
+
+/// One thing a run did not measure, and the verdicts it leaves not judged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NotMeasured {
+    /// The questions whose verdicts it leaves not judged.
+    pub questions: Vec<Question>,
+    /// Why, as a person reads it: the setting or counter and its value.
+    pub why: String,
+}
+
+/// Counters that record how production ran, never a loss: the data they
+/// describe is whole.
+const INFORMATIONAL: [&str; 11] = [
+    // Which kernel computed production's FP8 linears: the same math either way.
+    "fp8_linears_tensor_cores",
+    "fp8_linears_emulated",
+    // `_scaled_mm` failed and the exact fp32 emulation of the same FP8 math ran.
+    "fp8_scaled_mm_fallbacks",
+    // Tensor-parallel expert shards upcast for the shadow's eager forward:
+    // memory, not precision.
+    "shadow_expert_bank_upcast",
+    "warnings",
+    "closed_at_exit",
+    "request_resumed",
+    // Warm-up requests an engine runs for itself, not the user's.
+    "rows_skipped_dummy_requests",
+    // A model the hooks refused runs untraced and writes no run of its own.
+    "models_refused",
+    // A blocking put that timed out drops its rows, and those are counted
+    // (`dropped_rows`); the timeout itself loses nothing more.
+    "queue_wait_timeouts",
+    // The writer's total: the per-table `dropped_rows.<table>` say which
+    // verdicts lost rows.
+    "dropped_rows",
+];
+
+/// Which questions a producer counter's loss leaves not judged; `None` when
+/// the counter is no loss.
+fn questions_of_counter(name: &str) -> Option<Vec<Question>> {
+    use Question::{Hidden, Logits, Nonfinite, Topk};
+    let name = name.strip_prefix("process.").unwrap_or(name);
+    // A Triton kernel that raised: torch's ops computed the same statistics.
+    if INFORMATIONAL.contains(&name) || name.starts_with("kernel_failed.") {
+        return None;
+    }
+    if let Some(table) = name.strip_prefix("dropped_rows.") {
+        return Some(match table {
+            "hidden" => vec![Nonfinite, Hidden],
+            "topk" => vec![Topk],
+            "events" => vec![Nonfinite],
+            "logits" => vec![Logits],
+            _ => EVERY_QUESTION.to_vec(),
+        });
+    }
+    Some(match name {
+        // Production's FP8 linears ran in fp32 unquantized: no FP8 to judge.
+        "fp8_quantize_fallbacks" => vec![Hidden, Topk, Logits],
+        "fp8_indexer_fallbacks" | "indexer_scores_recomputed" | "topk_lists_lost_rows" => {
+            vec![Topk]
+        }
+        n if n.starts_with("topk_") || n.starts_with("indexer_") => vec![Topk],
+        // A shadow missing for some rows: prod alone still shows its NaNs.
+        n if n.starts_with("shadow_") => vec![Hidden, Topk, Logits],
+        _ => EVERY_QUESTION.to_vec(),
+    })
+}
+
+/// Which questions a capture disabled by the hooks (`settings.disabled_sites`)
+/// leaves not judged. Capture keys are the adapters' own; a key that names
+/// neither the logits nor the indexer may have carried any row.
+fn questions_of_site(key: &str) -> Vec<Question> {
+    if key == "logits" {
+        vec![Question::Logits]
+    } else if key.contains("indexer") || key.contains("topk") {
+        vec![Question::Topk]
+    } else {
+        EVERY_QUESTION.to_vec()
+    }
+}
+
+/// What `manifest`'s run did not measure. `counters` are the producer's
+/// with the per-table `dropped_rows.<table>` added; `summary` is the
+/// summary check of its top-k rows, where it ran.
+#[must_use]
+pub fn not_measured(
+    manifest: &Manifest,
+    counters: &BTreeMap<String, u64>,
+    summary: Option<&SummaryCheck>,
+) -> Vec<NotMeasured> {
+    let mut out = Vec::new();
+    if manifest.status != Status::Complete {
+        out.push(NotMeasured {
+            questions: EVERY_QUESTION.to_vec(),
+            why: "the run is incomplete: its producer never closed it".to_owned(),
+        });
+    }
+    if let Some(sites) = manifest
+        .identity
+        .settings
+        .get("disabled_sites")
+        .and_then(|v| v.as_object())
+    {
+        for (key, reason) in sites {
+            let reason = reason
+                .as_str()
+                .map_or_else(|| reason.to_string(), str::to_owned);
+            out.push(NotMeasured {
+                questions: questions_of_site(key),
+                why: format!("capture {key} disabled in this process: {reason}"),
+            });
+        }
+    }
+    for (name, &value) in counters {
+        if value == 0 {
+            continue;
+        }
+        if let Some(questions) = questions_of_counter(name) {
+            out.push(NotMeasured {
+                questions,
+                why: format!("counted {name} = {value}"),
+            });
+        }
+    }
+    if let Some(check) = summary.filter(|c| c.rows_disagreeing > 0) {
+        out.push(NotMeasured {
+            questions: vec![Question::Topk],
+            why: check.text(),
+        });
+    }
+    out
+}
+
+/// The reasons among `list` that leave `question` not judged, joined for a
+/// report; `None` when its data is whole.
+#[must_use]
+pub fn why_not_judged(list: &[NotMeasured], question: Question) -> Option<String> {
+    let reasons: Vec<&str> = list
+        .iter()
+        .filter(|n| n.questions.contains(&question))
+        .map(|n| n.why.as_str())
+        .collect();
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+/// A verdict cell: `found` where the data is whole; otherwise `not judged:
+/// <why>`, followed by what the partial data showed when it showed
+/// something (`none` is no finding).
+#[must_use]
+pub fn cell(list: &[NotMeasured], question: Question, found: &str) -> String {
+    match why_not_judged(list, question) {
+        None => found.to_owned(),
+        Some(why) if found == "none" => format!("not judged: {why}"),
+        Some(why) => format!("not judged: {why}; the partial data shows {found}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_counter_the_analyzer_does_not_know_leaves_every_verdict_not_judged() {
+        assert_eq!(
+            questions_of_counter("some_future_loss"),
+            Some(EVERY_QUESTION.to_vec())
+        );
+        assert_eq!(
+            questions_of_counter("process.hook_errors"),
+            Some(EVERY_QUESTION.to_vec())
+        );
+    }
+
+    #[test]
+    fn counters_that_only_say_how_production_ran_leave_every_verdict_judged() {
+        for name in INFORMATIONAL {
+            assert_eq!(questions_of_counter(name), None, "{name}");
+        }
+        assert_eq!(
+            questions_of_counter("process.kernel_failed.row_stats"),
+            None
+        );
+    }
+
+    #[test]
+    fn a_loss_of_one_table_leaves_only_its_verdicts_not_judged() {
+        assert_eq!(
+            questions_of_counter("dropped_rows.topk"),
+            Some(vec![Question::Topk])
+        );
+        assert_eq!(
+            questions_of_counter("dropped_rows.hidden"),
+            Some(vec![Question::Nonfinite, Question::Hidden])
+        );
+        assert_eq!(
+            questions_of_counter("topk_lists_lost_rows"),
+            Some(vec![Question::Topk])
+        );
+        assert_eq!(questions_of_site("logits"), vec![Question::Logits]);
+        assert_eq!(questions_of_site("vllm:indexer"), vec![Question::Topk]);
+        assert_eq!(questions_of_site("hidden"), EVERY_QUESTION.to_vec());
+    }
+
+    #[test]
+    fn a_cell_says_not_judged_and_keeps_what_the_partial_data_showed() {
+        let list = vec![NotMeasured {
+            questions: vec![Question::Topk],
+            why: "counted dropped_rows.topk = 3".to_owned(),
+        }];
+        assert_eq!(cell(&list, Question::Hidden, "none"), "none");
+        assert_eq!(
+            cell(&list, Question::Topk, "none"),
+            "not judged: counted dropped_rows.topk = 3"
+        );
+        assert_eq!(
+            cell(&list, Question::Topk, "layer 2"),
+            "not judged: counted dropped_rows.topk = 3; the partial data shows layer 2"
+        );
+    }
+}
