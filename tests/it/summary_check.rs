@@ -8,8 +8,10 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::types::Int32Type;
-use arrow_array::{Array, ArrayRef, Float32Array, Int32Array, ListArray, RecordBatch};
+use arrow_array::types::{ArrowPrimitiveType, Float32Type, Int32Type};
+use arrow_array::{
+    Array, ArrayRef, Float32Array, Int32Array, ListArray, PrimitiveArray, RecordBatch,
+};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::file::properties::WriterProperties;
@@ -452,4 +454,47 @@ fn churn_counts_that_contradict_the_boundary_lists_are_counted() {
     });
     let check = checked(&dir);
     assert_eq!((check.rows_disagreeing, check.churn), (1, 1), "{check:?}");
+}
+
+/// A list column of `T` with row `row` made null.
+fn null_at<T: ArrowPrimitiveType>(c: &ArrayRef, row: usize) -> ArrayRef {
+    let a = c.as_any().downcast_ref::<ListArray>().unwrap();
+    let rows = (0..a.len()).map(|i| {
+        (a.is_valid(i) && i != row).then(|| {
+            let values = a.value(i);
+            let values = values.as_any().downcast_ref::<PrimitiveArray<T>>().unwrap();
+            values.iter().collect::<Vec<_>>()
+        })
+    });
+    Arc::new(ListArray::from_iter_primitive::<T, _, _>(rows))
+}
+
+#[test]
+fn a_row_with_a_shadow_and_no_difference_lists_is_a_disagreement_not_a_row_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, at) = run_with_lists(tmp.path(), TopkLists::None, |name, c, row| {
+        (name == "shadow_only_gaps").then(|| null_at::<Int32Type>(c, row))
+    });
+    let check = checked(&dir);
+    assert_eq!(
+        (check.rows_disagreeing, check.missing_lists),
+        (1, 1),
+        "{check:?}"
+    );
+    assert_eq!(check.first_disagreeing, Some(at));
+    assert!(check.text().contains("missing_lists 1"), "{}", check.text());
+}
+
+#[test]
+fn recorded_churn_without_the_boundary_offsets_it_came_from_is_a_disagreement() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = run_with(tmp.path(), |name, c, row| {
+        (name == "prod_boundary_offsets").then(|| null_at::<Float32Type>(c, row))
+    });
+    let check = checked(&dir);
+    assert_eq!(
+        (check.rows_disagreeing, check.missing_lists, check.churn),
+        (1, 1, 0),
+        "{check:?}"
+    );
 }

@@ -53,6 +53,16 @@ pub enum Values {
     Bool(Vec<bool>),
 }
 
+impl Values {
+    fn len(&self) -> usize {
+        match self {
+            Values::I32(v) => v.len(),
+            Values::F32(v) => v.len(),
+            Values::Bool(v) => v.len(),
+        }
+    }
+}
+
 /// A primitive type a column's values can be read as.
 pub trait Leaf: Copy {
     /// The values, when the column holds this type.
@@ -159,6 +169,12 @@ impl Column {
         self.null_items = false;
         let mut count = 0_u32;
         if !list && max_def == 0 {
+            if self.values.len() != rows {
+                return Err(format!(
+                    "{} values decoded, expected one for each of {rows} rows",
+                    self.values.len()
+                ));
+            }
             self.starts
                 .extend(0..=u32::try_from(rows).map_err(|e| e.to_string())?);
             return Ok(());
@@ -187,6 +203,13 @@ impl Column {
             return Err(format!(
                 "{} rows in the levels, expected {rows}",
                 self.starts.len() - 1
+            ));
+        }
+        // A row's slice past the values would read as a null list: refuse it.
+        if count as usize != self.values.len() {
+            return Err(format!(
+                "{} values decoded, the levels say {count}",
+                self.values.len()
             ));
         }
         Ok(())
@@ -798,5 +821,51 @@ mod tests {
             refused("structs")
         );
         assert!(refused("day").contains("DATE"), "{}", refused("day"));
+    }
+
+    #[test]
+    fn levels_that_count_more_or_fewer_values_than_were_decoded_are_refused() {
+        // An optional list of required items: def 2 a value, 1 an empty list, 0 null.
+        let shape = Shape {
+            list: true,
+            max_def: 2,
+            empty_def: 1,
+            item_optional: false,
+        };
+        let column = |values: Vec<i32>| Column {
+            name: "prod_only_gaps".to_owned(),
+            shape,
+            // Rows [5, 6], [], null, [7].
+            def: vec![2, 2, 1, 0, 2],
+            rep: vec![0, 1, 0, 0, 0],
+            values: Values::I32(values),
+            starts: Vec::new(),
+            valid: Vec::new(),
+            null_items: false,
+        };
+        let mut whole = column(vec![5, 6, 7]);
+        whole.index_rows(4).unwrap();
+        assert_eq!(whole.starts, [0, 2, 2, 2, 3]);
+        for values in [vec![5, 6], vec![5, 6, 7, 8]] {
+            let n = values.len();
+            let err = column(values).index_rows(4).unwrap_err();
+            assert_eq!(err, format!("{n} values decoded, the levels say 3"));
+        }
+        let required = Shape {
+            list: false,
+            max_def: 0,
+            empty_def: 0,
+            item_optional: false,
+        };
+        let mut flat = Column {
+            shape: required,
+            def: Vec::new(),
+            rep: Vec::new(),
+            ..column(vec![1, 2])
+        };
+        assert_eq!(
+            flat.index_rows(3).unwrap_err(),
+            "2 values decoded, expected one for each of 3 rows"
+        );
     }
 }

@@ -11,7 +11,11 @@
 //!   are ascending (keys out of order are a disagreement: the recount, like
 //!   every reader, takes them as sorted);
 //! - `full_list`: a sampled full prod list holds prod_selected keys,
-//!   ascending, and every prod-only key.
+//!   ascending, and every prod-only key;
+//! - `missing_lists`: a row with a shadow has both difference lists, and a
+//!   row whose churn counts were recorded has the boundary lists they were
+//!   counted from. A summary without its lists cannot be checked, and is a
+//!   disagreement, never a row checked clean.
 //!
 //! ## Why it matters
 //! The top-k metric reads only the counts ([`super::topk_v2`]). A producer
@@ -89,6 +93,10 @@ pub struct SummaryCheck {
     pub churn: usize,
     /// A sampled full prod list against prod_selected and the differences.
     pub full_list: usize,
+    /// Rows with a shadow whose difference lists are null, or whose churn
+    /// counts were recorded without the boundary lists they come from: a
+    /// summary with nothing to check it against.
+    pub missing_lists: usize,
     /// The first disagreeing row, by (step, layer, token): where to look.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_disagreeing: Option<RowAt>,
@@ -103,6 +111,7 @@ impl SummaryCheck {
         self.jaccard_no_churn += other.jaccard_no_churn;
         self.churn += other.churn;
         self.full_list += other.full_list;
+        self.missing_lists += other.missing_lists;
         // The smallest, whatever order parts and threads finish in.
         self.first_disagreeing = match (self.first_disagreeing, other.first_disagreeing) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -120,6 +129,7 @@ impl SummaryCheck {
             ("jaccard_no_churn", self.jaccard_no_churn),
             ("churn", self.churn),
             ("full_list", self.full_list),
+            ("missing_lists", self.missing_lists),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)
@@ -244,6 +254,7 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
     };
     let prod_only_listed = decode(&t.prod_only, i, &mut s.prod_only);
     let differences = prod_only_listed & decode(&t.shadow_only, i, &mut s.shadow_only);
+    row.missing_lists = usize::from(!differences);
     if differences {
         let from_prod = i64::from(t.prod_selected[i]) - s.prod_only.len() as i64;
         let from_shadow = i64::from(shadow_n) - s.shadow_only.len() as i64;
@@ -297,6 +308,8 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
             let recount =
                 churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), band);
             row.churn = usize::from(!ordered || recount != recorded);
+        } else {
+            row.missing_lists = 1;
         }
     }
     if decode(&t.prod_gaps, i, &mut s.full) {
@@ -309,7 +322,14 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
             full.len() != count(t.prod_selected[i]) || !ascending(full) || !holds_prod_only,
         );
     }
-    if row.shared + row.jaccard + row.jaccard_no_churn + row.churn + row.full_list > 0 {
+    if row.shared
+        + row.jaccard
+        + row.jaccard_no_churn
+        + row.churn
+        + row.full_list
+        + row.missing_lists
+        > 0
+    {
         row.rows_disagreeing = 1;
         row.first_disagreeing = Some(RowAt {
             step: t.step[i],
