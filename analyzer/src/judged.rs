@@ -110,6 +110,8 @@ fn questions_of_counter(name: &str) -> Option<Vec<Question>> {
     Some(match name {
         // Production's FP8 linears ran in fp32 unquantized: no FP8 to judge.
         "fp8_quantize_fallbacks" => vec![Hidden, Topk, Logits],
+        // The KV cache could not be read back: no sentinel checked it.
+        "kv_sentinel_read_failures" => vec![Nonfinite],
         "fp8_indexer_fallbacks" | "indexer_scores_recomputed" | "topk_lists_lost_rows" => {
             vec![Topk]
         }

@@ -168,9 +168,21 @@ fn every_deviation_shows_at_its_layer_on_glm_or_is_stated_to_have_no_effect() {
         ["indexer_rope_interleaved", "zero_rope_writer"],
         "GLM's indexer RoPE is interleaved; its RoPE writers skip the reserved slot"
     );
-    let onset = run(&a, "kv_slot_nan").onset.as_ref().expect("a NaN onset");
+    let poisoned = run(&a, "kv_slot_nan");
+    let onset = poisoned.onset.as_ref().expect("a NaN onset");
     assert_eq!(onset.layer, PLANTED as i32, "{onset:?}");
     assert!(run(&a, "clean").onset.is_none());
+    // The NaN lies in the cache's reserved slot, where the KV sentinel looks.
+    let first = poisoned
+        .failed_sentinels
+        .first()
+        .expect("the KV sentinel sees the poisoned slot");
+    assert_eq!(
+        (first.check.as_str(), first.layer),
+        ("kv_slot0_finite", PLANTED as i32),
+        "{first:?}"
+    );
+    assert!(run(&a, "clean").failed_sentinels.is_empty());
 
     let neox = run(&a, "indexer_rope_neox");
     let lines: Vec<String> = neox

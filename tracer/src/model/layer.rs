@@ -455,12 +455,20 @@ impl Layer<'_> {
             let stale = attend(&key.index_select(1, &index), &value.index_select(1, &index));
             attn = deviation::splice_tail(&attn, &stale, p);
         }
+        let mut kv_latent = kv_latent;
         if dev.pad_slot_nan {
             // A query whose index list has unused entries reads the reserved
             // slot: its score against a NaN key is NaN whatever the mask adds,
             // and so is its softmax.
             let reads_pad = positions.lt(c.index_topk - 1).view([s, 1]);
             attn = attn.masked_fill(&reads_pad, f64::NAN);
+            // The padding row's NaN lies in the cache's reserved slot 0, where
+            // the bug writes it and the KV sentinel reads. This engine's cache
+            // keeps token 0 there too; its attention reads the slot only
+            // through the queries above, as an engine whose token 0 lives in
+            // another slot would.
+            kv_latent = kv_latent.copy();
+            let _ = kv_latent.get(0).fill_(f64::NAN);
         }
         (
             self.linear(&attn, "self_attn.o_proj"),

@@ -136,7 +136,7 @@ pub fn trace_glm5_next(
                 seq += 1;
             }
             if let Some(kv) = prod.kv_latent.as_ref() {
-                record_kv_sentinels(&writer, seq, i, kv, c.kv_lora_rank);
+                record_kv_sentinels(&writer, seq, i, kv);
                 seq += 1;
             }
         }
