@@ -152,7 +152,7 @@ def trace_with_fault(tmp_path: Path, fault: dict, length: int = 300) -> dict:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (p for p in (tmp_path / "runs").iterdir() if p.is_dir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert manifest["engine"]["name"] == "shadowtrace-reference"
@@ -180,7 +180,7 @@ def test_off_cuda_every_production_linear_is_counted_as_emulated_and_none_as_ten
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (p for p in (tmp_path / "runs").iterdir() if p.is_dir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     counters = manifest["counters"]
     # 2 layers: q_a, q_b, kv_a, kv_b, o (5), indexer wq_b and wk (2); dense MLP then MoE

@@ -186,7 +186,7 @@ def test_a_traced_run_records_k_pool_selections_that_analyze_reads(reference: tu
     tmp, _ = reference
     runs = tmp / "runs"
     manifest, analysis = trace_and_analyze(tmp, runs)
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = (p for p in runs.iterdir() if p.is_dir())
     assert manifest["status"] == "complete"
     assert manifest["model"]["architecture"] == "glm5_next"
     assert manifest["counters"]["fp8_linears_emulated"] > 0
@@ -226,7 +226,7 @@ def trace_and_analyze(tmp: Path, runs: Path, *extra: str) -> tuple[dict, dict]:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = (p for p in runs.iterdir() if p.is_dir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     out = subprocess.run(
         [binary("shadowtrace"), "analyze", runs, "--format", "json"],

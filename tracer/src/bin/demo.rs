@@ -20,6 +20,7 @@ use clap::Parser;
 use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
+use shadowtrace_tracer::identity::SALT_FILE;
 use shadowtrace_tracer::model::fault::{Fault, NonFiniteValue};
 use shadowtrace_tracer::model::{Model, synthetic};
 use shadowtrace_tracer::suspects::demo::{self as suspects_demo, ModelSweep};
@@ -352,6 +353,9 @@ fn clear_previous_demo(out: &Path) -> anyhow::Result<()> {
     if runs.exists() {
         for entry in std::fs::read_dir(&runs)? {
             let path = entry?.path();
+            if path.file_name().is_some_and(|n| n == SALT_FILE) {
+                continue;
+            }
             if !path.join(MANIFEST_FILE).is_file() {
                 bail!(
                     "{} is not a shadowtrace run; choose another --out",

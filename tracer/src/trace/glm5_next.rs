@@ -25,7 +25,7 @@ use shadowtrace_schemas::manifest::{Manifest, Model as ModelId, RunIdentity};
 
 use super::{
     IndexerScores, Mode, TraceOptions, TraceRunError, record_kv_sentinels, record_site,
-    record_topk, reference_identity, stats,
+    record_topk, reference_identity, runs_dir_salt, stats,
 };
 use crate::RunWriter;
 use crate::identity::config_hash;
@@ -47,7 +47,7 @@ pub fn trace_glm5_next(
 ) -> Result<Manifest, TraceRunError> {
     let writer = RunWriter::create(
         run_dir,
-        identity(model, ids, run_id, opts),
+        identity(model, ids, run_id, &runs_dir_salt(run_dir), opts),
         opts.writer.clone(),
     )?;
     let c = &model.config;
@@ -178,7 +178,13 @@ pub fn trace_glm5_next(
     Ok(writer.close()?)
 }
 
-fn identity(model: &Glm5Next, ids: &[i64], run_id: &str, opts: &TraceOptions) -> RunIdentity {
+fn identity(
+    model: &Glm5Next,
+    ids: &[i64],
+    run_id: &str,
+    salt: &[u8],
+    opts: &TraceOptions,
+) -> RunIdentity {
     let c = &model.config;
     let mut settings = serde_json::Map::new();
     settings.insert("fp8_indexer".to_owned(), "none".into());
@@ -213,7 +219,7 @@ fn identity(model: &Glm5Next, ids: &[i64], run_id: &str, opts: &TraceOptions) ->
         model_id,
         "none",
         settings,
-        ids,
+        (ids, salt),
         opts,
         (conventions(model), Vec::new()),
     )

@@ -25,7 +25,7 @@ use shadowtrace_schemas::manifest::{
 
 use shadowtrace_schemas::Convention;
 
-use crate::identity::{config_hash, default_device, salt_id, token_hash};
+use crate::identity::{config_hash, default_device, directory_salt, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
 use crate::model::layer::Fallbacks;
@@ -54,8 +54,6 @@ pub enum TraceRunError {
     },
 }
 
-const SALT: &[u8] = b"shadowtrace-reference";
-
 /// Traces one prompt into `run_dir`; returns the closed run's manifest.
 /// (Rows go through the writer's blocking queue; a row it ever drops is
 /// counted in the manifest, so `send`'s receipt is not needed here.)
@@ -71,7 +69,7 @@ pub fn trace(
 ) -> Result<Manifest, TraceRunError> {
     let writer = RunWriter::create(
         run_dir,
-        identity(model, ids, run_id, opts),
+        identity(model, ids, run_id, &runs_dir_salt(run_dir), opts),
         opts.writer.clone(),
     )?;
     let c = &model.config;
@@ -422,7 +420,19 @@ fn record_topk(
     Ok(())
 }
 
-fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> RunIdentity {
+/// The prompt-hash salt of the directory `run_dir` lies in
+/// ([`directory_salt`]).
+pub(crate) fn runs_dir_salt(run_dir: &Path) -> Vec<u8> {
+    directory_salt(run_dir.parent().unwrap_or_else(|| Path::new(".")))
+}
+
+fn identity(
+    model: &Model,
+    ids: &[i64],
+    run_id: &str,
+    salt: &[u8],
+    opts: &TraceOptions,
+) -> RunIdentity {
     let c = &model.config;
     let mut settings = serde_json::Map::new();
     settings.insert(
@@ -458,7 +468,7 @@ fn identity(model: &Model, ids: &[i64], run_id: &str, opts: &TraceOptions) -> Ru
         model_id,
         &opts.fp8_indexer_name,
         settings,
-        ids,
+        (ids, salt),
         opts,
         (conventions, deviations),
     )
@@ -472,7 +482,7 @@ fn reference_identity(
     model: ModelId,
     variant: &str,
     settings: serde_json::Map<String, serde_json::Value>,
-    ids: &[i64],
+    (ids, salt): (&[i64], &[u8]),
     opts: &TraceOptions,
     (conventions, deviations): (Vec<Convention>, Vec<serde_json::Value>),
 ) -> RunIdentity {
@@ -500,8 +510,8 @@ fn reference_identity(
         prompt: Prompt {
             kind: opts.prompt_kind.clone(),
             length: ids.len() as u64,
-            token_hash: token_hash(SALT, &ids_u32),
-            salt_id: Some(salt_id(SALT)),
+            token_hash: token_hash(salt, &ids_u32),
+            salt_id: Some(salt_id(salt)),
         },
         settings,
         tags: opts.tags.clone(),
