@@ -314,8 +314,12 @@ pub fn analyze_run(
     }
     let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
         topk_rows.into_iter().partition(|r| r.dequant);
-    let topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
-    let topk_dequant = topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);
+    let mut topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
+    let mut topk_dequant =
+        topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);
+    for layer in topk.iter_mut().chain(topk_dequant.iter_mut()) {
+        layer.unit = units.get(&layer.layer).cloned();
+    }
 
     let mut hidden_columns: Vec<&str> = hidden_error::COLUMNS.to_vec();
     hidden_columns.extend(

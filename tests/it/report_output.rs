@@ -49,6 +49,12 @@ fn grid() -> (tempfile::TempDir, shadowtrace_analyzer::Analysis) {
             },
         ],
     );
+    // The DeepSeek no-tool run lost its indexer capture in an earlier
+    // request: its top-k verdict is not judged.
+    crate::support::edit_manifest(&paths[3], |m| {
+        m["settings"]["disabled_sites"] =
+            serde_json::json!({"vllm:indexer": "RuntimeError: planted"});
+    });
     let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
     (tmp, a)
 }

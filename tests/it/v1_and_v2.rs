@@ -108,8 +108,8 @@ fn v1_runs_written_by_an_older_build_analyse_as_that_build_did() {
 
 /// The analysis less what came after the v1 build: the convention verdict
 /// (issue 13), its rule and its empty list of mismatches, and the lists of
-/// what was not measured (issue 28), empty for these whole runs. Nothing
-/// else may differ.
+/// what was not measured and each layer's selection unit (issue 28), empty
+/// and tokens for these whole v1 runs. Nothing else may differ.
 fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Value {
     for group in got["grid"]["groups"].as_array_mut().unwrap() {
         let group = group.as_object_mut().unwrap();
@@ -122,6 +122,13 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
             Some(serde_json::json!([]))
         );
         assert_eq!(run.remove("not_measured"), Some(serde_json::json!([])));
+        for layer in run["topk"].as_array_mut().unwrap() {
+            let unit = layer.as_object_mut().unwrap().remove("unit");
+            assert_eq!(
+                unit,
+                Some(serde_json::json!({"unit": "token", "tokens": 1}))
+            );
+        }
         let rules = run["rules"].as_array_mut().unwrap();
         let before = rules.len();
         rules.retain(|r| r != shadowtrace_analyzer::verdict::CONVENTION_RULE);

@@ -52,6 +52,7 @@ use serde::Serialize;
 use shadowtrace_schemas::columns::topk_v1 as c;
 use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
 
+use super::selection_unit::SelectionUnit;
 use super::summary::Summary;
 use crate::AnalyzeError;
 use crate::frame::{i32s, list, opt_f32s, opt_strs};
@@ -164,6 +165,10 @@ pub struct LayerOverlap {
     /// Of all keys the two paths disagree on in this layer, the share that
     /// was churn; `None` when they agree everywhere.
     pub churn_share: Option<f64>,
+    /// What this layer's keys are, and so what k, the visible keys and the
+    /// Jaccard count: tokens, pool entries or compressed entries
+    /// ([`super::selection_unit`]); `None` until the run's units are read.
+    pub unit: Option<SelectionUnit>,
 }
 
 /// Per-row overlap of a `topk` frame of trace format `version`: v1 here, v2
@@ -326,6 +331,7 @@ pub fn by_layer(rows: &[RowOverlap], skipped: &Uninformative, threshold: f64) ->
                     let churn: usize = rows.iter().map(|r| r.differing_churn).sum();
                     (differing > 0).then(|| churn as f64 / differing as f64)
                 },
+                unit: None,
             }
         })
         .collect()

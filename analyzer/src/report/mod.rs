@@ -147,16 +147,19 @@ fn group_marks(g: &GroupRow) -> String {
 }
 
 /// Header of the per-run layer table.
-/// `NaN tok` counts tokens whose prod vector is non-finite at any site of
+/// `rows` and `dense` count query rows; `unit` is what their keys are (and so
+/// what k and the Jaccard count): `token`, or pool or compressed entries of
+/// so many tokens. `NaN tok` counts tokens whose prod vector is non-finite at any site of
 /// the layer (the largest count over its sites), `shadow-only NaN` those whose
 /// shadow alone is.
-pub(crate) const LAYER_COLUMNS: [&str; 11] = [
+pub(crate) const LAYER_COLUMNS: [&str; 12] = [
     "layer",
     "J",
     "J no churn",
     "J p5",
     "rows",
     "dense",
+    "unit",
     "hidden p95",
     "cos min",
     "NaN tok",

@@ -296,6 +296,8 @@ pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
                 num(t.and_then(|t| t.jaccard_no_churn.map(|s| s.p5)), 4),
                 t.map_or_else(|| "-".to_owned(), |t| t.informative_rows.to_string()),
                 t.map_or_else(|| "-".to_owned(), |t| t.dense_rows.to_string()),
+                t.and_then(|t| t.unit.as_ref())
+                    .map_or_else(|| "-".to_owned(), ToString::to_string),
                 sci(h.and_then(|h| h.rel_l2_err.map(|s| s.p95))),
                 num(h.and_then(|h| h.cosine.map(|s| s.min)), 6),
                 nonfinite.to_string(),
