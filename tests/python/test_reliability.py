@@ -270,6 +270,60 @@ def test_the_lossy_queue_at_its_smallest_counts_every_row_it_drops(tmp_path: Pat
     assert acc["silent"] == 0
 
 
+def on_disk(run_dir: Path) -> tuple[int, int, dict]:
+    """A run's rows in complete part files (those its last manifest lists), the rows that
+    manifest counts as dropped, and the manifest."""
+    m = json.loads((run_dir / "manifest.json").read_text())
+    written = sum(pq.read_metadata(run_dir / f).num_rows for t in m["tables"].values() for f in t["files"])
+    return written, sum(t["dropped_rows"] for t in m["tables"].values()), m
+
+
+def test_settings_recorded_while_the_worker_writes_the_manifest_never_kill_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward's thread records settings (a shadow kernel's name, a prefix-cache hit)
+    while the writer's thread rewrites the manifest: before issue 28 the two shared one dict
+    without a lock, and json's encoder raised `dictionary changed size during iteration` in
+    the worker, which died."""
+    from shadowtrace_hooks import session, shadow, writer
+    from shadowtrace_hooks.adapters import hf_prefix
+    from test_hooks_writer import IDENTITY, hidden
+
+    monkeypatch.setattr(writer, "_MANIFEST_EVERY_S", 0.005)  # a rewrite after nearly every row
+    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
+    run = session.Run(writer.RunWriter(tmp_path / "run", IDENTITY, flush_timeout_s=10.0), settings)
+    for i in range(2000):  # a manifest whose serialisation takes a millisecond or two
+        shadow.record_kernel(run, f"padding_{i}", "torch ieee")
+    # Bounded in time and in work: 4000 settings, a row (so a rewrite) every 10, a pause
+    # after each. The interpreter switches threads every microsecond, not every 5 ms, so the
+    # forward's thread, woken from its pause, lands in the middle of a rewrite as a busy
+    # forward would in a longer one. Before the fix the worker died within some 30 settings.
+    sent, recorded, deadline = 0, 0, time.monotonic() + 5.0
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        while time.monotonic() < deadline and recorded < 4000 and run.writer._worker.is_alive():
+            if recorded % 10 == 0:
+                run.writer.send("hidden", hidden(0, sent % 8))
+                sent += 1
+            shadow.record_kernel(run, f"shadow_kernel_{recorded}", "torch ieee")
+            hf_prefix.tag(run, recorded % 3, [1] * (recorded % 3))
+            recorded += 1
+            time.sleep(0.0005)
+    finally:
+        sys.setswitchinterval(interval)
+    assert run.writer._worker.is_alive(), "the writer's thread died while the settings changed"
+    manifest = run.writer.close()
+    assert "writer_died" not in manifest["counters"]
+    assert manifest["status"] == "complete"
+    assert all(manifest["settings"][f"shadow_kernel_{i}"] == "torch ieee" for i in range(recorded))
+    written, counted, _ = on_disk(tmp_path / "run")
+    silent = sent - written - counted
+    acc = {"runs": 1, "sent": sent, "written": written, "counted": counted, "silent": silent}
+    record("the forward records settings while the manifest is written", True, acc, "-")
+    assert (written, counted) == (sent, 0)
+
+
 @pytest.mark.parametrize(
     "error", [RuntimeError("planted"), torch.OutOfMemoryError("CUDA out of memory (planted)")]
 )

@@ -501,14 +501,14 @@ class Session:
         except Exception as e:
             run.count("hook_errors")
             self.warn_once(f"ship:{type(e).__name__}", f"rows of a capture could not be sent: {e}")
-        run.writer.counters.update({f"process.{k}": v for k, v in self.counters.items()})
+        run.writer.set_counters({f"process.{k}": v for k, v in self.counters.items()})
         # a Triton kernel that raised in this process: torch's ops ran instead from then on
-        run.writer.counters.update({f"process.kernel_failed.{name}": 1 for name in kernels.failed})
-        run.writer.counters.update(run.counters)
+        run.writer.set_counters({f"process.kernel_failed.{name}": 1 for name in kernels.failed})
+        run.writer.set_counters(run.counters)
         if at_exit:
-            run.writer.counters["closed_at_exit"] = 1
+            run.writer.set_counters({"closed_at_exit": 1})
         if self.disabled:
-            run.writer.manifest["settings"]["disabled_sites"] = dict(self.disabled)
+            run.writer.set_setting("disabled_sites", dict(self.disabled))
         self.closing = [w for w in self.closing if not w.finished]
         try:
             run.writer.close(interrupted=interrupted, wait=at_exit, timeout_s=timeout_s)

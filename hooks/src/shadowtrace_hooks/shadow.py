@@ -316,6 +316,4 @@ def indexer_scores(
 
 def record_kernel(run: Any, setting: str, how: str) -> None:
     """Names in the run's manifest settings what computed `setting`'s numbers."""
-    settings = run.writer.manifest["settings"]
-    if settings.get(setting) != how:
-        settings[setting] = how
+    run.writer.set_setting(setting, how)

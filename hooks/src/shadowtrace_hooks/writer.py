@@ -21,13 +21,17 @@ The contract is the Rust writer's (tracer/src/writer):
   what was sent and is neither written nor counted as dropped was lost, and readers say so;
 - it says `incomplete` until the worker has written every row after `close()`; a run whose
   rows are not written within the flush deadline, or whose request was interrupted, stays
-  `incomplete` with the rows still queued counted (`counters.unflushed_rows`).
+  `incomplete` with the rows still queued counted (`counters.unflushed_rows`);
+- the writer owns its manifest: the forward's thread changes it only through `RunWriter`'s
+  methods (`set_setting`, `tag`, `add_conventions`, ...), under the lock the worker takes to
+  copy it before serialising, so the worker never reads a dict that is changing.
 
 Nothing here raises into the traced engine's code path: `send` never raises; `close`
 raises only when it waits and the writer failed or ran out of time, and the session
 catches it.
 """
 
+import copy
 import json
 import os
 import threading
@@ -265,7 +269,9 @@ class RunWriter:
         self.counters: dict[str, int] = {}
         self.errors: list[str] = []
         self.interrupted = False
-        self._lock = threading.Lock()  # counts, the manifest document and its file
+        self._lock = threading.Lock()  # counts and the manifest document
+        # The manifest's file: one writer at a time, so an older copy never replaces a newer.
+        self._file_lock = threading.Lock()
         self._ready = threading.Condition()  # the queue
         self._queue: deque = deque()
         self.budget = budget or ByteBudget(queue_bytes)
@@ -465,10 +471,50 @@ class RunWriter:
             for table, rows in payload.counted.items():
                 self.dropped[table] += max(0, rows - written.get(table, 0))
 
+    # --- the manifest's changes: the only ones, from either thread -----------------------
+
     def count(self, name: str, n: int = 1) -> None:
-        """Adds n to the manifest counter `name` (either thread may call it)."""
+        """Adds n to the manifest counter `name`."""
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
+
+    def set_counters(self, values: dict[str, int]) -> None:
+        """Sets manifest counters to totals counted elsewhere (the run's, the process's)."""
+        with self._lock:
+            self.counters.update(values)
+
+    def set_setting(self, key: str, value: Any, *, keep: bool = False) -> None:
+        """Records `settings.<key>`; with `keep`, only when not yet recorded."""
+        with self._lock:
+            settings = self.manifest["settings"]
+            if not (keep and key in settings):
+                settings[key] = value
+
+    def tag(self, key: str, value: str) -> None:
+        """Sets the run's tag `key`."""
+        with self._lock:
+            self.manifest["tags"][key] = value
+
+    def prompt_length_at_least(self, length: int) -> None:
+        """Raises the prompt's recorded length to `length` (engines see a prompt in pieces)."""
+        with self._lock:
+            prompt = self.manifest["prompt"]
+            prompt["length"] = max(prompt["length"], length)
+
+    def refuse_shadow(self, why: str) -> None:
+        """Records that the run has no shadow, and why (`settings.shadow_refused`)."""
+        with self._lock:
+            self.manifest["settings"]["shadow_refused"] = why
+            self.manifest["shadow"] = {"precision": None, "modes": []}
+            self.manifest["dtypes"]["shadow"] = None
+
+    def add_conventions(
+        self, conventions: list[dict], merge: Callable[[list[dict], list[dict]], None]
+    ) -> None:
+        """Adds numerics conventions to the run's by `merge(recorded, conventions)` (the
+        adapters' rule, shadowtrace_hooks.adapters.engine.merge_conventions)."""
+        with self._lock:
+            merge(self.manifest["conventions"], conventions)
 
     def _sent_changed(self) -> bool:
         """Whether rows were sent since the manifest on disk counted them."""
@@ -477,6 +523,13 @@ class RunWriter:
 
     def _write_manifest(self, *, final: bool = False) -> None:
         """Rewrites manifest.json from the live counts (either thread may call it)."""
+        with self._file_lock:
+            write_json_atomically(self.run_dir / "manifest.json", self._manifest_now(final=final))
+
+    def _manifest_now(self, *, final: bool) -> dict:
+        """Brings the manifest up to date with the live counts and returns a copy of it, taken
+        under the lock: json's encoder with an indent walks the dicts in Python, slowly enough
+        for the forward's thread to change one half way (which raises in the encoder)."""
         with self._lock:
             self._last_manifest = time.monotonic()
             m = self.manifest
@@ -509,4 +562,4 @@ class RunWriter:
             if final and not self.errors and not self.interrupted:
                 m["status"] = "complete"
                 m["closed_unix_ms"] = _now_ms()
-            write_json_atomically(self.run_dir / "manifest.json", m)
+            return copy.deepcopy(m)

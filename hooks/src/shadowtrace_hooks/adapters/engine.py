@@ -187,8 +187,7 @@ class EngineTracer:
                 entry.serial = self.serial
                 entry.run.step += 1
             if req.prefill:
-                prompt = entry.run.writer.manifest["prompt"]
-                prompt["length"] = max(prompt["length"], req.prefix + req.rows)
+                entry.run.writer.prompt_length_at_least(req.prefix + req.rows)
             out.append(entry.run)
         return out
 
@@ -228,9 +227,9 @@ class EngineTracer:
             # served its first tokens from its prefix cache (context 004). Engines hand the
             # hooks no token ids, so `analyze` cannot pair these runs by prompt: it lists
             # the hits as unpaired, saying why.
-            run.writer.manifest["tags"]["cache"] = "hit" if req.prefix else "miss"
+            run.writer.tag("cache", "hit" if req.prefix else "miss")
             if req.prefix:
-                run.writer.manifest["settings"]["cached_prefix_tokens"] = req.prefix
+                run.writer.set_setting("cached_prefix_tokens", req.prefix)
         return run
 
     def _close(self, key: str, *, at_exit: bool = False, deadline: float | None = None) -> None:
@@ -252,8 +251,8 @@ class EngineTracer:
         runs = self.runs(call.requests, device)
         for req, run in zip(call.requests, runs, strict=True):
             for key, value in call.settings.items():
-                run.writer.manifest["settings"].setdefault(key, value)
-            merge_conventions(run.writer.manifest["conventions"], call.conventions)
+                run.writer.set_setting(key, value, keep=True)
+            run.writer.add_conventions(call.conventions, merge_conventions)
             for name, n in {**req.counts, **req.skipped}.items():
                 run.count(name, n)
             if req.skipped:

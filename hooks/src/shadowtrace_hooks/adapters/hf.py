@@ -423,7 +423,7 @@ class _Tracer:
             device=session.device_of(torch.empty(0, device=device)),
             dtypes={"prod": shadow.dtype_name(dtype), "shadow": self.settings.precision},
         )
-        run.writer.manifest["settings"]["adapter"] = f"{NAME}: layout {layout.name} ({layout.source})"
+        run.writer.set_setting("adapter", f"{NAME}: layout {layout.name} ({layout.source})")
         return run
 
     def close_runs(self) -> None:
@@ -787,7 +787,7 @@ class _Tracer:
                             x = block(x)
                     shadow_logits = x[0]
                 run.logits(logits[b][rows], shadow_logits, positions[rows])
-            run.writer.manifest["settings"]["logits_shadow_mode"] = mode if want_shadow else None
+            run.writer.set_setting("logits_shadow_mode", mode if want_shadow else None)
 
 
 def _sentinel_rows(

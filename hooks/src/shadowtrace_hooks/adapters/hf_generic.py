@@ -161,9 +161,7 @@ class GenericTracer(hf._Tracer):
     def _open(self, ids: list[int], device: torch.device) -> Run:
         run = super()._open(ids, device)
         if self.shadow_refused is not None:
-            run.writer.manifest["settings"]["shadow_refused"] = self.shadow_refused
-            run.writer.manifest["shadow"] = {"precision": None, "modes": []}
-            run.writer.manifest["dtypes"]["shadow"] = None
+            run.writer.refuse_shadow(self.shadow_refused)
             run.count("shadow_refused")
         return run
 

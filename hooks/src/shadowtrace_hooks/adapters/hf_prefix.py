@@ -46,12 +46,12 @@ def cached_ids(cache: Any, past_len: int, batch: int) -> list[list[int]] | None:
 
 def tag(run: Run, past_len: int, prefix: list[int] | None) -> None:
     """Tags a request's run `cache=hit|miss`; a hit's run remembers its cached prefix."""
-    run.writer.manifest["tags"]["cache"] = "hit" if past_len else "miss"
+    run.writer.tag("cache", "hit" if past_len else "miss")
     if not past_len:
         return
     run.state[CACHED_PREFIX] = past_len
     run.state["prompt_ids"] = list(prefix or [])
-    run.writer.manifest["settings"]["cached_prefix_tokens"] = past_len
+    run.writer.set_setting("cached_prefix_tokens", past_len)
     if prefix is None:
         run.count("cache_hit_prefix_ids_unknown")
 
