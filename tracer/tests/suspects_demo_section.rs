@@ -12,7 +12,7 @@ use shadowtrace_tracer::suspects::demo::{
 };
 use shadowtrace_tracer::suspects::profile::{Cell, LayerMetrics, Onset};
 use shadowtrace_tracer::suspects::report::{Report, Thresholds};
-use shadowtrace_tracer::suspects::sweep::{NotRun, Sweep};
+use shadowtrace_tracer::suspects::sweep::{NotRun, ProdLinears, Sweep};
 
 /// What one path does to one prompt: the lowest layer Jaccard against the
 /// clean path, at layer `at`, and the argmax agreement with the clean path.
@@ -81,6 +81,7 @@ fn model_sweep(
         architecture: "glm_moe_dsa".to_owned(),
         index_topk: 2048,
         layers: 4,
+        prod: ProdLinears::Fp8,
         base: "none".to_owned(),
         band: 1e-3,
         paths: effects.iter().map(|e| e.path.to_owned()).collect(),

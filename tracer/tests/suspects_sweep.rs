@@ -10,7 +10,9 @@ use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind};
 use shadowtrace_tracer::model::{Model, synthetic};
 use shadowtrace_tracer::suspects::prompts::demo_prompt;
 use shadowtrace_tracer::suspects::report::{Report, Thresholds, render_terminal};
-use shadowtrace_tracer::suspects::sweep::{PathSpec, SweepOptions, SweepPrompt, plan, sweep};
+use shadowtrace_tracer::suspects::sweep::{
+    PathSpec, ProdLinears, SweepOptions, SweepPrompt, plan, sweep,
+};
 use shadowtrace_tracer::suspects::write_report;
 use tch::Device;
 
@@ -127,4 +129,56 @@ fn a_deviation_planted_at_a_layer_departs_from_the_clean_path_there_and_not_befo
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("suspects.json")).unwrap()).unwrap();
     assert_eq!(json["sweep"]["paths"].as_array().unwrap().len(), 3);
+}
+
+#[test]
+fn a_bf16_production_sweep_runs_its_clean_path_without_fp8_and_departs_less_from_fp32() {
+    // An observed bf16 run (transformers on a bf16 checkpoint) is ranked
+    // against a clean path in bf16: the FP8 clean path would sit an FP8
+    // error away from it before any deviation acts.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut config = synthetic::glm51_config(2);
+    config["index_topk"] = 64.into();
+    synthetic::write(tmp.path(), &config, 5).unwrap();
+    let model = Model::open(tmp.path(), Device::Cpu).unwrap();
+    let (paths, _) = plan(&model, None, &[]);
+    let prompts = [SweepPrompt {
+        kind: "tool".to_owned(),
+        ids: demo_prompt(true, 256),
+    }];
+    let run = |prod| {
+        let opts = SweepOptions {
+            prod,
+            ..SweepOptions::default()
+        };
+        tch::no_grad(|| sweep(&model, &prompts, &paths, &opts, |_| {})).unwrap()
+    };
+    let (fp8, bf16) = (run(ProdLinears::Fp8), run(ProdLinears::Bf16));
+    assert_eq!((fp8.prod, bf16.prod), (ProdLinears::Fp8, ProdLinears::Bf16));
+    let p95 = |s: &shadowtrace_tracer::suspects::sweep::Sweep| -> Vec<f64> {
+        s.cells[0]
+            .layers
+            .iter()
+            .map(|l| l.hidden_p95.unwrap())
+            .collect()
+    };
+    let (e8, e16) = (p95(&fp8), p95(&bf16));
+    // bf16 rounding (2^-9) sits well under FP8's (2^-4 per element, ~1e-2 per layer).
+    for (a, b) in e8.iter().zip(&e16) {
+        assert!(b < a, "bf16 {e16:?} against fp8 {e8:?}");
+    }
+    let report = Report::new(
+        "bf16",
+        None,
+        Thresholds {
+            hidden: 0.1,
+            topk: 0.8,
+        },
+        bf16,
+        None,
+    );
+    assert!(
+        render_terminal(&report).contains("production: bf16 linears, no FP8"),
+        "the report names the production it ran"
+    );
 }

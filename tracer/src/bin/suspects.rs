@@ -20,9 +20,11 @@ use shadowtrace_tracer::model::deviation::Deviation;
 use shadowtrace_tracer::model::fp8_checkpoint::{planned_bytes, write_fp8};
 use shadowtrace_tracer::model::synthetic::{self, SyntheticParams};
 use shadowtrace_tracer::suspects::prompts::{demo_prompt, read_prompt};
-use shadowtrace_tracer::suspects::rank::{Observed, observed_from_analysis, rank};
+use shadowtrace_tracer::suspects::rank::{Observed, observed_from_analysis, production_of, rank};
 use shadowtrace_tracer::suspects::report::{Report, Thresholds, render_list, render_terminal};
-use shadowtrace_tracer::suspects::sweep::{PathSpec, SweepOptions, SweepPrompt, plan, sweep};
+use shadowtrace_tracer::suspects::sweep::{
+    PathSpec, ProdLinears, SweepOptions, SweepPrompt, plan, sweep,
+};
 use shadowtrace_tracer::suspects::{REPORT_FILE, write_report};
 use tch::Device;
 
@@ -368,6 +370,15 @@ fn run(args: &SweepArgs) -> Result<()> {
     let prompts = prompts(args, c.vocab_size)?;
     // Read the observed runs first: a bad path fails before the sweep's minutes.
     let observed = observed(&args.observed)?;
+    let prod = production_of(&observed)
+        .map_err(|e| anyhow::anyhow!("--observed: {e}"))?
+        .unwrap_or(ProdLinears::Fp8);
+    if !observed.is_empty() {
+        eprintln!(
+            "production path: {}, as the observed runs' manifests say",
+            prod.describe()
+        );
+    }
     let name = args.name.clone().unwrap_or_else(|| {
         model_dir
             .file_name()
@@ -386,6 +397,7 @@ fn run(args: &SweepArgs) -> Result<()> {
             &prompts,
             &paths,
             &SweepOptions {
+                prod,
                 base,
                 base_name: args.fp8_indexer.clone(),
                 band: args.band,

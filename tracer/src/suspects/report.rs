@@ -313,7 +313,8 @@ fn header_lines(r: &Report) -> Vec<String> {
             r.model, s.architecture, s.layers, s.index_topk, s.device
         ),
         format!(
-            "production: FP8 block-scaled linears (e4m3, 1x128 and 128x128 blocks, ue8m0), indexer FP8 variant {}; each deviation departs from it",
+            "production: {}, indexer FP8 variant {}; each deviation departs from it",
+            s.prod.describe(),
             s.base
         ),
         "reference: an fp32 chain from the embeddings (hidden states, logits), and the fp32 indexer on each path's own layer input (top-k)".to_owned(),
@@ -355,6 +356,7 @@ pub fn render_terminal(r: &Report) -> String {
     text_table(&mut out, &h, &rows);
     if let Some(ranking) = &r.ranking {
         let _ = writeln!(out, "\nranked against the observed runs ({})", ranking.rule);
+        let _ = writeln!(out, "  {}", ranking.verdict);
         let (h, rows) = ranking.table();
         text_table(&mut out, &h, &rows);
         for note in &ranking.notes {
@@ -428,6 +430,7 @@ pub fn render_markdown(r: &Report, plots: &[String]) -> String {
     if let Some(ranking) = &r.ranking {
         let _ = writeln!(out, "## Ranked against the observed runs\n");
         let _ = writeln!(out, "{}\n", ranking.rule);
+        let _ = writeln!(out, "**{}**\n", ranking.verdict);
         let (h, rows) = ranking.table();
         md_table(&mut out, &h, &rows);
         for note in &ranking.notes {

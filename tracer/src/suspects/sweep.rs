@@ -85,9 +85,53 @@ pub struct SweepPrompt {
     pub ids: Vec<i64>,
 }
 
+/// Production's linear layers in the sweep: what the observed runs ran, so
+/// that a deviation is ranked against a clean path of the same precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProdLinears {
+    /// FP8 block-scaled ([`Numerics::Fp8`]).
+    Fp8,
+    /// bf16, as transformers runs a bf16 checkpoint.
+    Bf16,
+}
+
+impl ProdLinears {
+    /// The linears a manifest's `dtypes.prod` names: `fp8*` or `bf16`;
+    /// `None` for any other (the sweep runs no such production).
+    #[must_use]
+    pub fn of_dtype(dtype: &str) -> Option<ProdLinears> {
+        match dtype {
+            d if d.starts_with("fp8") => Some(ProdLinears::Fp8),
+            "bf16" | "bfloat16" => Some(ProdLinears::Bf16),
+            _ => None,
+        }
+    }
+
+    /// The layer numerics that run them.
+    #[must_use]
+    pub fn numerics(self) -> Numerics {
+        match self {
+            ProdLinears::Fp8 => Numerics::Fp8,
+            ProdLinears::Bf16 => Numerics::Plain(Kind::BFloat16),
+        }
+    }
+
+    /// As the report names them.
+    #[must_use]
+    pub fn describe(self) -> &'static str {
+        match self {
+            ProdLinears::Fp8 => "FP8 block-scaled linears (e4m3, 1x128 and 128x128 blocks, ue8m0)",
+            ProdLinears::Bf16 => "bf16 linears, no FP8",
+        }
+    }
+}
+
 /// How to sweep.
 #[derive(Debug, Clone)]
 pub struct SweepOptions {
+    /// Production's linear layers.
+    pub prod: ProdLinears,
     /// Production's FP8 indexer; `None`: no FP8 in the indexer.
     pub base: Option<Fp8Indexer>,
     /// Its name, for the report.
@@ -101,6 +145,7 @@ pub struct SweepOptions {
 impl Default for SweepOptions {
     fn default() -> SweepOptions {
         SweepOptions {
+            prod: ProdLinears::Fp8,
             base: None,
             base_name: "none".to_owned(),
             band: 1e-3,
@@ -162,6 +207,8 @@ pub struct Sweep {
     pub index_topk: i64,
     /// Decoder layers.
     pub layers: i64,
+    /// Production's linear layers.
+    pub prod: ProdLinears,
     /// Production's FP8 indexer.
     pub base: String,
     /// The band churn was excluded within.
@@ -368,7 +415,7 @@ pub fn sweep(
                 let (out, prod_rows) = if let Some(j) = same_layer {
                     (share(&computed[j].out), computed[j].prod_rows.clone())
                 } else {
-                    let out = layer(Numerics::Fp8, &path.deviations).forward(
+                    let out = layer(opts.prod.numerics(), &path.deviations).forward(
                         &p.h,
                         &state.rope,
                         p.prev.as_ref(),
@@ -491,6 +538,7 @@ pub fn sweep(
         architecture: c.model_type.clone(),
         index_topk: k,
         layers: c.num_hidden_layers,
+        prod: opts.prod,
         base: opts.base_name.clone(),
         band: opts.band,
         paths: paths.iter().map(|p| p.name.clone()).collect(),
