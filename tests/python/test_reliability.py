@@ -11,6 +11,7 @@ alone: 3 layers, every site, a local fp32 shadow, so every forward of T tokens s
 logits: one per token; events: the two KV sentinel checks per layer).
 """
 
+import errno
 import json
 import os
 import resource
@@ -18,9 +19,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -276,6 +279,157 @@ def on_disk(run_dir: Path) -> tuple[int, int, dict]:
     m = json.loads((run_dir / "manifest.json").read_text())
     written = sum(pq.read_metadata(run_dir / f).num_rows for t in m["tables"].values() for f in t["files"])
     return written, sum(t["dropped_rows"] for t in m["tables"].values()), m
+
+
+def logits(rows: int) -> dict:
+    """A batch of `rows` logits rows, as the hooks' capture sends them: about 28 bytes a row."""
+    from shadowtrace_hooks import stats
+
+    ids = np.arange(rows * 2, dtype=np.int32).reshape(rows, 2)
+    top_ids, top_logprobs = stats.logits_lists(ids, -np.ones((rows, 2), dtype=np.float32))
+    return {"step": 0, "token": np.arange(rows, dtype=np.int32), "prod_top_ids": top_ids,
+            "prod_top_logprobs": top_logprobs}  # fmt: skip
+
+
+@pytest.fixture
+def dead_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, threading.Event, threading.Event]:
+    """Under `dead/`, the writer's thread finds the disk full on its manifest writes while
+    `full` is set, and its first rows wait in the encoder until `release` is set."""
+    from shadowtrace_hooks import writer
+
+    dead = tmp_path / "dead"
+    full, release = threading.Event(), threading.Event()
+    full.set()
+    real_write, real_push = writer.write_json_atomically, writer._Table.push
+
+    def disk(path: Path, document: object) -> None:
+        on_worker = threading.current_thread().name.startswith("shadowtrace-writer-")
+        if full.is_set() and on_worker and path.parent == dead:
+            raise OSError(errno.ENOSPC, "No space left on device (planted)", str(path))
+        real_write(path, document)
+
+    def push(self: writer._Table, row: dict) -> None:
+        if self.run_dir == dead:
+            assert release.wait(30), "the test never released the encoder"
+        real_push(self, row)
+
+    monkeypatch.setattr(writer, "write_json_atomically", disk)
+    monkeypatch.setattr(writer._Table, "push", push)
+    return dead, full, release
+
+
+@pytest.mark.parametrize("disk_frees", [True, False])
+def test_a_writer_whose_thread_dies_counts_it_gives_its_room_back_and_never_stalls_another_run(
+    tmp_path: Path, dead_writer: tuple[Path, threading.Event, threading.Event], disk_frees: bool
+) -> None:
+    """The worker of one run dies on its manifest write (ENOSPC) with rows still queued: the
+    death is counted, the queued rows' room goes back to the budget every run of the process
+    shares, the dead run refuses (and counts) what is sent to it, and another run of the
+    process goes on writing without waiting on the budget. Before issue 28 the thread died
+    with a traceback alone, and the other run's rows waited out the queue timeout."""
+    from shadowtrace_hooks.writer import _ROW_BYTES, ByteBudget, RunWriter
+    from test_hooks_writer import IDENTITY, hidden
+
+    dead_dir, full, release = dead_writer
+    budget = ByteBudget(8 * _ROW_BYTES)
+    created = time.monotonic()
+    dead = RunWriter(dead_dir, {**IDENTITY, "run_id": "dead"}, queue_mode="lossy", budget=budget)
+    alive = RunWriter(tmp_path / "alive", {**IDENTITY, "run_id": "alive"}, budget=budget,
+                      queue_timeout_s=5.0, flush_timeout_s=10.0)  # fmt: skip
+    sent_dead = 8  # the first waits in the encoder, the other 7 in the queue: the budget is full
+    for token in range(sent_dead):
+        dead.send("hidden", hidden(0, token))
+    # Past the manifest's period when the encoder lets go: the worker rewrites it, and dies.
+    time.sleep(max(0.0, 1.1 - (time.monotonic() - created)))
+    release.set()
+    deadline = time.monotonic() + 10
+    while dead._worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not dead._worker.is_alive()
+
+    # Batches larger than the room a queue of dead rows would leave: the live run needs them back.
+    started, batches, rows = time.monotonic(), 10, 64
+    accepted = 0
+    while accepted < batches and alive.send_columns("logits", logits(rows), rows):
+        accepted += 1  # the first batch dropped (after the queue's 5 s) ends the loop
+    took, sent_alive = time.monotonic() - started, batches * rows
+    assert accepted == batches, f"a batch of the live run dropped after {took:.1f} s"
+    assert took < 1.0, f"the live run waited {took:.1f} s on the budget of a dead one"
+
+    refused = 5
+    assert not any(dead.send("hidden", hidden(0, token)) for token in range(refused))
+    assert dead.finished, "waiters on a dead writer must not hang"
+    if disk_frees:
+        full.clear()  # else the last manifest write fails too: only the state in memory can be right
+    with pytest.raises(RuntimeError, match="writer failed"):
+        dead.close(timeout_s=5)
+    memory = dead.manifest
+    assert memory["status"] == "incomplete"
+    assert memory["counters"]["writer_died"] == 1
+    assert memory["counters"]["interrupted"] == 1
+    hidden_rows = memory["tables"]["hidden"]
+    assert (hidden_rows["sent_rows"], hidden_rows["rows"]) == (sent_dead + refused, 0)
+    assert hidden_rows["dropped_rows"] == sent_dead + refused
+
+    assert alive.close()["status"] == "complete"
+    assert budget.used == 0, "room still held for rows the dead run will never write"
+    written, counted, _ = on_disk(tmp_path / "alive")
+    assert (written, counted) == (sent_alive, 0)
+    if disk_frees:
+        dead_written, dead_counted, dead_manifest = on_disk(dead_dir)
+        assert dead_manifest["counters"]["writer_died"] == 1
+        assert dead_manifest["status"] == "incomplete"
+        written, counted = written + dead_written, counted + dead_counted
+        sent = sent_dead + refused + sent_alive
+        acc = {"runs": 2, "sent": sent, "written": written, "counted": counted,
+               "silent": sent - written - counted}  # fmt: skip
+        record("the writer's thread dies (manifest ENOSPC)", True, acc, "-")
+        assert acc["silent"] == 0
+
+
+def test_the_exit_flush_writes_the_manifest_of_a_run_whose_writer_died(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session keeps a run whose writer died among those the exit flush waits for, though
+    its worker has finished: the flush writes its manifest once more (the disk has room
+    again), and the death is on disk, not only in memory."""
+    from shadowtrace_hooks import session, writer
+    from test_hooks_writer import IDENTITY
+
+    full = threading.Event()
+    full.set()
+    real_write = writer.write_json_atomically
+
+    def disk(path: Path, document: object) -> None:
+        on_worker = threading.current_thread().name.startswith("shadowtrace-writer-")
+        if full.is_set() and on_worker and path.parent.name.startswith("dying"):
+            raise OSError(errno.ENOSPC, "No space left on device (planted)", str(path))
+        real_write(path, document)
+
+    monkeypatch.setattr(writer, "write_json_atomically", disk)
+    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
+    sess = session.start(settings)
+    opened = {k: IDENTITY[k] for k in ("model", "engine", "device", "dtypes")}
+    try:
+        dying = sess.open_run(token_ids=[1, 2, 3], request="dying", **opened)
+        dying.step = 0
+        dying.logits(torch.randn(3, 5), None, np.arange(3))
+        sess.close_run(dying)  # its final manifest write finds the disk full: the worker dies
+        deadline = time.monotonic() + 10
+        while not dying.writer.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dying.writer.finished
+        sess.close_run(sess.open_run(token_ids=[4, 5], request="next", **opened))
+        full.clear()
+    finally:
+        session.stop()
+    manifest = json.loads((dying.writer.run_dir / "manifest.json").read_text())
+    assert manifest["counters"]["writer_died"] == 1
+    assert manifest["status"] == "incomplete"
+    logits = manifest["tables"]["logits"]
+    assert (logits["sent_rows"], logits["rows"] + logits["dropped_rows"]) == (3, 3)
 
 
 def test_settings_recorded_while_the_worker_writes_the_manifest_never_kill_it(

@@ -509,7 +509,8 @@ class Session:
             run.writer.set_counters({"closed_at_exit": 1})
         if self.disabled:
             run.writer.set_setting("disabled_sites", dict(self.disabled))
-        self.closing = [w for w in self.closing if not w.finished]
+        # A dead writer stays: the exit flush writes its manifest once more, off the forward's path.
+        self.closing = [w for w in self.closing if not w.finished or w.died]
         try:
             run.writer.close(interrupted=interrupted, wait=at_exit, timeout_s=timeout_s)
         except Exception as e:  # the writer already counted it in the manifest

@@ -24,13 +24,18 @@ The contract is the Rust writer's (tracer/src/writer):
   `incomplete` with the rows still queued counted (`counters.unflushed_rows`);
 - the writer owns its manifest: the forward's thread changes it only through `RunWriter`'s
   methods (`set_setting`, `tag`, `add_conventions`, ...), under the lock the worker takes to
-  copy it before serialising, so the worker never reads a dict that is changing.
+  copy it before serialising, so the worker never reads a dict that is changing;
+- a worker that dies (the manifest's disk full, any exception) is counted (`writer_died`),
+  gives the room of what was still queued back to the budget the process's runs share,
+  refuses (and counts as dropped) every later row, and leaves its run `incomplete` and
+  `interrupted`: the other runs of the process never wait on a dead one.
 
 Nothing here raises into the traced engine's code path: `send` never raises; `close`
 raises only when it waits and the writer failed or ran out of time, and the session
 catches it.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -276,6 +281,7 @@ class RunWriter:
         self._queue: deque = deque()
         self.budget = budget or ByteBudget(queue_bytes)
         self._closing = False
+        self._died = False  # the worker stopped on an exception: nothing more is queued
         self._finished = threading.Event()
         self._last_manifest = 0.0
         settings = {
@@ -346,12 +352,12 @@ class RunWriter:
         with self._lock:
             for t, n in per_table.items():
                 self.sent[t] += n
-        stopped = lambda: bool(self.errors or self._closing)  # noqa: E731
+        stopped = lambda: bool(self.errors or self._closing or self._died)  # noqa: E731
         wait_s = 0.0 if self.mode == "lossy" else self.queue_timeout_s
         taken = not stopped() and self.budget.take(nbytes, wait_s=wait_s, stop=stopped)
         if taken:
             with self._ready:
-                if not self._closing:
+                if not (self._closing or self._died):
                     self._queue.append((table, payload, rows, nbytes))
                     self._ready.notify_all()
                     return True
@@ -371,7 +377,7 @@ class RunWriter:
         it returns at once with the manifest as it stands; else as `wait_closed`."""
         with self._ready:
             self.interrupted = self.interrupted or interrupted
-            if not self._closing:
+            if not (self._closing or self._died):
                 self._closing = True
                 self._queue.append((None, _CLOSE, 0, 0))
                 self._ready.notify_all()
@@ -382,6 +388,12 @@ class RunWriter:
     @property
     def finished(self) -> bool:
         return self._finished.is_set()
+
+    @property
+    def died(self) -> bool:
+        """Whether the worker stopped on an exception: the manifest on disk may then lag the
+        counts in memory until `wait_closed` writes it once more."""
+        return self._died
 
     def wait_closed(self, timeout_s: float | None = None) -> dict:
         """Waits at most `timeout_s` (default: the flush deadline) for a closed run to be
@@ -396,6 +408,14 @@ class RunWriter:
                 f"run {self.manifest['run_id']}: rows not written within {timeout:.1f} s "
                 f"(counted as unflushed_rows; the run stays incomplete)"
             )
+        if self._died:
+            # The rows refused since the worker died are counted in memory; off the forward's
+            # path now, one more try to put them on disk (the disk may have room again).
+            try:
+                self._write_manifest(final=True)
+            except Exception as e:
+                with self._lock:
+                    self.errors.append(f"manifest: {e}")
         if self.errors:
             raise RuntimeError(f"run {self.manifest['run_id']}: writer failed: {self.errors[0]}")
         return self.manifest
@@ -403,6 +423,41 @@ class RunWriter:
     # --- the worker ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The worker: everything it does under one guard, so that it cannot die unseen."""
+        try:
+            self._write_all()
+        except Exception as e:
+            self._die(e)
+        finally:
+            self._finished.set()
+
+    def _die(self, error: Exception) -> None:
+        """What a dead worker leaves: its death counted, the room of every row still queued
+        back in the budget (the process's other runs wait on it), those rows counted as
+        dropped, later rows refused, and the run incomplete and interrupted."""
+        with self._ready:
+            self._died = True
+            queued, self._queue = self._queue, deque()
+        with self._lock:
+            self.errors.append(f"writer died: {type(error).__name__}: {error}")
+            self.counters["writer_died"] = 1
+            self.interrupted = True
+            for table, payload, rows, _ in queued:
+                if payload is _CLOSE:
+                    continue
+                for t, n in (rows if isinstance(rows, dict) else {table: rows}).items():
+                    self.dropped[t] += n
+                if isinstance(payload, _Deferred):
+                    self.counters["undecoded_shipments"] = self.counters.get("undecoded_shipments", 0) + 1
+            self.manifest["status"] = "incomplete"  # a final write that failed may have said complete
+            self.manifest["closed_unix_ms"] = None
+        self.budget.give_back(sum(item[3] for item in queued))
+        # Where the disk refuses even the manifest, the counts stay right in memory, and
+        # `wait_closed` tries once more.
+        with contextlib.suppress(Exception):
+            self._write_manifest(final=True)
+
+    def _write_all(self) -> None:
         while True:
             with self._ready:
                 while not self._queue:
@@ -441,10 +496,7 @@ class RunWriter:
         except Exception as e:
             with self._lock:
                 self.errors.append(str(e))
-        try:
-            self._write_manifest(final=True)
-        finally:
-            self._finished.set()
+        self._write_manifest(final=True)
 
     def _write_deferred(self, payload: _Deferred) -> None:
         """Waits for a shipment's copy, decodes it and writes its batches; rows it cannot
