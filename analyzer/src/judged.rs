@@ -128,6 +128,9 @@ fn questions_of_counter(name: &str) -> Option<Vec<Question>> {
 fn questions_of_site(key: &str) -> Vec<Question> {
     if key == "logits" {
         vec![Question::Logits]
+    } else if key == "hidden" {
+        // The hidden-state rows: the non-finite onset and hidden verdicts'.
+        vec![Question::Nonfinite, Question::Hidden]
     } else if key.contains("indexer") || key.contains("topk") {
         vec![Question::Topk]
     } else {
@@ -254,7 +257,14 @@ mod tests {
         );
         assert_eq!(questions_of_site("logits"), vec![Question::Logits]);
         assert_eq!(questions_of_site("vllm:indexer"), vec![Question::Topk]);
-        assert_eq!(questions_of_site("hidden"), EVERY_QUESTION.to_vec());
+        assert_eq!(
+            questions_of_site("hidden"),
+            vec![Question::Nonfinite, Question::Hidden]
+        );
+        assert_eq!(
+            questions_of_site("transformers:step"),
+            EVERY_QUESTION.to_vec()
+        );
     }
 
     #[test]

@@ -256,9 +256,10 @@ def test_an_exception_inside_a_hook_is_counted_disables_its_capture_and_leaves_o
         analyze = [binary("shadowtrace"), "analyze", run_dir, "--fail-on", "nonfinite"]
         out = subprocess.run(analyze, capture_output=True, text=True, check=False)
         assert out.returncode == 2, (out.stdout, out.stderr)
-        assert "non-finite onset not judged: capture hidden disabled in this process: RuntimeError: planted" in (
-            out.stderr
-        )
+        why = "capture hidden disabled in this process: RuntimeError: planted"
+        assert f"non-finite onset not judged: {why}" in out.stderr
         assert "non-finite onset:  not judged: capture hidden disabled" in out.stdout
         partial = subprocess.run([*analyze, "--allow-partial"], capture_output=True, text=True, check=False)
-        assert partial.returncode == 0, partial.stderr
+        # The first request's own hook error leaves nothing of it judged; the second's top-k and
+        # logits are whole, and partial data may be accepted there.
+        assert partial.returncode == (2 if run_dir == first_dir else 0), partial.stderr

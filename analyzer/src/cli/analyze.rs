@@ -167,26 +167,27 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     if fails(&analysis, &args.fail_on) {
         return Ok(ExitCode::from(1));
     }
+    let lines = not_judged_lines(&analysis, &args.fail_on);
     if !args.fail_on.is_empty() && !analysis.runs.iter().any(|r| r.can_be_judged()) {
+        for line in &lines {
+            eprintln!("error: --fail-on: {line}");
+        }
         eprintln!(
             "error: --fail-on: no run could be judged: {}",
             unjudged(&analysis)
         );
         return Ok(exit_error());
     }
-    if !args.allow_partial {
-        let lines = not_judged_lines(&analysis, &args.fail_on);
-        if !lines.is_empty() {
-            for line in &lines {
-                eprintln!("error: --fail-on: {line}");
-            }
-            eprintln!(
-                "error: --fail-on: {} verdict{} not judged: data missing is not a pass (--allow-partial accepts it)",
-                lines.len(),
-                if lines.len() == 1 { "" } else { "s" }
-            );
-            return Ok(exit_error());
+    if !args.allow_partial && !lines.is_empty() {
+        for line in &lines {
+            eprintln!("error: --fail-on: {line}");
         }
+        eprintln!(
+            "error: --fail-on: {} verdict{} not judged: data missing is not a pass (--allow-partial accepts it)",
+            lines.len(),
+            if lines.len() == 1 { "" } else { "s" }
+        );
+        return Ok(exit_error());
     }
     Ok(ExitCode::SUCCESS)
 }
