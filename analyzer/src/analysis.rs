@@ -357,7 +357,8 @@ pub fn analyze_run(
             counters.insert(format!("dropped_rows.{table}"), entry.dropped_rows);
         }
     }
-    let not_measured = judged::not_measured(m, &counters, topk_summary_check.as_ref());
+    let not_measured =
+        judged::not_measured(m, &conventions, &counters, topk_summary_check.as_ref());
     Ok(RunAnalysis {
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),

@@ -14,8 +14,8 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
-use shadowtrace_schemas::Manifest;
 use shadowtrace_schemas::manifest::Status;
+use shadowtrace_schemas::{Convention, Manifest};
 
 use crate::metrics::topk_check::SummaryCheck;
 
@@ -31,9 +31,14 @@ pub enum Question {
     Topk,
     /// Prod against shadow logits.
     Logits,
+    /// A numerics convention the engine ran differently from the model: read
+    /// from the manifest, so only an engine value the adapter assumed leaves
+    /// it not judged.
+    Convention,
 }
 
-/// Every question, in the order the reports print them.
+/// Every question answered from a run's rows, in the order the reports
+/// print them: what a loss of rows or a failed capture leaves not judged.
 pub const EVERY_QUESTION: [Question; 4] = [
     Question::Nonfinite,
     Question::Hidden,
@@ -50,6 +55,7 @@ impl Question {
             Question::Hidden => "hidden divergence",
             Question::Topk => "top-k divergence",
             Question::Logits => "logits",
+            Question::Convention => "convention",
         }
     }
 }
@@ -138,16 +144,35 @@ fn questions_of_site(key: &str) -> Vec<Question> {
     }
 }
 
-/// What `manifest`'s run did not measure. `counters` are the producer's
-/// with the per-table `dropped_rows.<table>` added; `summary` is the
-/// summary check of its top-k rows, where it ran.
+/// What `manifest`'s run did not measure. `conventions` are the ones it
+/// recorded; `counters` the producer's with the per-table
+/// `dropped_rows.<table>` added; `summary` the summary check of its top-k
+/// rows, where it ran.
 #[must_use]
 pub fn not_measured(
     manifest: &Manifest,
+    conventions: &[Convention],
     counters: &BTreeMap<String, u64>,
     summary: Option<&SummaryCheck>,
 ) -> Vec<NotMeasured> {
     let mut out = Vec::new();
+    // An assumed engine value says nothing about the engine, whether it
+    // agrees with the model's or not.
+    for c in conventions
+        .iter()
+        .filter(|c| c.engine_assumed && !c.model.is_null())
+    {
+        out.push(NotMeasured {
+            questions: vec![Question::Convention],
+            why: format!(
+                "{}: the engine's value ({}) is assumed ({}), not read from the engine; the model's is {}",
+                c.name.replace('_', " "),
+                crate::verdict::convention_value(&c.engine),
+                c.engine_source,
+                crate::verdict::convention_value(&c.model)
+            ),
+        });
+    }
     if manifest.status != Status::Complete {
         out.push(NotMeasured {
             questions: EVERY_QUESTION.to_vec(),

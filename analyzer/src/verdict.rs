@@ -338,14 +338,16 @@ pub fn convention_value(v: &serde_json::Value) -> String {
 }
 
 /// The rule of the convention verdict, printed with it.
-pub const CONVENTION_RULE: &str = "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code)";
+pub const CONVENTION_RULE: &str = "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code); an engine value the adapter assumed is not judged";
 
-/// The conventions whose engine value is known and differs from the model's.
+/// The conventions whose engine value is known, read from the engine and
+/// not assumed, and differs from the model's. An assumed one is not judged
+/// ([`crate::judged`]).
 #[must_use]
 pub fn convention_verdict(conventions: &[Convention]) -> Vec<ConventionMismatch> {
     conventions
         .iter()
-        .filter(|c| c.mismatch())
+        .filter(|c| c.mismatch() && !c.engine_assumed)
         .map(|c| ConventionMismatch {
             name: c.name.clone(),
             engine: c.engine.clone(),

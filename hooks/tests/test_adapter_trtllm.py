@@ -230,6 +230,10 @@ def test_the_manifest_records_the_engines_indexer_rope_convention_next_to_the_mo
         # GLM-5 publishes no reference FP8 indexer: no Hadamard value to get wrong.
         assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, None)
         assert "PR #11899" in c["indexer_hadamard"]["engine_source"]
+        # Known of the layout, not observed in the engine: recorded as an assumption.
+        assert c["indexer_hadamard"]["engine_assumed"] is True
+        assert c["indexer_hadamard"]["engine_source"].startswith("assumed from ")
+        assert "engine_assumed" not in c["indexer_rope"], "the RoPE layout is read from the engine"
         assert (c["indexer_weights_proj_dtype"]["engine"], c["indexer_weights_proj_dtype"]["model"]) == (
             "fp32",
             "fp32",

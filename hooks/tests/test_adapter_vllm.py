@@ -213,6 +213,7 @@ def test_each_run_records_the_engines_rope_convention_beside_the_models(serving:
         assert scale["engine_source"].endswith("Indexer.softmax_scale x n_head^-0.5")
         # vLLM casts q and k to FP8 unrotated and runs weights_proj in the bf16 wk GEMM.
         assert (c["indexer_hadamard"]["engine"], c["indexer_hadamard"]["model"]) == (False, True)
+        assert c["indexer_hadamard"]["engine_assumed"] is True, "read from the route, not observed"
         proj = c["indexer_weights_proj_dtype"]
         assert (proj["engine"], proj["model"]) == ("bf16", "fp32")
         assert convention["engine_source"].startswith(source[path])

@@ -152,6 +152,11 @@ pub struct Convention {
     pub engine_source: String,
     /// Where the model's value was read.
     pub model_source: String,
+    /// Whether the engine's value is the adapter's prior for the engine
+    /// version it recognised, not read from the running engine: such a
+    /// value is an assumption, and a verdict on it is not judged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub engine_assumed: bool,
 }
 
 impl Convention {

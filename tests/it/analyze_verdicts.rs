@@ -166,7 +166,7 @@ fn every_rule_is_printed_with_its_threshold() {
         [
             "hidden: first layer whose p95 relative L2 error at layer_out exceeds 0.1",
             "top-k: first layer whose mean Jaccard (churn within the recorded band excluded) falls below 0.8",
-            "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code)",
+            "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code); an engine value the adapter assumed is not judged",
         ]
     );
 }
@@ -575,6 +575,7 @@ fn convention(name: &str, engine: serde_json::Value, model: serde_json::Value) -
         model,
         engine_source: "engine module".to_owned(),
         model_source: "config.json".to_owned(),
+        engine_assumed: false,
     }
 }
 
@@ -624,6 +625,37 @@ fn agreeing_and_unknown_conventions_are_no_verdict() {
         3,
         "all of them are kept for the report"
     );
+}
+
+#[test]
+fn a_convention_whose_engine_value_was_assumed_is_not_judged_agreeing_or_not() {
+    let assumed = |engine: serde_json::Value, model: serde_json::Value| Convention {
+        engine_source: "assumed from tensorrt_llm layout new".to_owned(),
+        engine_assumed: true,
+        ..convention("indexer_hadamard", engine, model)
+    };
+    for (engine, model) in [(false, true), (true, true)] {
+        let run = analyze_one(SynthSpec {
+            conventions: vec![assumed(engine.into(), model.into())],
+            ..clean("assumed")
+        });
+        assert!(run.convention_mismatches.is_empty(), "{run:#?}");
+        assert!(!run.judged(Question::Convention));
+        assert!(run.judged(Question::Topk), "the metrics stay judged");
+        let text = render_terminal_of(&run);
+        assert!(
+            text.contains(&format!(
+                "  convention:        not judged: indexer hadamard: the engine's value ({engine}) is assumed (assumed from tensorrt_llm layout new), not read from the engine; the model's is {model}\n"
+            )),
+            "{text}"
+        );
+    }
+    // A model that defines no value has nothing to judge.
+    let run = analyze_one(SynthSpec {
+        conventions: vec![assumed(false.into(), serde_json::Value::Null)],
+        ..clean("nothing-to-judge")
+    });
+    assert!(run.judged(Question::Convention));
 }
 
 fn render_terminal_of(run: &RunAnalysis) -> String {

@@ -40,6 +40,7 @@ fn grid() -> (tempfile::TempDir, shadowtrace_analyzer::Analysis) {
                     model: true.into(),
                     engine_source: "tensorrt_llm Indexer (fused_cat_fp8)".to_owned(),
                     model_source: "DeepSeek-V3.2 inference/model.py rotate_activation".to_owned(),
+                    engine_assumed: false,
                 }],
                 ..deepseek("ds-tool")
             },

@@ -196,12 +196,18 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
 /// judged" it cannot pass.
 fn questions(f: FailOn) -> &'static [Question] {
     match f {
-        FailOn::Any => &[Question::Nonfinite, Question::Hidden, Question::Topk],
+        FailOn::Any => &[
+            Question::Convention,
+            Question::Nonfinite,
+            Question::Hidden,
+            Question::Topk,
+        ],
+        FailOn::Convention => &[Question::Convention],
         FailOn::Nonfinite => &[Question::Nonfinite],
         FailOn::Hidden => &[Question::Hidden],
         FailOn::Topk => &[Question::Topk],
-        // Read from the manifest, and from paired runs' own verdicts.
-        FailOn::Convention | FailOn::Cache => &[],
+        // From paired runs' own verdicts.
+        FailOn::Cache => &[],
     }
 }
 

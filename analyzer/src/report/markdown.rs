@@ -7,7 +7,7 @@ use super::{
     LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, model_label, sci,
 };
 use crate::Analysis;
-use crate::judged::{Question, cell};
+use crate::judged::{Question, cell, why_not_judged};
 
 /// Renders the report; `plots` are paths relative to the report, embedded
 /// in order.
@@ -136,6 +136,9 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 m.engine_source,
                 m.model_source
             );
+        }
+        if let Some(why) = why_not_judged(&run.not_measured, Question::Convention) {
+            let _ = writeln!(out, "- convention: not judged: {why}");
         }
         if !run.deviations.is_empty() {
             let _ = writeln!(

@@ -8,7 +8,7 @@ use super::{
 };
 use crate::Analysis;
 use crate::analysis::RunAnalysis;
-use crate::judged::{Question, cell};
+use crate::judged::{Question, cell, why_not_judged};
 
 /// Renders an analysis for a terminal: thresholds, grid, comparison,
 /// determinism, then each run with its verdicts and layer table.
@@ -134,6 +134,9 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
     // A convention the engine got wrong explains every metric below: it comes first.
     for m in &run.convention_mismatches {
         let _ = writeln!(out, "  {}", m.line());
+    }
+    if let Some(why) = why_not_judged(&run.not_measured, Question::Convention) {
+        let _ = writeln!(out, "  convention:        not judged: {why}");
     }
     if !run.deviations.is_empty() {
         let _ = writeln!(

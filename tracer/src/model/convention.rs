@@ -116,6 +116,7 @@ pub fn reference_conventions(
         model: model_rope.into(),
         engine_source: source(rope_devs, "the model's layout"),
         model_source: model_rope_source.to_owned(),
+        engine_assumed: false,
     });
 
     let theta = config.rope().rope_theta;
@@ -125,6 +126,7 @@ pub fn reference_conventions(
         model: theta.into(),
         engine_source: format!("{ENGINE}: config.json"),
         model_source: "config.json rope_parameters.rope_theta (or rope_theta)".to_owned(),
+        engine_assumed: false,
     });
     let scaling = rope_scaling(config);
     out.push(Convention {
@@ -133,6 +135,7 @@ pub fn reference_conventions(
         model: scaling.into(),
         engine_source: format!("{ENGINE}: config.json"),
         model_source: "config.json rope_parameters (or rope_scaling)".to_owned(),
+        engine_assumed: false,
     });
 
     // Hadamard: what the layers' quantization does, over every layer.
@@ -178,6 +181,7 @@ pub fn reference_conventions(
             source(quant_devs, "the --fp8-indexer variant")
         },
         model_source: model_hadamard_source.to_owned(),
+        engine_assumed: false,
     });
 
     let scale = head_weight_scale(config);
@@ -189,6 +193,7 @@ pub fn reference_conventions(
         model_source: "transformers GlmMoeDsaIndexer / DeepseekV32Indexer: softmax_scale = \
                        head_dim^-0.5, weights * n_heads^-0.5"
             .to_owned(),
+        engine_assumed: false,
     });
     let proj_devs = acting(&[DeviationKind::WeightsProjBf16]);
     out.push(Convention {
@@ -199,6 +204,7 @@ pub fn reference_conventions(
         model_source: "transformers _keep_in_fp32_modules weights_proj; DeepSeek-V3.2 reference \
                        fp32 weights_proj on x.float()"
             .to_owned(),
+        engine_assumed: false,
     });
     out
 }

@@ -243,6 +243,7 @@ fn conventions(model: &Glm5Next) -> Vec<Convention> {
             model_source: "transformers Glm5NextTextIndexer: softmax_scale = head_dim^-0.5, \
                            weights * n_heads^-0.5"
                 .to_owned(),
+            engine_assumed: false,
         },
         Convention {
             name: INDEXER_WEIGHTS_PROJ_DTYPE.to_owned(),
@@ -253,6 +254,7 @@ fn conventions(model: &Glm5Next) -> Vec<Convention> {
                 "transformers Glm5NextTextIndexer: weights_proj(x.to(its dtype)).float(), \
                            weights_proj not in _keep_in_fp32_modules_strict"
                     .to_owned(),
+            engine_assumed: false,
         },
     ]
 }

@@ -295,15 +295,22 @@ class EngineTracer:
         )
 
 
-def convention(name: str, engine: Any, model: Any, engine_source: str, model_source: str) -> dict[str, Any]:
+def convention(
+    name: str, engine: Any, model: Any, engine_source: str, model_source: str, *, assumed: bool = False
+) -> dict[str, Any]:
     """One numerics convention as the manifest records it (top-level `conventions`, the
     shape and names of `tracer/src/model/convention.rs`): the engine's value beside the
     model's, and where each was read; None where a value was not read. A mismatch is the kind
-    of engine bug a shadow that copied the engine's convention could never show."""
-    return {
+    of engine bug a shadow that copied the engine's convention could never show. `assumed`:
+    the engine's value is the adapter's prior for the engine version it recognised, not read
+    from the running engine (`engine_assumed`), and the analyzer does not judge it."""
+    out = {
         "name": name, "engine": engine, "model": model,
         "engine_source": engine_source, "model_source": model_source,
     }  # fmt: skip
+    if assumed:
+        out["engine_assumed"] = True
+    return out
 
 
 def merge_conventions(recorded: list[dict[str, Any]], new: Iterable[dict[str, Any]]) -> None:
@@ -354,12 +361,15 @@ _MODEL_HADAMARD = {
 }
 
 
-def hadamard_convention(engine_rotates: bool | None, engine_source: str, config: Any) -> dict:
+def hadamard_convention(
+    engine_rotates: bool | None, engine_source: str, config: Any, *, assumed: bool = False
+) -> dict:
     """Whether the engine Hadamard-rotates q and k before FP8 quantization, beside what the
-    model family's reference does (`config`: the model's HF config, None when not reached)."""
+    model family's reference does (`config`: the model's HF config, None when not reached).
+    `assumed`: the engine's value was not observed, only known of the layout (`convention`)."""
     family = rope.family(config) if config is not None else None
     model, source = _MODEL_HADAMARD.get(family, (None, "model config not reached or not a DSA family"))
-    return convention("indexer_hadamard", engine_rotates, model, engine_source, source)
+    return convention("indexer_hadamard", engine_rotates, model, engine_source, source, assumed=assumed)
 
 
 def folded_scale(indexer: Any, scale: str, heads: str | None = None) -> float | None:

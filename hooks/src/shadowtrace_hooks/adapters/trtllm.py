@@ -383,12 +383,15 @@ def _record(
         conventions=[
             convention,
             # Neither checked layout rotates: PR #11899 fused the FP8 cast and dropped
-            # rotate_activation, which the module still defines but never calls.
+            # rotate_activation, which the module still defines but never calls. Nothing at
+            # run time shows it: a release that calls it again under the same signatures
+            # would keep the layout, so the value is recorded as assumed.
             engine.hadamard_convention(
                 False,
-                f"{NAME} layout {layout.name} ({layout.source}): pre_indexer_proj quantizes q and k "
-                "without rotate_activation (dropped by PR #11899)",
+                f"assumed from {NAME} layout {layout.name} ({layout.source}): pre_indexer_proj "
+                "quantizes q and k without rotate_activation (dropped by PR #11899)",
                 config,
+                assumed=True,
             ),
             engine.head_weight_scale_convention(
                 engine.folded_scale(indexer, "weight_scale_factor"),

@@ -751,8 +751,12 @@ def _conventions(
     where = f"vllm {_version()}"
     return [
         rope_convention,
+        # Read from the route's model code, not observed at run time: assumed.
         engine.hadamard_convention(
-            False, f"{where}: the indexer casts q and k to FP8 without rotate_activation", config
+            False,
+            f"assumed from {where}: the indexer casts q and k to FP8 without rotate_activation",
+            config,
+            assumed=True,
         ),
         engine.head_weight_scale_convention(
             engine.folded_scale(indexer, "softmax_scale", "n_head"),
