@@ -28,7 +28,11 @@ The contract is the Rust writer's (tracer/src/writer):
 - a worker that dies (the manifest's disk full, any exception) is counted (`writer_died`),
   gives the room of what was still queued back to the budget the process's runs share,
   refuses (and counts as dropped) every later row, and leaves its run `incomplete` and
-  `interrupted`: the other runs of the process never wait on a dead one.
+  `interrupted`: the other runs of the process never wait on a dead one;
+- closing a run rewrites its manifest at once, from the closing thread: a process killed
+  (SIGKILL) before the worker wrote the run leaves a manifest that counts every row sent
+  and not yet written (`unflushed_rows`), and the shipments not yet decoded, whose rows of
+  tables the device sizes (events) no count can name yet (`unflushed_shipments`).
 
 Nothing here raises into the traced engine's code path: `send` never raises; `close`
 raises only when it waits and the writer failed or ran out of time, and the session
@@ -282,6 +286,8 @@ class RunWriter:
         self.budget = budget or ByteBudget(queue_bytes)
         self._closing = False
         self._died = False  # the worker stopped on an exception: nothing more is queued
+        self._shipments_pending = 0  # shipments queued and not yet decoded (or dropped)
+        self._final_written = False  # the final manifest is on disk: no earlier state replaces it
         self._finished = threading.Event()
         self._last_manifest = 0.0
         settings = {
@@ -359,6 +365,7 @@ class RunWriter:
             with self._ready:
                 if not (self._closing or self._died):
                     self._queue.append((table, payload, rows, nbytes))
+                    self._shipments_pending += isinstance(payload, _Deferred)
                     self._ready.notify_all()
                     return True
             self.budget.give_back(nbytes)
@@ -377,10 +384,17 @@ class RunWriter:
         it returns at once with the manifest as it stands; else as `wait_closed`."""
         with self._ready:
             self.interrupted = self.interrupted or interrupted
-            if not (self._closing or self._died):
+            first = not (self._closing or self._died)
+            if first:
                 self._closing = True
                 self._queue.append((None, _CLOSE, 0, 0))
                 self._ready.notify_all()
+        if first:
+            # What was sent, on disk now: the worker may write the run a second later, and a
+            # SIGKILL in between would otherwise leave a manifest that says nothing was sent.
+            # Best effort (the worker's final write is the one that counts): never raises.
+            with contextlib.suppress(Exception):
+                self._write_manifest()
         if not wait:
             return self.manifest
         return self.wait_closed(timeout_s)
@@ -438,6 +452,7 @@ class RunWriter:
         with self._ready:
             self._died = True
             queued, self._queue = self._queue, deque()
+            self._shipments_pending = 0  # those queued are counted undecoded below
         with self._lock:
             self.errors.append(f"writer died: {type(error).__name__}: {error}")
             self.counters["writer_died"] = 1
@@ -473,7 +488,11 @@ class RunWriter:
                 break
             try:
                 if isinstance(payload, _Deferred):
-                    self._write_deferred(payload)
+                    try:
+                        self._write_deferred(payload)
+                    finally:
+                        with self._ready:
+                            self._shipments_pending -= 1
                 elif not self.errors:
                     if isinstance(payload, _Columns):
                         self.tables[table].push_columns(payload.columns, payload.rows)
@@ -574,9 +593,14 @@ class RunWriter:
         return any(listed.get(name, {}).get("sent_rows") != n for name, n in self.sent.items())
 
     def _write_manifest(self, *, final: bool = False) -> None:
-        """Rewrites manifest.json from the live counts (either thread may call it)."""
+        """Rewrites manifest.json from the live counts (either thread may call it). Once the
+        final manifest is on disk, a later non-final write (the closing thread's, late) is
+        skipped: it would replace the run's last word with an earlier state."""
         with self._file_lock:
+            if self._final_written and not final:
+                return
             write_json_atomically(self.run_dir / "manifest.json", self._manifest_now(final=final))
+            self._final_written = final
 
     def _manifest_now(self, *, final: bool) -> dict:
         """Brings the manifest up to date with the live counts and returns a copy of it, taken
@@ -609,6 +633,8 @@ class RunWriter:
             }
             if unflushed and not final:
                 m["counters"]["unflushed_rows"] = unflushed
+            if self._shipments_pending and not final:
+                m["counters"]["unflushed_shipments"] = self._shipments_pending
             if self.interrupted:
                 m["counters"]["interrupted"] = 1
             if final and not self.errors and not self.interrupted:
