@@ -1,6 +1,6 @@
 """What a run's manifest says it lost, against the test's own count of what each forward
 produced (never the writer's `sent_rows`), for the faults issue 28 held out: a process killed
-just after a forward returns.
+just after a forward returns, a step that cannot open.
 
 The traced model is the tiny random GLM-5 of tests/python/tiny_models.py (3 layers, every
 site, a local fp32 shadow, in this process): a forward of T tokens produces 12 T hidden rows
@@ -117,3 +117,87 @@ def test_the_close_time_manifest_never_replaces_the_final_one(tmp_path: Path) ->
         assert on_disk["status"] == "complete", on_disk["counters"]
         assert "unflushed_rows" not in on_disk["counters"]
         assert on_disk["tables"]["hidden"]["rows"] == i
+
+
+def failing_step(monkeypatch: pytest.MonkeyPatch, fails: object) -> list[bool]:
+    """`_Step.__init__` (its `.cpu()` included) raises where `fails(decode)`; returns, per
+    step opened, whether it failed."""
+    from shadowtrace_hooks.adapters import hf
+
+    real, seen = hf._Step.__init__, []
+
+    def init(self: object, positions: torch.Tensor, decode: bool) -> None:
+        seen.append(bool(fails(decode)))
+        if seen[-1]:
+            raise RuntimeError("CUDA error: an illegal memory access (planted at the step's .cpu())")
+        real(self, positions, decode)
+
+    monkeypatch.setattr(hf._Step, "__init__", init)
+    return seen
+
+
+def test_a_step_that_cannot_open_leaves_its_run_saying_so(
+    traced: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill's step fails to open after its run was opened: none of the forward's
+    captures run. Before issue 28 the run read complete with 0 of its rows, the failure
+    counted only in the process (`process.hook_errors`)."""
+    import tiny_models
+
+    seen = failing_step(monkeypatch, lambda decode: True)
+    model, ids = tiny_models.glm(layers=LAYERS), tiny_models.prompt(LENGTH)
+    with torch.no_grad():
+        model(ids)
+    assert seen == [True]
+    (m,) = manifests(traced)
+    written = sum(t["rows"] for t in m["tables"].values())
+    counted = sum(t["dropped_rows"] for t in m["tables"].values())
+    missing = sum(produced().values()) - written - counted
+    assert missing == sum(produced().values())  # nothing of the forward was recorded
+    # The run says it lacks a step: a counter the analyzer takes for a loss (not judged).
+    assert m["counters"]["step_open_failed"] == 1
+
+
+def test_decode_steps_that_cannot_open_are_counted_in_the_run_they_belong_to(
+    traced: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In generate, the run stays open across steps: each decode step that cannot open loses
+    that step's rows of the run. Before issue 28 only the process counted them."""
+    import tiny_models
+
+    seen = failing_step(monkeypatch, lambda decode: decode)
+    model, ids = tiny_models.glm(layers=LAYERS), tiny_models.prompt(LENGTH)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    failed = sum(seen)
+    assert (failed, seen[0]) == (2, False)
+    (m,) = manifests(traced)
+    assert m["counters"]["step_open_failed"] == failed
+    # The prefill's rows, and none of the failed steps' (each would add a query row per layer).
+    assert m["tables"]["topk"]["rows"] == LAYERS * LENGTH
+
+
+def test_a_step_that_fails_before_its_run_opens_is_counted_in_the_next_run(
+    traced: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward whose step fails before any run of it opens has no manifest of its own: the
+    process counts it, and every run closed afterwards carries the count."""
+    import tiny_models
+    from shadowtrace_hooks import session
+
+    real_open, calls = session.Session.open_run, []
+
+    def open_run(self: session.Session, **kwargs: object) -> session.Run:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("planted: the run's directory cannot be made")
+        return real_open(self, **kwargs)
+
+    monkeypatch.setattr(session.Session, "open_run", open_run)
+    model, ids = tiny_models.glm(layers=LAYERS), tiny_models.prompt(LENGTH)
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+    (m,) = manifests(traced)
+    assert m["counters"]["process.step_open_failed"] == 1
+    assert "step_open_failed" not in m["counters"]  # its own forward was whole

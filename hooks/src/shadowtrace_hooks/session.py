@@ -24,6 +24,10 @@ from shadowtrace_hooks.writer import ByteBudget, RunWriter
 
 log = logging.getLogger("shadowtrace")
 
+# Guard keys of the captures that open a forward's step (`transformers:step`, `vllm:step`):
+# their failure loses the whole step of every open run (`Session._step_open_failed`).
+STEP_OPEN_SUFFIX = ":step"
+
 
 def capturing() -> bool:
     """True while a CUDA graph is being captured or torch.compile is tracing: Python hooks
@@ -533,6 +537,19 @@ class Session:
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
+    def _step_open_failed(self) -> None:
+        """A forward's step could not open (`<engine>:step` raised): the captures of that
+        forward do not run, so every run open now (the runs of the forward's requests, opened
+        by the step or earlier) misses its rows. Each counts it (`step_open_failed`): a run
+        that would otherwise read complete with none of the step's rows says what it lacks.
+        With no run open, the forward's request has no manifest, and the process counts it
+        (`process.step_open_failed` in every run closed afterwards)."""
+        if self.open_runs:
+            for run in self.open_runs:
+                run.count("step_open_failed")
+        else:
+            self.count("step_open_failed")
+
     def warn_once(self, key: str, message: str) -> None:
         """One line on stderr (through the `shadowtrace` logger) the first time `key` is
         reported in this process, counted as `warnings`."""
@@ -563,6 +580,8 @@ class Session:
             self.errors += 1
             reason = f"{type(e).__name__}: {e}"
             (run or self).count("hook_errors")
+            if run is None and key.endswith(STEP_OPEN_SUFFIX):
+                self._step_open_failed()
             if not disable:
                 self.warn_once(
                     f"failed:{key}", f"capture {key} failed (counted, retried next time): {reason}"
