@@ -1,6 +1,6 @@
 """What a run's manifest says it lost, against the test's own count of what each forward
 produced (never the writer's `sent_rows`), for the faults issue 28 held out: a process killed
-just after a forward returns, a step that cannot open.
+just after a forward returns, a step that cannot open, top-k lists that cannot be made.
 
 The traced model is the tiny random GLM-5 of tests/python/tiny_models.py (3 layers, every
 site, a local fp32 shadow, in this process): a forward of T tokens produces 12 T hidden rows
@@ -9,6 +9,7 @@ per layer).
 """
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -201,3 +202,32 @@ def test_a_step_that_fails_before_its_run_opens_is_counted_in_the_next_run(
     (m,) = manifests(traced)
     assert m["counters"]["process.step_open_failed"] == 1
     assert "step_open_failed" not in m["counters"]  # its own forward was whole
+
+
+def test_top_k_lists_that_cannot_be_made_are_counted_logged_once_and_their_reason_recorded(
+    traced: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The work that gap-codes a comparison's lists raises (in `transfer._fill`): its rows are
+    counted (`topk_lists_lost_rows`), and, before issue 28, the reason went nowhere."""
+    import tiny_models
+    from shadowtrace_hooks import selection, session
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("planted: nonzero ran out of memory")
+
+    monkeypatch.setattr(selection, "_gap_coded", broken)
+    monkeypatch.setattr(session, "_warned", set(), raising=False)
+    model, ids = tiny_models.glm(layers=LAYERS), tiny_models.prompt(LENGTH)
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"), torch.no_grad():
+        model(ids)
+        model(ids)
+    ms = manifests(traced)
+    assert len(ms) == 2
+    for m in ms:
+        assert m["counters"]["topk_lists_lost_rows"] == produced()["topk"]
+        assert m["tables"]["topk"]["rows"] == 0
+        assert m["tables"]["topk"]["dropped_rows"] == produced()["topk"]
+        assert "planted: nonzero ran out of memory" in m["settings"]["topk_lists_lost_reason"]
+    lines = [r.getMessage() for r in caplog.records if "top-k rows lost" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "planted" in lines[0]

@@ -49,7 +49,8 @@ _FLOATS = ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "shadow_kth_
 class ListsLost(RuntimeError):
     """A comparison's lists were not made (their `Packet.later` work raised): the rows of
     that comparison cannot be written. The topk decoder leaves them out and counts them
-    (`topk_lists_lost_rows`); the writer counts them dropped."""
+    (`topk_lists_lost_rows`), records the first reason (`settings.topk_lists_lost_reason`)
+    and logs it once per process; the writer counts them dropped."""
 
 
 @dataclass

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -364,9 +365,12 @@ class Run:
             for shadow_input, spec in specs.items():
                 try:
                     cols = selection.columns(spec, arrays, visible, k, sampled)
-                except selection.ListsLost:
-                    # The writer counts the rows dropped (fewer than counted); this says why.
+                except selection.ListsLost as e:
+                    # The writer counts the rows dropped (fewer than counted); this says why,
+                    # in the manifest (the first reason) and once in the process's log.
                     self.writer.count("topk_lists_lost_rows", rows)
+                    self.writer.set_setting("topk_lists_lost_reason", str(e), keep=True)
+                    warn_once("topk_lists_lost", f"run {self.run_id}: top-k rows lost (counted): {e}")
                     continue
                 out.append(("topk", {**cols, **fixed, "shadow_input": shadow_input}, rows))
             return out
@@ -392,6 +396,21 @@ class Run:
             return [("logits", cols, len(positions))]
 
         self.defer(decode, {"logits": len(positions)})
+
+
+_warned: set[str] = set()  # keys `warn_once` reported
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str) -> None:
+    """One line through the `shadowtrace` logger the first time `key` is reported in this
+    process, from any thread: the writer's thread runs the decoders, and it must not touch
+    the session's counters, which the forward's thread iterates."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("shadowtrace: %s", message)
 
 
 def _events(summary: np.ndarray, positions: np.ndarray, where: dict) -> list[tuple[str, dict, int]]:
