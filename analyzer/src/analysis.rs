@@ -351,12 +351,7 @@ pub fn analyze_run(
     let m = &run.manifest;
     let conventions = recorded_conventions(m);
     let convention_mismatches = convention_verdict(&conventions);
-    let mut counters = m.counters.clone();
-    for (table, entry) in &m.tables {
-        if entry.dropped_rows > 0 {
-            counters.insert(format!("dropped_rows.{table}"), entry.dropped_rows);
-        }
-    }
+    let counters = judged::run_counters(m);
     let not_measured =
         judged::not_measured(m, &conventions, &counters, topk_summary_check.as_ref());
     Ok(RunAnalysis {
@@ -414,7 +409,7 @@ pub fn analyze_run(
 /// The conventions a run recorded: the manifest's (format v2, and v1
 /// documents that carry them), else the `settings.conventions` the engine
 /// hooks wrote before conventions moved to the top level.
-fn recorded_conventions(m: &shadowtrace_schemas::Manifest) -> Vec<Convention> {
+pub(crate) fn recorded_conventions(m: &shadowtrace_schemas::Manifest) -> Vec<Convention> {
     if !m.identity.conventions.is_empty() {
         return m.identity.conventions.clone();
     }

@@ -180,7 +180,11 @@ pub fn render_run(run: &Run) -> String {
             format!(
                 "- {}{}: {} | {}",
                 c.name,
-                if c.mismatch() { " MISMATCH" } else { "" },
+                match (c.engine_assumed, c.mismatch()) {
+                    (true, _) => " ASSUMED",
+                    (false, true) => " MISMATCH",
+                    (false, false) => "",
+                },
                 crate::verdict::convention_value(&c.engine),
                 crate::verdict::convention_value(&c.model),
             ),
@@ -221,6 +225,24 @@ pub fn render_run(run: &Run) -> String {
             counters.join(" ")
         }
     );
+    // What the verdicts of `analyze` will not judge, from the manifest alone
+    // (the summary check's disagreements are PROBLEMS below).
+    let conventions = crate::analysis::recorded_conventions(m);
+    let unmeasured =
+        crate::judged::not_measured(m, &conventions, &crate::judged::run_counters(m), None);
+    if unmeasured.is_empty() {
+        let _ = writeln!(out, "{:<11}nothing", "unmeasured");
+    }
+    for (i, n) in unmeasured.iter().enumerate() {
+        let questions: Vec<&str> = n.questions.iter().map(|q| q.name()).collect();
+        let _ = writeln!(
+            out,
+            "{:<11}- {} (leaves not judged: {})",
+            if i == 0 { "UNMEASURED" } else { "" },
+            n.why,
+            questions.join(", ")
+        );
+    }
     if run.notes.is_empty() {
         let _ = writeln!(out, "{:<11}none", "notes");
     } else {

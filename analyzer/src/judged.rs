@@ -144,6 +144,19 @@ fn questions_of_site(key: &str) -> Vec<Question> {
     }
 }
 
+/// A run's counters as verdicts read them: the producer's, and each table's
+/// dropped rows as `dropped_rows.<table>`.
+#[must_use]
+pub fn run_counters(manifest: &Manifest) -> BTreeMap<String, u64> {
+    let mut counters = manifest.counters.clone();
+    for (table, entry) in &manifest.tables {
+        if entry.dropped_rows > 0 {
+            counters.insert(format!("dropped_rows.{table}"), entry.dropped_rows);
+        }
+    }
+    counters
+}
+
 /// What `manifest`'s run did not measure. `conventions` are the ones it
 /// recorded; `counters` the producer's with the per-table
 /// `dropped_rows.<table>` added; `summary` the summary check of its top-k

@@ -747,6 +747,16 @@ fn a_capture_disabled_in_an_earlier_request_leaves_its_verdicts_not_judged() {
         "{text}"
     );
     assert!(text.contains("  hidden divergence: none\n"), "{text}");
+    // inspect says so from the manifest alone.
+    let inspected = shadowtrace_analyzer::inspect::render_run(
+        &shadowtrace_analyzer::Run::open(&paths[0]).unwrap(),
+    );
+    assert!(
+        inspected.contains(
+            "UNMEASURED - capture transformers:indexer disabled in this process: RuntimeError: planted (leaves not judged: top-k divergence)\n"
+        ),
+        "{inspected}"
+    );
     // A counter the analyzer does not know is a loss of every verdict.
     let unknown = a.runs.iter().find(|r| r.run_id == "unknown-loss").unwrap();
     assert!(!unknown.can_be_judged());
