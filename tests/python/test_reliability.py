@@ -1,9 +1,14 @@
 """The reliability suite: faults against a traced process and against the tools that read
-its runs. Each fault records a row of the table conftest prints at the end of the session:
-the fault, runs, whether the traced engine survived, rows sent, rows written, rows counted
-(dropped, or flagged unflushed in an incomplete run) and rows lost silently (missing from a
-run that reads as complete and consistent). Zero silent losses and zero engine crashes are
-asserted fault by fault.
+its runs. Each fault records a row of the table conftest prints at the end of the session,
+from independent counts (`account`): the fault, runs, whether the traced engine survived,
+rows sent (what the forwards produced, by the test's own count of rows per forward, never the
+writer's `sent_rows`), rows written (in part files on disk), rows counted (by a manifest:
+dropped, sent and not written in an incomplete run, or missing from a run that names the
+loss by a counter) and rows lost silently (what no manifest counts, whatever the run's status;
+a line on stderr is not accounting). Zero engine crashes are asserted fault by fault, and
+zero silent losses wherever a manifest can be written at all: a forward whose run could
+open no file (an unwritable directory, a disk already full) shows its loss as silent, and its
+test pins that number.
 
 The traced process is a tiny random GLM-5 (tests/python/trace_tiny.py) traced by SHADOWTRACE=1
 alone: 3 layers, every site, a local fp32 shadow, so every forward of T tokens sends
@@ -14,6 +19,7 @@ logits: one per token; events: the two KV sentinel checks per layer).
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -35,9 +41,19 @@ ROWS_PER_FORWARD = 16 * LENGTH + 2 * 3
 RESULTS: list[dict] = []  # the suite's table, printed by conftest
 
 
+def hooks_path() -> dict[str, str]:
+    """PYTHONPATH for a traced subprocess: the hooks this test process imported where they
+    are a source tree (PYTHONPATH=hooks/src), so that the suite tests that code and not the
+    wheel installed in the virtualenv; nothing where they are the installed wheel."""
+    import shadowtrace_hooks
+
+    root = Path(shadowtrace_hooks.__file__).resolve().parents[1]
+    return {} if "site-packages" in root.parts else {"PYTHONPATH": str(root)}
+
+
 def traced(tmp: Path, runs: Path, *args: str, preexec: object = None, **env: str) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
-    environ = {**clean, "SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs), **env}
+    environ = {**clean, **hooks_path(), "SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs), **env}
     out = tmp / f"out-{len(list(tmp.glob('out-*')))}.pt"
     return subprocess.Popen(
         [sys.executable, TRACE, "glm", str(LENGTH), out, *args], env=environ, text=True,
@@ -45,36 +61,101 @@ def traced(tmp: Path, runs: Path, *args: str, preexec: object = None, **env: str
     )  # fmt: skip
 
 
-def account(runs: Path) -> dict:
-    """Rows per run from what is on disk: the manifest's counts and the rows the listed and
-    unlisted part files actually hold."""
-    out = {"runs": 0, "complete": 0, "sent": 0, "written": 0, "counted": 0, "silent": 0, "incomplete": []}
+def rows_per_forward(tokens: int = LENGTH, layers: int = 3) -> dict[str, int]:
+    """What one forward of the tiny model over `tokens` tokens produces, per table: the
+    test's own count, never the writer's."""
+    return {"hidden": 4 * layers * tokens, "topk": layers * tokens, "logits": tokens, "events": 2 * layers}
+
+
+# Counters by which a manifest names a loss it cannot number: the rows missing from such a
+# run are "counted (named)", not lost silently. Events are counted when their shipment is
+# decoded (unflushed_shipments, undecoded_shipments); a capture that failed (hook_errors,
+# sites_disabled) or a step that could not open (step_open_failed) produced none of its rows.
+NAMING = ("unflushed_shipments", "undecoded_shipments", "hook_errors", "sites_disabled", "step_open_failed")
+_RUN_ID = re.compile(r"-(\d{3})(?:-s\d+)?-rank\d+-pid(\d+)$")
+
+
+def account(
+    runs: Path,
+    forwards: int | None,
+    *,
+    processes: int = 1,
+    per_forward: dict[str, int] | None = None,
+) -> dict:
+    """Rows per fault from independent counts. Expected: `processes` processes of `forwards`
+    forwards each, every forward producing `per_forward` (`rows_per_forward()` by default).
+    Against it, what is on disk: rows in the part files, and what the manifests count (rows
+    dropped, rows sent and not written in an incomplete run, and the rows missing from a run
+    that names its loss by a counter of NAMING). What no manifest counts is lost silently,
+    whatever the run's status and whatever the process printed: a line on stderr is not
+    accounting.
+
+    `forwards` are those the test knows returned (their request numbers 0 .. forwards - 1
+    in each process). A later forward, which the fault may have cut half way, produced rows
+    the test cannot know: its run is held to its own manifest's count when it is incomplete
+    (the writer's word, the only one there is; counted as `cut`), to the full count when
+    complete. With `forwards` None (a cut trace of the reference engine) every run is. A
+    returned forward with no manifest at all lost its rows silently, unless a later run of
+    its process counts it (`process.step_open_failed`)."""
+    per_forward = per_forward or rows_per_forward()
+    out = {"runs": 0, "complete": 0, "sent": 0, "written": 0, "counted": 0, "named": 0, "silent": 0,
+           "incomplete": [], "cut": 0, "no_manifest": 0}  # fmt: skip
+    seen: set[tuple[str, int]] = set()
+    no_run: dict[str, int] = {}  # pid -> forwards its process counted lost before any run opened
     for path in sorted(runs.glob("*/manifest.json")) if runs.exists() else []:
         m = json.loads(path.read_text())
         out["runs"] += 1
-        written = sum(pq.read_metadata(f).num_rows for f in path.parent.glob("*/*.parquet"))
-        sent = sum(t.get("sent_rows", 0) for t in m["tables"].values())
-        dropped = sum(t["dropped_rows"] for t in m["tables"].values())
-        assert written == sum(t["rows"] for t in m["tables"].values()) or m["status"] != "complete"
-        out["sent"] += sent
-        out["written"] += written
-        out["counted"] += dropped
-        if m["status"] == "complete":
-            out["complete"] += 1
-            out["silent"] += max(0, sent - written - dropped)
-        else:
-            # An incomplete run is flagged as a whole: what it sent and did not write is counted.
-            out["counted"] += max(0, sent - written - dropped)
+        found = _RUN_ID.search(m["run_id"])
+        n, pid = (int(found.group(1)), found.group(2)) if found else (0, m["run_id"])
+        seen.add((pid, n))
+        counters = m["counters"]
+        no_run[pid] = max(no_run.get(pid, 0), counters.get("process.step_open_failed", 0))
+        complete = m["status"] == "complete"
+        out["complete"] += complete
+        if not complete:
             out["incomplete"].append(m)
+        own = forwards is None or (n >= forwards and not complete)
+        out["cut"] += own
+        names = any(counters.get(c, 0) for c in NAMING)
+        for table, t in m["tables"].items():
+            written = sum(pq.read_metadata(f).num_rows for f in (path.parent / table).glob("*.parquet"))
+            assert written == t["rows"] or not complete, (m["run_id"], table)
+            expected = t.get("sent_rows", 0) if own else per_forward.get(table, 0)
+            unflushed = 0 if complete else max(0, t.get("sent_rows", 0) - t["rows"] - t["dropped_rows"])
+            missing = max(0, expected - written - t["dropped_rows"] - unflushed)
+            out["sent"] += expected
+            out["written"] += written
+            out["counted"] += min(expected, t["dropped_rows"] + unflushed)
+            out["named" if names else "silent"] += missing
+    if forwards is not None:
+        whole = sum(per_forward.values())
+        pids = {p for p, _ in seen}
+        for pid in pids:
+            lost = sum((pid, n) not in seen for n in range(forwards))
+            named = min(lost, no_run.get(pid, 0))
+            out["sent"] += lost * whole
+            out["named"] += named * whole
+            out["silent"] += (lost - named) * whole
+            out["no_manifest"] += lost - named
+        lost = max(0, processes - len(pids)) * forwards  # processes that left no run
+        out["sent"] += lost * whole
+        out["silent"] += lost * whole
+        out["no_manifest"] += lost
+    out["counted"] += out["named"]
     return out
 
 
 def record(fault: str, survived: bool, acc: dict, forwards: int | str) -> None:
-    """A row of the suite's table. `forwards`: the forwards the traced process started (a
-    forward whose run could not be opened has no manifest; its loss is the one line the hooks
-    print), or what was read instead."""
-    RESULTS.append({"fault": fault, "forwards": forwards, "survived": survived, **{k: acc[k] for k in
-                    ("runs", "sent", "written", "counted", "silent")}})  # fmt: skip
+    """A row of the suite's table, from `account`'s independent counts: "rows sent" is what
+    the forwards produced by the test's own count (a forward cut by the fault, by its run's
+    count: `forwards` says how many), "rows counted" what the manifests count (those they
+    name without a number said apart), "lost silently" what no manifest counts."""
+    counted = acc["counted"] if not acc.get("named") else f"{acc['counted']} ({acc['named']} named)"
+    if acc.get("cut"):
+        forwards = f"{forwards} ({acc['cut']} cut)"
+    RESULTS.append({"fault": fault, "forwards": forwards, "survived": survived, "runs": acc["runs"],
+                    "sent": acc["sent"], "written": acc["written"], "counted": counted,
+                    "silent": acc["silent"]})  # fmt: skip
 
 
 def wait_for(proc: subprocess.Popen, line: str, timeout: float = 300) -> int:
@@ -112,8 +193,8 @@ def test_a_kill_mid_forward_keeps_every_finished_forward_and_counts_the_rest(
     done += out.count("done ")
     assert proc.returncode == code, err[-3000:]
     assert "terminate called" not in err
-    acc = account(runs)
-    record(fault, True, acc, done + 1)
+    acc = account(runs, done)
+    record(fault, True, acc, done)
     finished = [m for m in (json.loads(p.read_text()) for p in runs.glob("*/manifest.json"))
                 if m["status"] == "complete"]  # fmt: skip
     # A forward hands its run to the writer when it returns (it printed `done`; one more may
@@ -197,7 +278,7 @@ def test_a_kill_mid_trace_of_the_reference_engine_leaves_a_run_that_says_what_it
         proc.kill()
         proc.communicate()
     assert proc.returncode == code, err[-3000:]
-    acc = account(runs)
+    acc = account(runs, None)  # a cut trace: its rows are its own count
     record(fault, True, acc, 1)
     (manifest,) = (json.loads(p.read_text()) for p in runs.glob("*/manifest.json"))
     assert manifest["status"] == "incomplete"
@@ -222,19 +303,27 @@ def test_a_full_disk_leaves_the_engine_running_and_counts_what_it_could_not_writ
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
         assert digest(out) == digest(untraced.stdout)
-        acc = account(disk / "runs")
+        acc = account(disk / "runs", 4)
     finally:
         if limit is None:
             subprocess.run(["umount", disk], check=True)
     record(f"disk full ({'256 KiB tmpfs' if limit is None else 'EFBIG past 64 KiB'})", True, acc, 4)
-    assert acc["silent"] == 0
-    # Some forward's rows did not fit: counted in a run left incomplete, or, where even its
-    # manifest could not be written, said in the one line the hooks print.
-    full = "No space left" in err or "File too large" in err
-    assert acc["counted"] > 0 or full
-    # A run whose manifest the full disk froze at its opening says nothing of its rows on disk:
-    # the process said it, in a line naming the run.
-    assert all(m["run_id"] in err for m in acc["incomplete"] if m["counters"]["writer_errors"] == 0)
+    assert acc["runs"] + acc["no_manifest"] == 4
+    # Some forward's rows did not fit. Only a manifest counts them (a line on stderr is not
+    # accounting): every run whose manifest was rewritten after its opening is whole, written
+    # or counted. On the tmpfs the disk fills up before that for some: a run whose manifest
+    # is still the one of its opening (it says nothing was sent), and a forward whose run
+    # could open no file at all (no manifest, and no later run of the process could be
+    # written to count it). Their rows are lost silently: the table shows it, and the test
+    # says it (xfail) until a run reserves the room of its last manifest.
+    assert acc["counted"] + acc["silent"] > 0
+    frozen = [m for m in acc["incomplete"] if not any(t.get("sent_rows") for t in m["tables"].values())]
+    assert acc["silent"] <= (acc["no_manifest"] + len(frozen)) * ROWS_PER_FORWARD
+    if acc["silent"]:
+        pytest.xfail(
+            f"full disk: {acc['silent']} rows lost silently ({acc['no_manifest']} forwards with no manifest, "
+            f"{len(frozen)} runs whose manifest the disk froze at its opening)"
+        )
 
 
 def test_an_unwritable_directory_leaves_the_engine_running_and_says_so_once(tmp_path: Path) -> None:
@@ -246,7 +335,12 @@ def test_an_unwritable_directory_leaves_the_engine_running_and_says_so_once(tmp_
     lines = [x for x in err.splitlines() if "shadowtrace" in x]
     assert len(lines) == 1, lines
     assert "Not a directory" in lines[0] or "NotADirectoryError" in lines[0]
-    record("unwritable directory", True, account(blocker / "runs"), 2)
+    acc = account(blocker / "runs", 2)
+    record("unwritable directory", True, acc, 2)
+    # No manifest can be written: the one line is the only word of the two forwards' rows,
+    # and a line is not accounting. The table says so, and this pins it.
+    assert acc["silent"] == 2 * ROWS_PER_FORWARD
+    assert acc["no_manifest"] == 2
 
 
 def test_eight_processes_trace_into_one_directory_without_collision(tmp_path: Path) -> None:
@@ -255,7 +349,7 @@ def test_eight_processes_trace_into_one_directory_without_collision(tmp_path: Pa
     for proc in procs:
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err[-3000:]
-    acc = account(runs)
+    acc = account(runs, 1, processes=8)
     record("eight processes, one directory", True, acc, 8)
     assert (acc["runs"], acc["complete"]) == (8, 8)
     assert acc["written"] == 8 * ROWS_PER_FORWARD
@@ -267,7 +361,7 @@ def test_the_lossy_queue_at_its_smallest_counts_every_row_it_drops(tmp_path: Pat
     proc = traced(tmp_path, runs, SHADOWTRACE_QUEUE="lossy")
     proc.communicate(timeout=300)
     assert proc.returncode == 0
-    acc = account(runs)
+    acc = account(runs, 1)
     record("lossy queue", True, acc, 1)
     assert acc["written"] + acc["counted"] == ROWS_PER_FORWARD
     assert acc["silent"] == 0
@@ -377,16 +471,19 @@ def test_a_writer_whose_thread_dies_counts_it_gives_its_room_back_and_never_stal
     assert budget.used == 0, "room still held for rows the dead run will never write"
     written, counted, _ = on_disk(tmp_path / "alive")
     assert (written, counted) == (sent_alive, 0)
-    if disk_frees:
-        dead_written, dead_counted, dead_manifest = on_disk(dead_dir)
-        assert dead_manifest["counters"]["writer_died"] == 1
-        assert dead_manifest["status"] == "incomplete"
-        written, counted = written + dead_written, counted + dead_counted
-        sent = sent_dead + refused + sent_alive
-        acc = {"runs": 2, "sent": sent, "written": written, "counted": counted,
-               "silent": sent - written - counted}  # fmt: skip
-        record("the writer's thread dies (manifest ENOSPC)", True, acc, "-")
-        assert acc["silent"] == 0
+    # The table's row from the disk, against the test's own count of rows sent to each run.
+    dead_written, dead_counted, dead_manifest = on_disk(dead_dir)
+    written, counted = written + dead_written, counted + dead_counted
+    sent = sent_dead + refused + sent_alive
+    acc = {"runs": 2, "sent": sent, "written": written, "counted": counted,
+           "silent": sent - written - counted}  # fmt: skip
+    # The worker's writes stay refused either way; the closing thread's last write is not.
+    how = "the disk frees" if disk_frees else "the worker's writes refused to the end"
+    record(f"the writer's thread dies (manifest ENOSPC, {how}); the other run: "
+           f"{batches} batches in {took:.2f} s", True, acc, "-")  # fmt: skip
+    assert dead_manifest["counters"]["writer_died"] == 1
+    assert dead_manifest["status"] == "incomplete"
+    assert acc["silent"] == 0
 
 
 def test_the_exit_flush_writes_the_manifest_of_a_run_whose_writer_died(
@@ -504,7 +601,7 @@ def test_an_error_inside_a_capture_never_reaches_the_engine(
     finally:
         session.stop()
     assert torch.equal(traced_logits, untraced)
-    acc = account(tmp_path)
+    acc = account(tmp_path, 1, per_forward=rows_per_forward(64))
     record(f"{type(error).__name__} inside a capture", True, acc, 1)
     (manifest,) = (json.loads(p.read_text()) for p in tmp_path.glob("*/manifest.json"))
     assert manifest["counters"]["hook_errors"] == 1
