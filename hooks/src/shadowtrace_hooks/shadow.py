@@ -12,6 +12,10 @@ own router and dispatch (the layer's code runs; only the experts' matmuls are sw
 shadow-precision ones that follow the experts module's eager definition). Upcasting the
 bank would need the whole bank again in fp32 (38 GB per layer at GLM-5's widths).
 
+Quantized weights (transformers' fine-grained FP8) are dequantized, never run on production's
+FP8 kernel: `in_precision` swaps each FP8 linear's forward for an F.linear on its codes times
+its scales, and `routed_forward` dequantizes each routed expert (shadowtrace_hooks.dequant).
+
 `indexer_scores` scores the indexer's shadow: Triton's kernel on CUDA (shadowtrace_hooks.kernels),
 torch's product elsewhere, recording in the run's settings which one ran and why.
 
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-from shadowtrace_hooks import kernels, numerics
+from shadowtrace_hooks import dequant, kernels, numerics
 
 _UPCASTABLE = (torch.bfloat16, torch.float16)
 # The manifest's names of dtypes (`dtype_name`); others go by torch's own name.
@@ -40,6 +44,8 @@ _DTYPE_NAMES = {
     torch.float16: "fp16",
     torch.float8_e4m3fn: "fp8_e4m3",
 }
+if hasattr(torch, "float8_e8m0fnu"):  # ue8m0 block scales (DeepSeek-V3.2's and GLM-5's option)
+    _DTYPE_NAMES[torch.float8_e8m0fnu] = "ue8m0"
 # nn.Module's per-instance hook registries: emptied for the shadow call, restored after.
 _HOOK_DICTS = (
     "_forward_hooks",
@@ -59,9 +65,11 @@ def in_precision(
     module: torch.nn.Module, dtype: torch.dtype, keep: Callable[[torch.Tensor], bool] | None = None
 ) -> Iterator[None]:
     """Within the block, `module`'s bf16/fp16 parameters and buffers are `dtype` copies.
-    Only upcasts: fp32 tensors (routing biases kept in fp32 on purpose) and FP8 weights
-    (which need their scales) stay as they are, and so does any tensor `keep` says to keep
-    (an expert bank run by `routed_experts`). A tensor tied between modules is upcast once."""
+    Only upcasts: fp32 tensors (routing biases kept in fp32 on purpose) stay as they are, and
+    so does any tensor `keep` says to keep (an expert bank run by `routed_experts`). A tensor
+    tied between modules is upcast once. FP8 linears under `module`, whatever `dtype`, compute
+    in `dtype` from their codes times their scales (`dequant.linears`): production's FP8
+    kernel, which quantizes the activations, never runs in the shadow."""
     replaced: list[tuple[dict, str, torch.Tensor]] = []
     upcast: dict[int, torch.Tensor] = {}
     try:
@@ -78,7 +86,8 @@ def in_precision(
                             upcast[id(tensor)] = copy
                         replaced.append((registry, name, tensor))
                         registry[name] = upcast[id(tensor)]
-        yield
+        with dequant.linears(module, dtype):
+            yield
     finally:
         for registry, name, tensor in reversed(replaced):
             registry[name] = tensor
@@ -179,7 +188,8 @@ def routed_forward(
 ) -> torch.Tensor:
     """The experts module's eager definition (transformers' `*Experts.forward`: for each
     expert a token is routed to, act(gate) * up, down, times the routing weight, summed into
-    the token's row) with each routed expert's weights upcast to `dtype` only while it runs.
+    the token's row) with each routed expert's weights upcast to `dtype` only while it runs
+    (dequantized first, for an FP8 bank).
     Experts no token is routed to are never read; routing entries beyond the bank (expert
     parallelism's sentinels) are skipped, as the eager loop skips them."""
     x = hidden_states.to(dtype)
@@ -201,8 +211,9 @@ def routed_forward(
         start += n
         if n == 0 or expert >= total:
             continue
-        up_w = getattr(bank, up_name)[expert].to(dtype)
-        down_w = bank.down_proj[expert].to(dtype)
+        # FP8 banks: this expert's codes times its block scales (dequant.expert), no more
+        up_w = dequant.expert(bank, up_name, expert, dtype)
+        down_w = dequant.expert(bank, "down_proj", expert, dtype)
         up_b = getattr(bank, f"{up_name}_bias")[expert].to(dtype) if biased else None
         down_b = bank.down_proj_bias[expert].to(dtype) if biased else None
         peaks.append((up_w.numel() + down_w.numel()) * up_w.element_size())
@@ -255,7 +266,8 @@ tensor_cores_failed: str | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller).
+    """x @ weight.T in `dtype` (weights of FP8 layers must be dequantized by the caller:
+    `dequant.weight`).
 
     fp32 of bf16 or fp16 operands on CUDA (`linear_path` says which): the operands go to the
     tensor cores as they are, with fp32 accumulation and an fp32 result. Their products are
@@ -283,6 +295,14 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> st
     if dtype == torch.float32 and x.is_cuda and weight.device == x.device and exact:
         return "tensor cores" if tensor_cores_failed is None else f"{own} ({tensor_cores_failed})"
     return own
+
+
+def projection_path(x: torch.Tensor, module: torch.nn.Module, dtype: torch.dtype) -> str:
+    """`linear_path` of `linear(x, dequant.weight(module), dtype)`: an FP8 linear's
+    dequantized weight is fp32, so its product is `dtype`'s own GEMM, said so."""
+    if dequant.quantized(module):
+        return f"{dtype_name(dtype)} (fp8_e4m3 dequantized)"
+    return linear_path(x, module.weight, dtype)
 
 
 def indexer_scores(

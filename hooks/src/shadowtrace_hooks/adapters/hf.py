@@ -23,13 +23,22 @@ top-k call of the expected shape, the scores are recomputed in HF's order of ope
 instead, counted `indexer_scores_recomputed`.
 
 The shadow recomputes the indexer from the same hidden_states and q_resid with the module's
-weights upcast (shadow_input `raw`; HF has no FP8 q/k, so there is no `dequant` row), and
+weights upcast or dequantized (shadow_input `raw`; HF has no FP8 q/k, so there is no `dequant` row), and
 re-runs each decoder layer in the shadow precision on the production input (`local`) and
 on its own chain from the embeddings (`free`). The re-run is invisible to the model: no
 cache (production's KV and indexer caches are never passed to it) and no forward hook of
 the layer's modules fires, other than the tracer's own shadow site captures. Shadow layers
 run on the prefill only: a decode step would need a shadow KV cache (counted as
 `shadow_skipped_decode_steps`).
+
+FP8 models (transformers' fine-grained FP8: FP8Linear, FP8Experts) are shadowed on their
+weights' codes times their scales, never on production's FP8 kernel (shadowtrace_hooks.dequant).
+Each run says what production ran: `dtypes.prod` (fp8_e4m3), `settings.prod_precision` per
+module kind, `settings.quantization` (the model's config) and `settings.prod_fp8_kernel`
+(DeepGEMM or the Triton kernel, and why, then what transformers loaded). A weight format the
+shadow cannot dequantize refuses the whole run's shadow (a layer without one would break the
+free chain): one line, `settings.shadow_refused`, counted `shadow_refused`; production is
+still traced.
 """
 
 import contextlib
@@ -45,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import numerics, session, shadow, stats
+from shadowtrace_hooks import dequant, numerics, session, shadow, stats
 from shadowtrace_hooks.adapters import hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
 from shadowtrace_hooks.session import Run, Session
@@ -298,6 +307,20 @@ class _Tracer:
         self._head()[0].register_forward_pre_hook(
             functools.partial(self._hook, "final_norm", self._final_norm)
         )
+        # Read once: what production's weights are, and whether the shadow can dequantize them.
+        self.quant = dequant.plan(model)
+        self._prod_kernel: str | None = None
+        kind = type(model).__name__
+        self.shadow_refused = self._why_no_shadow(kind)
+        if self.shadow_refused is not None:
+            self.dtype = None
+            sess.warn_once(f"{NAME}:no_shadow:{kind}", f"{NAME} {_version()}: {self.shadow_refused}")
+
+    def _why_no_shadow(self, kind: str) -> str | None:
+        """Why this model gets no shadow (None: it gets one): a weight it cannot dequantize."""
+        if self.settings.precision is None or self.quant.refused is None:
+            return None
+        return f"{kind}: {self.quant.refused}; production is traced alone"
 
     # --- where the model keeps what is traced (model-specific adapters override) ----
 
@@ -346,6 +369,7 @@ class _Tracer:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
             self.sess.guarded("transformers:ship", self.runs[0] if self.runs else None, self._ship)
             self.sess.guarded("transformers:first_forward", None, self._check_first_forward)
+            self.sess.guarded("transformers:fp8_kernel", None, self._record_kernel_loaded)
             self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, out, self.runs)
         if not self.in_generate:
             self.sess.guarded("transformers:close", None, self.close_runs)
@@ -414,17 +438,47 @@ class _Tracer:
                 run.count("shadow_skipped_decode_steps")
 
     def _open(self, ids: list[int], device: torch.device) -> Run:
-        dtype = next(self.model.parameters()).dtype
+        # Read off the weights: an FP8 model's first parameter (the embedding) is bf16.
+        prod = self.quant.prod(next(self.model.parameters()).dtype)
         layout = type(self.model)._shadowtrace_layout
         run = self.sess.open_run(
             token_ids=ids,
             model=self.identity,
             engine={"name": NAME, "version": _version(), "commit": None, "variant": None},
             device=session.device_of(torch.empty(0, device=device)),
-            dtypes={"prod": shadow.dtype_name(dtype), "shadow": self.settings.precision},
+            dtypes={"prod": prod, "shadow": self.settings.precision},
         )
-        run.writer.set_setting("adapter", f"{NAME}: layout {layout.name} ({layout.source})")
+        writer = run.writer
+        writer.set_setting("adapter", f"{NAME}: layout {layout.name} ({layout.source})")
+        self.sess.guarded("transformers:production", run, self._record_production, run)
+        if self.shadow_refused is not None:
+            writer.refuse_shadow(self.shadow_refused)
+            run.count("shadow_refused")
         return run
+
+    def _record_production(self, run: Run) -> None:
+        """What production runs, read off the model: its precision per module kind, its
+        quantization config, and for FP8 models the kernels and how the shadow dequantizes."""
+        writer = run.writer
+        writer.set_setting("prod_precision", dequant.precision(self.model, self.quant))
+        quantization = dequant.quantization(self.model)
+        if quantization is not None:
+            writer.set_setting("quantization", quantization)
+        if self.quant.fp8:
+            if self._prod_kernel is None:  # the dispatch rule, once (it may look for nvcc)
+                self._prod_kernel = dequant.kernel(self.model, self.quant)
+            writer.set_setting("prod_fp8_kernel", f"{self._prod_kernel}; loaded: {dequant.loaded()}")
+            if self.dtype is not None:
+                writer.set_setting("shadow_dequant", dequant.HOW)
+
+    def _record_kernel_loaded(self) -> None:
+        """After a forward: which FP8 kernels transformers has loaded by now (what the
+        dispatch rule cannot see: a DeepGEMM fallback, a kernel put in place by hand)."""
+        if self._prod_kernel is None:
+            return
+        how = f"{self._prod_kernel}; loaded: {dequant.loaded()}"
+        for run in self.runs:
+            run.writer.set_setting("prod_fp8_kernel", how)
 
     def close_runs(self) -> None:
         runs, self.runs = self.runs, []
@@ -519,6 +573,10 @@ class _Tracer:
         assert step is not None
         assert step.layer_input is not None
         dtype = self.dtype
+        if dtype is None:
+            # A refused shadow must leave no row claiming one: re-running the layer in
+            # production's own precision would record a shadow equal to production.
+            return {}
         kwargs = self._shadow_kwargs(step)
         inputs = {}
         if "local" in self.settings.layer_modes:
@@ -684,8 +742,8 @@ class _Tracer:
                 module, bound["hidden_states"], bound["q_resid"], scos, ssin, self.rope, self.dtype
             )
             how = ", ".join(sorted({
-                shadow.linear_path(bound["q_resid"], module.wq_b.weight, self.dtype),
-                shadow.linear_path(bound["hidden_states"], module.wk.weight, self.dtype),
+                shadow.projection_path(bound["q_resid"], module.wq_b, self.dtype),
+                shadow.projection_path(bound["hidden_states"], module.wk, self.dtype),
             }))  # fmt: skip
             out = {}
             for b, run in enumerate(self.runs):
@@ -814,7 +872,8 @@ def _indexer_qkw(
     dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B,S,H,D], k [B,S,D] after RoPE and w [B,S,H] (with H^-0.5, without D^-0.5), as the
-    HF indexer computes them; with `dtype`, every projection in that precision instead."""
+    HF indexer computes them; with `dtype`, every projection in that precision instead, on
+    FP8 weights' codes times their scales (`dequant.weight`)."""
     batch, seq, _ = hidden.shape
     heads, dim, rope_dim = module.n_heads, module.head_dim, module.qk_rope_head_dim
     if dtype is None:
@@ -822,13 +881,13 @@ def _indexer_qkw(
         k = module.k_norm(module.wk(hidden))
         w = module.weights_proj(hidden.to(module.weights_proj.weight.dtype)).float()
     else:
-        q = shadow.linear(q_resid, module.wq_b.weight, dtype)
+        q = shadow.linear(q_resid, dequant.weight(module.wq_b), dtype)
         norm = module.k_norm
         k = torch.nn.functional.layer_norm(
-            shadow.linear(hidden, module.wk.weight, dtype), norm.normalized_shape,
+            shadow.linear(hidden, dequant.weight(module.wk), dtype), norm.normalized_shape,
             norm.weight.to(dtype), norm.bias.to(dtype), norm.eps,
         )  # fmt: skip
-        w = shadow.linear(hidden, module.weights_proj.weight, dtype).float()
+        w = shadow.linear(hidden, dequant.weight(module.weights_proj), dtype).float()
     q = q.view(batch, seq, heads, dim)
     k = k.unsqueeze(2)
     q_rot, q_pass = torch.split(q, [rope_dim, dim - rope_dim], dim=-1)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shadowtrace_hooks import numerics, shadow
+from shadowtrace_hooks import dequant, numerics, shadow
 from shadowtrace_hooks.adapters import hf, hf_prefix
 from shadowtrace_hooks.adapters.hf_generic import GenericTracer
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
@@ -140,16 +140,18 @@ class DeepseekV4Tracer(GenericTracer):
         assert step is not None
         with shadow.full_fp32():  # no TF32 or reduced-precision sums, whatever the engine set
             dtype, ratio, dim = self.dtype, module.compress_rate, module.head_dim
-            kv = shadow.linear(hidden, module.kv_proj.weight, dtype)
-            gate = shadow.linear(hidden, module.gate_proj.weight, dtype)
-            q = shadow.linear(q_residual, module.q_b_proj.weight, dtype).view(*hidden.shape[:2], -1, dim)
+            # FP8 projections on their codes times their scales (dequant.weight)
+            kv = shadow.linear(hidden, dequant.weight(module.kv_proj), dtype)
+            gate = shadow.linear(hidden, dequant.weight(module.gate_proj), dtype)
+            q = shadow.linear(q_residual, dequant.weight(module.q_b_proj), dtype)
+            q = q.view(*hidden.shape[:2], -1, dim)
             w = (
-                shadow.linear(hidden, module.scorer.weights_proj.weight, dtype).float()
+                shadow.linear(hidden, dequant.weight(module.scorer.weights_proj), dtype).float()
                 * module.scorer.weights_scaling
             )
             out = {}
             with shadow.hooks_suspended(module.rotary_emb):
-                how = shadow.linear_path(q_residual, module.q_b_proj.weight, dtype)
+                how = shadow.projection_path(q_residual, module.q_b_proj, dtype)
                 for b, run in enumerate(self.runs):
                     shadow.record_kernel(run, "shadow_indexer_projections", how)
                     if hf_prefix.CACHED_PREFIX in run.state:

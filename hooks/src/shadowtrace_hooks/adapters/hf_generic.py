@@ -23,8 +23,9 @@ runs); the model runs untraced:
 A model it can trace but not shadow is traced for production alone, the reason in each
 run (`settings.shadow_refused`, counted `shadow_refused`) and one line:
 
-- decoder weights the shadow cannot upcast (FP8 or integer codes, which need their
-  quantization's scales);
+- weights the shadow can neither upcast nor dequantize (integer or FP8 codes outside
+  transformers' fine-grained FP8 modules, another quantization method: shadowtrace_hooks.dequant;
+  FP8Linear and FP8Experts are dequantized and shadowed);
 - a shadow precision below production's (a bf16 shadow of an fp32 model);
 - `SHADOWTRACE_SHADOW_SCOPE=indexer`, which shadows the indexer alone: these models have none.
 """
@@ -36,7 +37,7 @@ import torch
 
 from shadowtrace_hooks.adapters import hf
 from shadowtrace_hooks.adapters.layout import Layout, Symbol
-from shadowtrace_hooks.session import Run, Session
+from shadowtrace_hooks.session import Session
 from shadowtrace_hooks.shadow import dtype_name
 
 NAME = hf.NAME
@@ -45,7 +46,6 @@ LAYOUTS: tuple[Layout, ...] = ()  # the structure is found at the first call, no
 MIXERS = ("self_attn", "linear_attn", "mixer", "attention", "self_attention", "attn", "temporal_block")
 FEED_FORWARDS = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn")
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
-_UPCASTABLE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _PRECISION = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
@@ -118,11 +118,8 @@ class GenericTracer(hf._Tracer):
                         f"{kind}: layer {i} has an indexer ({name}): "
                         "its selections need a model-specific adapter"
                     )
+        # hf._Tracer's own: asks `_why_no_shadow` below, refuses in every run it opens
         super().__init__(model, sess, rope, inputs)
-        self.shadow_refused = self._why_no_shadow(kind)
-        if self.shadow_refused is not None:
-            self.dtype = None
-            sess.warn_once(f"{NAME}:no_shadow:{kind}", f"{NAME} {hf._version()}: {self.shadow_refused}")
 
     def _why_no_shadow(self, kind: str) -> str | None:
         if self.settings.precision is None:
@@ -134,12 +131,9 @@ class GenericTracer(hf._Tracer):
             )
         _, layers = self._found
         shadow = self.settings.shadow_dtype
-        for name, p in layers.named_parameters(prefix="layers"):
-            if p.dtype not in _UPCASTABLE:
-                return (
-                    f"{kind}: decoder weight {name} is {str(p.dtype).removeprefix('torch.')}: the shadow "
-                    f"cannot upcast quantized codes without their scales; production is traced alone"
-                )
+        quantized = super()._why_no_shadow(kind)  # a weight it cannot dequantize
+        if quantized is not None:
+            return quantized
         if not any(isinstance(getattr(self.inner, n, None), torch.nn.Module) for n in FINAL_NORMS):
             return (
                 f"{kind}: no final norm found after the decoder layers: the logits' shadow cannot be computed"
@@ -157,20 +151,6 @@ class GenericTracer(hf._Tracer):
                 f"{self.settings.precision}; production is traced alone"
             )
         return None
-
-    def _open(self, ids: list[int], device: torch.device) -> Run:
-        run = super()._open(ids, device)
-        if self.shadow_refused is not None:
-            run.writer.refuse_shadow(self.shadow_refused)
-            run.count("shadow_refused")
-        return run
-
-    def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        # A refused shadow must leave no row claiming one: re-running the layer in
-        # production's own precision would record a shadow equal to production.
-        if self.dtype is None:
-            return {}
-        return super()._shadow_layer(layer, module)
 
     def _decoder(self) -> torch.nn.Module:
         return self._found[0]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shadowtrace_hooks import numerics, shadow
+from shadowtrace_hooks import dequant, numerics, shadow
 from shadowtrace_hooks.adapters import hf, hf_prefix
 from shadowtrace_hooks.adapters.hf_generic import GenericTracer
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
@@ -135,18 +135,21 @@ class Glm5NextTracer(GenericTracer):
         with shadow.full_fp32():  # no TF32 or reduced-precision sums, whatever the engine set
             dtype, pool = self.dtype, module.index_kpool
             norm = module.k_norm
+            # FP8 projections on their codes times their scales (a raw gate parameter that is
+            # not plain refused the shadow when the tracer attached: dequant.plan)
             keys = F.layer_norm(
-                shadow.linear(hidden, module.wk.weight, dtype), norm.normalized_shape,
+                shadow.linear(hidden, dequant.weight(module.wk), dtype), norm.normalized_shape,
                 norm.weight.to(dtype), norm.bias.to(dtype), norm.eps,
             )  # fmt: skip
             gate = shadow.linear(hidden, module.index_kpool_compress_gate, dtype)
-            q = shadow.linear(q_resid, module.wq_b.weight, dtype).view(
+            q = shadow.linear(q_resid, dequant.weight(module.wq_b), dtype).view(
                 *hidden.shape[:2], module.n_heads, module.head_dim
             )
-            w = shadow.linear(hidden, module.weights_proj.weight, dtype).float() * module.n_heads**-0.5
+            w = shadow.linear(hidden, dequant.weight(module.weights_proj), dtype).float()
+            w = w * module.n_heads**-0.5
             ape = module.index_kpool_compress_ape.to(dtype)
             out = {}
-            how = shadow.linear_path(q_resid, module.wq_b.weight, dtype)
+            how = shadow.projection_path(q_resid, module.wq_b, dtype)
             for b, run in enumerate(self.runs):
                 shadow.record_kernel(run, "shadow_indexer_projections", how)
                 if hf_prefix.CACHED_PREFIX in run.state:

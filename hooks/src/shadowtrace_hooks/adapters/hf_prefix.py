@@ -92,8 +92,9 @@ def start(tracer: Any, cache: Any, past_len: int, seq: int, device: torch.device
 class Scratch:
     """A request's free shadow recomputed from the embeddings over its whole prompt, run as
     the decoder's own forward (which builds its masks and position embeddings for the
-    whole prompt) with no cache, one layer's weights upcast at a time, every hook but the
-    captures below suspended. Keeps each layer's outputs at the last `tail` positions."""
+    whole prompt) with no cache, one layer's weights upcast at a time (its routed experts one
+    at a time, FP8 weights dequantized), every hook but the captures below suspended. Keeps
+    each layer's outputs at the last `tail` positions."""
 
     def __init__(self) -> None:
         self.layers: dict[int, dict[str, torch.Tensor]] = {}
@@ -111,8 +112,20 @@ class Scratch:
             return tensor[:, -tail:].detach()
 
         def enter(i: int, module: torch.nn.Module, args: tuple) -> None:
-            upcast[i] = shadow.in_precision(module, dtype)
-            upcast[i].__enter__()
+            # As the layer's shadow re-run: the expert bank is never upcast whole (only the
+            # routed experts, one at a time, dequantized when FP8), FP8 linears dequantized.
+            banks = shadow.expert_banks(module)
+            if shadow.sharded(banks):
+                banks = []
+            kept = shadow.bank_tensors(banks)
+            stack = contextlib.ExitStack()
+            try:
+                stack.enter_context(shadow.in_precision(module, dtype, keep=lambda t: id(t) in kept))
+                stack.enter_context(shadow.routed_experts(banks, dtype))
+            except BaseException:
+                stack.close()
+                raise
+            upcast[i] = stack
 
         def leave(i: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
             upcast.pop(i).__exit__(None, None, None)

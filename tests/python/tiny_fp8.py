@@ -1,0 +1,171 @@
+"""Tiny FP8 GLM-5 models built by transformers' own fine-grained FP8 code, and the FP8
+kernel emulated on the CPU from its definition (issue 26).
+
+The model: `tiny_models.glm`'s bf16 model converted by `FineGrainedFP8HfQuantizer`'s own
+pre-load step (its `modules_to_not_convert` defaults and `replace_with_fp8_linear`), its bf16
+weights quantized by transformers' own `Fp8Quantize`, then the quantizer's post-load step
+(ue8m0 scales cast to float8_e8m0fnu). `from_pretrained` cannot serve here: without a GPU the
+quantizer loads an FP8 checkpoint dequantized (bf16), with no FP8 left to trace.
+
+The kernel: `kernels-community/finegrained-fp8` is fetched from a hub at run time, which no
+test reaches, so its three entry points are replaced by an emulation written from the
+kernel's definition: activations quantized per token in 1x128 groups to e4m3 with an fp32
+scale amax/448, weights times their block scales, products summed in fp32. It is installed
+through the module global `load_finegrained_fp8_kernel` returns once set.
+
+`reference_weight` is the test's own dequantization (codes times scales, edge blocks
+cropped), written here and never taken from the hooks.
+"""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import tiny_models
+import torch
+import transformers.integrations.finegrained_fp8 as ff
+from transformers import FineGrainedFP8Config
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(E4M3).max  # 448
+# kv_lora_rank 64 makes kv_b_proj's K a partial 128-block, as GLM-5's 576-row kv_a_proj is.
+DIMS = dict(moe_intermediate_size=128, q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=64)
+
+
+def reference_weight(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """[N, K] e4m3 codes times their scales in fp32: one scale per tensor (block None or
+    one value), or one per block of the cdiv grid, edge blocks cropped."""
+    w32, s32 = codes.to(torch.float32), scale.to(torch.float32)  # e8m0 -> fp32 is exact
+    if block is None or s32.numel() == 1:
+        return w32 * s32.reshape(())
+    bn, bk = block
+    n, k = w32.shape
+    return w32 * s32.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def _quant_act(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per token and `group` columns: e4m3 codes with an fp32 scale amax/448, dequantized
+    again (the values whose products the kernel sums)."""
+    m, k = x.shape
+    xp = torch.nn.functional.pad(x.to(torch.float32), (0, (-k) % group)).view(m, -1, group)
+    scale = (xp.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    q = (xp / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+    return (q.to(torch.float32) * scale).view(m, -1)[:, :k]
+
+
+def emu_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
+    """matmul_2d(input [..., K], weight [N, K] e4m3, scales, block_size, output_dtype,
+    activation_scale) -> [..., N] in output_dtype."""
+    shape = input.shape
+    x = input.reshape(-1, shape[-1])
+    if activation_scale is not None:  # static: one fp32 scale per tensor
+        a = (x.float() / activation_scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * activation_scale
+    else:
+        a = _quant_act(x, block_size[1] if block_size is not None else shape[-1])
+    out = a @ reference_weight(weight, weight_scale_inv, block_size).t()
+    return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
+
+
+def emu_batched(x, w, s, block_size=None, expert_ids=None):
+    """matmul_batched(x [S, K], w [E, N, K], s [E, ...], expert_ids [S]) -> [S, N]."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
+    for e in expert_ids.unique().tolist():
+        if e < w.shape[0]:  # expert parallelism's sentinels: the caller masks them
+            rows = expert_ids == e
+            out[rows] = emu_matmul(x[rows], w[e], s[e], block_size, x.dtype)
+    return out
+
+
+def emu_grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
+    """matmul_grouped(x [S, K] sorted by expert, w [E, N, K], s, offsets: cumsum) -> [S, N]."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = emu_matmul(x[start:end], w[e], s[e], block_size, x.dtype)
+        start = end
+    return out
+
+
+@contextlib.contextmanager
+def kernel_emulated() -> Iterator[None]:
+    """transformers' FP8 kernel entry points are the emulation within the block."""
+    saved = ff._FINEGRAINED_FP8
+    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(
+        matmul=emu_matmul, batched_matmul=emu_batched, grouped_matmul=emu_grouped
+    )
+    try:
+        yield
+    finally:
+        ff._FINEGRAINED_FP8 = saved
+
+
+def _quantize_padded(qop, key: str, value: torch.Tensor, block: int = 128) -> dict:
+    """Fp8Quantize passes shapes that do not tile by the block through unquantized
+    (finegrained_fp8.py, _quantize_one): pad to whole blocks, quantize with transformers'
+    op, crop the codes (the scale grid is the cdiv grid real checkpoints have)."""
+    rows, cols = value.shape[-2:]
+    padded = torch.nn.functional.pad(value.float(), (0, (-cols) % block, 0, (-rows) % block)).to(value.dtype)
+    out = qop.convert({key: padded})
+    return {k: (v[..., :rows, :cols].contiguous() if v.dtype == E4M3 else v) for k, v in out.items()}
+
+
+def fp8_glm(layers: int = 3, scale_fmt: str = "float", **overrides):
+    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code."""
+    bf16 = tiny_models.glm(layers, **{**DIMS, **overrides})
+    cfg = FineGrainedFP8Config(weight_block_size=[128, 128], activation_scheme="dynamic", scale_fmt=scale_fmt)
+    quantizer = FineGrainedFP8HfQuantizer(cfg, pre_quantized=True)
+    model = copy.deepcopy(bf16)
+    quantizer._process_model_before_weight_loading(model)
+    qop = ff.Fp8Quantize(quantizer)
+    src = bf16.state_dict()
+    new = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, ff.FP8Linear):
+            new.update(qop.convert({f"{name}.weight": src[f"{name}.weight"]}))
+        elif isinstance(mod, ff.FP8Experts):
+            for p in ("gate_up_proj", "down_proj"):
+                new.update(qop.convert({f"{name}.{p}": src[f"{name}.{p}"]}))
+    for key in [k for k in new if k.endswith(("weight", "_proj")) and new[k].dtype != E4M3]:
+        new.update(_quantize_padded(qop, key, new[key]))
+    missing = [k for k, v in model.state_dict().items() if v.is_meta and k not in new]
+    assert not missing, missing
+    model.load_state_dict(new, strict=False, assign=True)
+    quantizer._process_model_after_weight_loading(model)
+    model.config.quantization_config = cfg
+    return bf16, model, quantizer
+
+
+def per_tensor(bf16: torch.nn.Module, fp8: torch.nn.Module, path: str) -> None:
+    """Replaces the FP8Linear at `path` by transformers' per-tensor FP8Linear (block_size
+    None: one fp32 scale), its bf16 weight quantized by transformers' Fp8Quantize."""
+    old = fp8.get_submodule(path)
+    cfg = FineGrainedFP8Config(weight_block_size=None, activation_scheme="dynamic")
+    qop = ff.Fp8Quantize(FineGrainedFP8HfQuantizer(cfg, pre_quantized=True))
+    out = qop.convert({"w.weight": bf16.get_submodule(path).weight.detach()})
+    new = ff.FP8Linear(old.in_features, old.out_features, block_size=None)
+    with torch.no_grad():
+        new.weight = torch.nn.Parameter(out["w.weight"], requires_grad=False)
+        new.weight_scale_inv = torch.nn.Parameter(out["w.weight_scale_inv"].reshape(()), requires_grad=False)
+    parent, name = path.rsplit(".", 1)
+    setattr(fp8.get_submodule(parent), name, new)
+
+
+def dequantized_fp32(bf16: torch.nn.Module, fp8: torch.nn.Module) -> torch.nn.Module:
+    """The test's own reference: the bf16 model's structure in fp32 with eager experts,
+    every FP8 weight replaced by `reference_weight` of its codes and scales."""
+    ref = copy.deepcopy(bf16).float()
+    ref.set_experts_implementation("eager")
+    fp8_modules = dict(fp8.named_modules())
+    with torch.no_grad():
+        for name, mod in ref.named_modules():
+            src = fp8_modules.get(name)
+            if isinstance(src, ff.FP8Linear):
+                mod.weight.copy_(reference_weight(src.weight, src.weight_scale_inv, src.block_size))
+            elif isinstance(src, ff.FP8Experts):
+                for p in ("gate_up_proj", "down_proj"):
+                    w, s = getattr(src, p), getattr(src, f"{p}_scale_inv")
+                    experts = [reference_weight(w[e], s[e], src.block_size) for e in range(w.shape[0])]
+                    getattr(mod, p).copy_(torch.stack(experts))
+    return ref
