@@ -446,3 +446,32 @@ def test_a_prefix_cache_hit_recomputes_its_free_chain_on_dequantized_weights(tmp
         assert [r["token"] for r in got] == list(range(prefix, T))
         for t, r in enumerate(got):
             assert r["rel_l2_err"] == pytest.approx(err[t], rel=ERR_REL), (layer, t + prefix)
+
+
+def test_an_fp8_lm_head_is_dequantized_in_the_logits_shadow(tmp_path: Path) -> None:
+    """A checkpoint listing its own unconverted modules gets an FP8 lm_head: the logits'
+    shadow (local: from production's final stream) is the test's fp32 head on its codes
+    times scales, top ids and log-probabilities token by token."""
+    bf16, model, _ = tiny_fp8.fp8_glm(skip=["indexer.weights_proj"])
+    assert isinstance(model.lm_head, ff.FP8Linear)
+    ref = tiny_fp8.dequantized_fp32(bf16, model)
+    ids = tiny_fp8.tiny_models.prompt(T)
+    final = {}
+    handle = model.model.norm.register_forward_pre_hook(
+        lambda m, a: final.__setitem__("x", a[0].detach().clone())
+    )
+    with torch.no_grad():
+        untraced = model(ids).logits
+    (manifest,), _, traced = _traced(tmp_path, "local", lambda: model(ids).logits)
+    handle.remove()
+    assert _bitwise(traced, untraced)
+    with torch.no_grad():
+        want = torch.log_softmax(ref.lm_head(ref.model.norm(final["x"].float()))[0], dim=-1)
+    rows = sorted(pq.read_table(next(tmp_path.glob("*/logits"))).to_pylist(), key=lambda r: r["token"])
+    assert len(rows) == T
+    for t, r in enumerate(rows):
+        top = torch.tensor(r["shadow_top_ids"])
+        assert torch.equal(top, want[t].topk(len(top)).indices), t
+        torch.testing.assert_close(torch.tensor(r["shadow_top_logprobs"]), want[t][top], rtol=1e-5, atol=1e-6)
+    assert manifest["settings"]["prod_precision"]["lm_head"].startswith("fp8_e4m3 block 128x128")
+    assert manifest["settings"]["logits_shadow_mode"] == "local"

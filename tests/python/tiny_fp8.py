@@ -111,10 +111,17 @@ def _quantize_padded(qop, key: str, value: torch.Tensor, block: int = 128) -> di
     return {k: (v[..., :rows, :cols].contiguous() if v.dtype == E4M3 else v) for k, v in out.items()}
 
 
-def fp8_glm(layers: int = 3, scale_fmt: str = "float", **overrides):
-    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code."""
+def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
+    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code.
+    `skip`: the checkpoint's own modules_to_not_convert, which replaces transformers'
+    defaults (lm_head among them): an FP8 lm_head, as some checkpoints have."""
     bf16 = tiny_models.glm(layers, **{**DIMS, **overrides})
-    cfg = FineGrainedFP8Config(weight_block_size=[128, 128], activation_scheme="dynamic", scale_fmt=scale_fmt)
+    cfg = FineGrainedFP8Config(
+        weight_block_size=[128, 128],
+        activation_scheme="dynamic",
+        scale_fmt=scale_fmt,
+        modules_to_not_convert=skip,
+    )
     quantizer = FineGrainedFP8HfQuantizer(cfg, pre_quantized=True)
     model = copy.deepcopy(bf16)
     quantizer._process_model_before_weight_loading(model)
