@@ -1,0 +1,241 @@
+"""transformers' FP8 path on a real FP8 kernel, traced (issue 26, item 6): run on the H200.
+
+transformers fetches its FP8 kernel (`kernels-community/finegrained-fp8`) from a hub at run
+time, which the GPU machine cannot reach. What serves here is PyTorch's own block-scaled
+FP8 GEMM, `torch._scaled_mm` on the tensor cores, behind the kernel's three entry points:
+activations quantized per token in 1x128 groups (e4m3, fp32 scale amax/448, as the Triton
+kernel quantizes them), the weight's 128x128 block scales repeated over their 128 rows (the
+1x128-by-1x128 scaling `_scaled_mm` takes, the same numbers), fp32 accumulation on the tensor
+cores. The manifest's `settings.prod_fp8_kernel` names what ran.
+
+It checks, and prints:
+1. the kernel against a dequantized fp32 product of the same operands (relative L2), at
+   4096x2048x6144 and at the tiny model's shapes;
+2. a tiny GLM-5 converted by transformers' own FP8 code (tests/python/tiny_fp8.py) on CUDA,
+   traced with SHADOWTRACE=1 in local mode: every recorded local error at attn_out and
+   mlp_out against this script's own dequantized fp32 recompute of that layer from
+   production's input, token by token (the CPU test's tolerance, 1e-3 relative);
+3. production's logits bit-identical traced and untraced, and the manifest's record of
+   what production ran.
+Exits 1 when a check fails. Usage (the hooks installed, tests/python on sys.path):
+`python tests/gpu/fp8_hf_h200.py OUT_DIR`.
+"""
+
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import pyarrow.parquet as pq
+import tiny_fp8
+import transformers.integrations.finegrained_fp8 as ff
+
+E4M3 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(E4M3).max
+ERR_REL = 1e-3  # as tests/python/test_hooks_fp8.py: fp32 summation order only
+SITES = [(layer, site) for layer in range(3) for site in ("attn_out", "mlp_out")]
+failed: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    print(("ok      " if ok else "FAILED  ") + what, flush=True)
+    if not ok:
+        failed.append(what)
+
+
+def scaled_mm_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
+    """The finegrained-fp8 kernel's matmul_2d on torch._scaled_mm (module docs)."""
+    if activation_scale is not None or block_size is None or list(block_size) != [128, 128]:
+        raise NotImplementedError("only dynamic activations and 128x128 weight blocks")
+    shape = input.shape
+    x = input.reshape(-1, shape[-1])
+    (m, k), n = x.shape, weight.shape[0]
+    mp, kp, np_ = -(-m // 16) * 16, -(-k // 128) * 128, -(-n // 128) * 128
+    xp = torch.nn.functional.pad(x.float(), (0, kp - k, 0, mp - m)).view(mp, kp // 128, 128)
+    scale_a = (xp.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # (M, K/128)
+    a = (xp / scale_a[..., None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3).view(mp, kp)
+    w = torch.nn.functional.pad(weight.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(E4M3)
+    scale_b = weight_scale_inv.float().repeat_interleave(128, 0)
+    scale_b = torch.nn.functional.pad(scale_b, (0, 0, 0, np_ - scale_b.shape[0]))[:np_]
+    out = torch._scaled_mm(
+        a,
+        w.t(),
+        scale_a=scale_a.t().contiguous().t(),  # M-major
+        scale_b=scale_b.t().contiguous(),  # (K/128, N) row-major
+        out_dtype=torch.float32,
+    )
+    return out[:m, :n].to(output_dtype).view(*shape[:-1], n)
+
+
+def scaled_mm_grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = scaled_mm_matmul(x[start:end], w[e], s[e], block_size, x.dtype)
+        start = end
+    return out
+
+
+def scaled_mm_batched(x, w, s, block_size=None, expert_ids=None):
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    for e in expert_ids.unique().tolist():
+        if e < w.shape[0]:
+            rows = expert_ids == e
+            out[rows] = scaled_mm_matmul(x[rows], w[e], s[e], block_size, x.dtype)
+    return out
+
+
+@contextlib.contextmanager
+def tensor_core_kernel() -> Iterator[None]:
+    saved = ff._FINEGRAINED_FP8
+    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(
+        matmul=scaled_mm_matmul, batched_matmul=scaled_mm_batched, grouped_matmul=scaled_mm_grouped
+    )
+    try:
+        yield
+    finally:
+        ff._FINEGRAINED_FP8 = saved
+
+
+def kernel_against_fp32(m: int, k: int, n: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    blocks = w.view(n // 128, 128, k // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    codes = (blocks / scale[:, None, :, None]).to(E4M3).view(n, k)
+    got = scaled_mm_matmul(x, codes, scale, [128, 128], torch.float32)
+    exact = x.float() @ tiny_fp8.reference_weight(codes, scale, (128, 128)).t()
+    emulated = tiny_fp8.emu_matmul(x, codes, scale, [128, 128], torch.float32)
+    rel = float((got - exact).norm() / exact.norm())
+    rel_emu = float((got - emulated).norm() / emulated.norm())
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        scaled_mm_matmul(x, codes, scale, [128, 128], torch.bfloat16)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 10
+    print(
+        f"kernel {m}x{k}x{n}: rel L2 {rel:.2e} against the dequantized fp32 product, "
+        f"{rel_emu:.2e} against the CPU test's emulation (same activation quantization); "
+        f"{2 * m * k * n / seconds / 1e12:.0f} TFLOP/s with its quantization",
+        flush=True,
+    )
+    check(rel < 5e-2, f"kernel {m}x{k}x{n} within FP8's error of the fp32 product")
+    check(rel_emu < 1e-3, f"kernel {m}x{k}x{n} equals the emulation but for accumulation order")
+
+
+def traced(out: Path, mode: str, body) -> tuple[dict, list[dict], object]:
+    from shadowtrace_hooks import session, startup
+
+    assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(out), "SHADOWTRACE_MODE": mode})
+    try:
+        with torch.no_grad():
+            result = body()
+    finally:
+        session.stop()
+    (path,) = sorted(out.glob("*/manifest.json"))
+    return json.loads(path.read_text()), pq.read_table(path.parent / "hidden").to_pylist(), result
+
+
+def hooks(model, store: dict, prod_in: dict | None = None, swap: dict | None = None) -> list:
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        if prod_in is not None:
+            handles.append(
+                layer.register_forward_pre_hook(
+                    lambda m, a, kw, i=i: prod_in.__setitem__(
+                        i, (a[0] if a else kw["hidden_states"]).detach().clone()
+                    ),
+                    with_kwargs=True,
+                )
+            )
+        if swap is not None:
+
+            def replace(m, a, kw, i=i):
+                x = swap[i].float()
+                return ((x, *a[1:]), kw) if a else (a, {**kw, "hidden_states": x})
+
+            handles.append(layer.register_forward_pre_hook(replace, with_kwargs=True))
+        for site, block in (("attn_out", layer.self_attn), ("mlp_out", layer.mlp)):
+            handles.append(
+                block.register_forward_hook(
+                    lambda m, a, o, key=(i, site): store.__setitem__(
+                        key, (o[0] if isinstance(o, tuple) else o).detach().clone()
+                    )
+                )
+            )
+    return handles
+
+
+def tiny_model_traced(out: Path) -> None:
+    # kv_lora_rank 128: every K a whole 128-block, as _scaled_mm takes them.
+    bf16, model, _ = tiny_fp8.fp8_glm(kv_lora_rank=128)
+    ref = tiny_fp8.dequantized_fp32(bf16, model).cuda()
+    model = model.cuda()
+    ids = tiny_fp8.tiny_models.prompt(64).cuda()
+    with torch.no_grad():
+        untraced = model(ids).logits
+    prod_in, prod_site = {}, {}
+    handles = hooks(model, prod_site, prod_in=prod_in)
+    manifest, rows, result = traced(out / "local", "local", lambda: model(ids).logits)
+    for h in handles:
+        h.remove()
+    check(torch.equal(result, untraced), "production's logits bit-identical traced and untraced")
+    want = {}
+    handles = hooks(ref, want, swap=prod_in)
+    with torch.no_grad():
+        ref(ids)
+    for h in handles:
+        h.remove()
+    worst = 0.0
+    for layer, site in SITES:
+        p, s = prod_site[layer, site][0].float(), want[layer, site][0].float()
+        expected = ((p - s).norm(dim=-1) / s.norm(dim=-1)).tolist()
+        got = sorted(
+            (r for r in rows if (r["layer"], r["site"], r["shadow_mode"]) == (layer, site, "local")),
+            key=lambda r: r["token"],
+        )
+        if len(got) != len(expected):
+            check(False, f"layer {layer} {site}: {len(got)} rows recorded, {len(expected)} tokens")
+            continue
+        dev = max(abs(r["rel_l2_err"] - e) / e for r, e in zip(got, expected, strict=True))
+        worst = max(worst, dev)
+        print(
+            f"layer {layer} {site}: local rel L2 err {min(expected):.3f}-{max(expected):.3f} "
+            f"(this script's fp32 recompute), recorded within {dev:.1e} of it",
+            flush=True,
+        )
+    check(worst <= ERR_REL, f"every local error within {ERR_REL} of the recompute (worst {worst:.1e})")
+    settings = manifest["settings"]
+    print("manifest dtypes:", manifest["dtypes"])
+    for key in ("prod_precision", "quantization", "prod_fp8_kernel", "shadow_dequant"):
+        print(f"manifest settings.{key}: {settings.get(key)}")
+    check(manifest["dtypes"]["prod"] == "fp8_e4m3", "dtypes.prod says fp8_e4m3")
+    check("scaled_mm_matmul" in settings.get("prod_fp8_kernel", ""), "the manifest names the kernel that ran")
+    check(not any(manifest["counters"].get(c) for c in ("hook_errors", "shadow_refused")), "nothing refused")
+    check(settings.get("disabled_sites") is None, "no capture disabled")
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: this script measures the tensor cores")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    kernel_against_fp32(4096, 2048, 6144)
+    kernel_against_fp32(64, 256, 512)
+    with tensor_core_kernel():
+        tiny_model_traced(out)
+    print(f"{len(failed)} checks failed" if failed else "every check passed", flush=True)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
