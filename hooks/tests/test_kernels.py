@@ -45,11 +45,14 @@ def test_split_tf32_leaves_a_tf32_head_and_an_exact_remainder():
 
 
 def test_the_shadow_scores_name_what_computed_them_in_the_manifest():
-    run = SimpleNamespace(writer=SimpleNamespace(manifest={"settings": {}}))
+    settings: dict = {}
+    # The run's writer as far as the shadow uses it: its only way to change a manifest.
+    writer = SimpleNamespace(set_setting=lambda key, value, keep=False: settings.__setitem__(key, value))
+    run = SimpleNamespace(writer=writer)
     q, k, w, q_pos = _operands(t=20, s=20)
     got = shadow.indexer_scores(run, q, k, w, q_pos, q_pos_host=q_pos.numpy())
     assert torch.equal(got, numerics.index_scores(q, k, w, q_pos))
-    assert run.writer.manifest["settings"]["shadow_indexer_scores"] == "torch ieee"
+    assert settings["shadow_indexer_scores"] == "torch ieee"
 
 
 def test_the_kernels_refuse_what_they_cannot_score():

@@ -2,11 +2,8 @@
 
 transformers fetches its FP8 kernel (`kernels-community/finegrained-fp8`) from a hub at run
 time, which the GPU machine cannot reach. What serves here is PyTorch's own block-scaled
-FP8 GEMM, `torch._scaled_mm` on the tensor cores, behind the kernel's three entry points:
-activations quantized per token in 1x128 groups (e4m3, fp32 scale amax/448, as the Triton
-kernel quantizes them), the weight's 128x128 block scales repeated over their 128 rows (the
-1x128-by-1x128 scaling `_scaled_mm` takes, the same numbers), fp32 accumulation on the tensor
-cores. The manifest's `settings.prod_fp8_kernel` names what ran.
+FP8 GEMM, `torch._scaled_mm` on the tensor cores, behind the kernel's three entry points
+(tests/python/fp8_kernel.py). The manifest's `settings.prod_fp8_kernel` names what ran.
 
 It checks, and prints:
 1. the kernel against a dequantized fp32 product of the same operands (relative L2), at
@@ -21,12 +18,10 @@ Exits 1 when a check fails. Usage (the hooks installed, tests/python on sys.path
 `python tests/gpu/fp8_hf_h200.py OUT_DIR`.
 """
 
-import contextlib
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,10 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import pyarrow.parquet as pq
 import tiny_fp8
-import transformers.integrations.finegrained_fp8 as ff
+from fp8_kernel import FP8_MAX, scaled_mm_matmul, tensor_core_kernel
 
 E4M3 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(E4M3).max
 ERR_REL = 1e-3  # as tests/python/test_hooks_fp8.py: fp32 summation order only
 SITES = [(layer, site) for layer in range(3) for site in ("attn_out", "mlp_out")]
 failed: list[str] = []
@@ -47,61 +41,6 @@ def check(ok: bool, what: str) -> None:
     print(("ok      " if ok else "FAILED  ") + what, flush=True)
     if not ok:
         failed.append(what)
-
-
-def scaled_mm_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
-    """The finegrained-fp8 kernel's matmul_2d on torch._scaled_mm (module docs)."""
-    if activation_scale is not None or block_size is None or list(block_size) != [128, 128]:
-        raise NotImplementedError("only dynamic activations and 128x128 weight blocks")
-    shape = input.shape
-    x = input.reshape(-1, shape[-1])
-    (m, k), n = x.shape, weight.shape[0]
-    mp, kp, np_ = -(-m // 16) * 16, -(-k // 128) * 128, -(-n // 128) * 128
-    xp = torch.nn.functional.pad(x.float(), (0, kp - k, 0, mp - m)).view(mp, kp // 128, 128)
-    scale_a = (xp.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # (M, K/128)
-    a = (xp / scale_a[..., None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3).view(mp, kp)
-    w = torch.nn.functional.pad(weight.view(torch.uint8), (0, kp - k, 0, np_ - n)).view(E4M3)
-    scale_b = weight_scale_inv.float().repeat_interleave(128, 0)
-    scale_b = torch.nn.functional.pad(scale_b, (0, 0, 0, np_ - scale_b.shape[0]))[:np_]
-    out = torch._scaled_mm(
-        a,
-        w.t(),
-        scale_a=scale_a.t().contiguous().t(),  # M-major
-        scale_b=scale_b.t().contiguous(),  # (K/128, N) row-major
-        out_dtype=torch.float32,
-    )
-    return out[:m, :n].to(output_dtype).view(*shape[:-1], n)
-
-
-def scaled_mm_grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = scaled_mm_matmul(x[start:end], w[e], s[e], block_size, x.dtype)
-        start = end
-    return out
-
-
-def scaled_mm_batched(x, w, s, block_size=None, expert_ids=None):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    for e in expert_ids.unique().tolist():
-        if e < w.shape[0]:
-            rows = expert_ids == e
-            out[rows] = scaled_mm_matmul(x[rows], w[e], s[e], block_size, x.dtype)
-    return out
-
-
-@contextlib.contextmanager
-def tensor_core_kernel() -> Iterator[None]:
-    saved = ff._FINEGRAINED_FP8
-    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(
-        matmul=scaled_mm_matmul, batched_matmul=scaled_mm_batched, grouped_matmul=scaled_mm_grouped
-    )
-    try:
-        yield
-    finally:
-        ff._FINEGRAINED_FP8 = saved
 
 
 def kernel_against_fp32(m: int, k: int, n: int) -> None:

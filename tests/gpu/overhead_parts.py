@@ -103,7 +103,7 @@ def child(args: argparse.Namespace) -> None:
                 writers.append((time.thread_time() - cpu, busy))
 
         writer.RunWriter._run = timed_worker
-    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny)
+    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny, attn="eager")
     cuda = device == "cuda"
     walls, parts = [], []
     for i in range(args.repeat + 1):

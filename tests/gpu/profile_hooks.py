@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
             for name in names:
                 if hasattr(module, name):
                     wrap(module, name)
-    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny)
+    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny, attn="eager")
 
     def forward() -> float:
         if device == "cuda":

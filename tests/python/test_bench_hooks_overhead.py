@@ -41,6 +41,27 @@ def test_the_tiny_benchmark_runs_every_process_and_audits_their_runs(tmp_path: P
             assert all(json.loads(m.read_text())["status"] == "complete" for m in manifests)
 
 
+def test_the_tiny_benchmark_times_transformers_fp8_production_and_names_what_it_ran(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, BENCH, "--tiny", "--fp8", "--layers", "2", "--tokens", "64", "--repeat", "1",
+         "--only", "capture only,fp32 local shadow", "--keep-runs", tmp_path],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    header = out.stdout.splitlines()[0]
+    assert "production FP8 (transformers' fine-grained FP8" in header, header
+    assert "attention sdpa" in header, "the model's own attention, not eager"
+    assert "NOT DONE" not in out.stdout
+    assert "FALLBACK" not in out.stdout
+    # every traced run's production was FP8 and its shadow dequantized, as each manifest says
+    manifests = [json.loads(m.read_text()) for m in tmp_path.glob("mode-*/*/manifest.json")]
+    assert len(manifests) == 4, "two traced rows, a warm-up and a timed forward each"
+    for m in manifests:
+        assert m["dtypes"]["prod"] == "fp8_e4m3"
+        assert m["settings"]["prod_fp8_kernel"].endswith("loaded: tiny_fp8.emu_matmul")
+    assert "computed by prod_fp8_kernel: " in out.stdout
+
+
 def test_the_audit_names_a_disabled_capture_and_rows_a_forward_did_not_write(tmp_path: Path) -> None:
     env = bench.MODES["fp32 local shadow"]
     args = Namespace(layers=2, tokens=10)

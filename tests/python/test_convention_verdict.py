@@ -22,15 +22,17 @@ from standins import trtllm as st
 TOKENS = sg.TOPK + 40  # rows that see more keys than index_topk
 
 
+def analyze(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`shadowtrace analyze ARGS...` of the one run under `out`."""
+    (run,) = sorted(p.parent for p in out.glob("*/manifest.json"))
+    return subprocess.run(
+        [binary("shadowtrace"), "analyze", run, *args], capture_output=True, text=True, check=False
+    )
+
+
 def analysed(out: Path) -> dict:
     """`shadowtrace analyze --format json` of the one run under `out`."""
-    (run,) = sorted(p.parent for p in out.glob("*/manifest.json"))
-    result = subprocess.run(
-        [binary("shadowtrace"), "analyze", run, "--format", "json"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = analyze(out, "--format", "json")
     assert result.returncode == 0, result.stderr
     (analysis,) = json.loads(result.stdout)["runs"]
     return analysis
@@ -106,13 +108,7 @@ def test_the_hadamard_rotation_tensorrt_llm_is_assumed_to_drop_is_not_judged_but
     assert assumed["why"].startswith("indexer hadamard: the engine's value (false) is assumed (assumed from ")
     assert "PR #11899" in assumed["why"]
     assert assumed["why"].endswith("not read from the engine; the model's is true")
-    (run,) = sorted(p.parent for p in tmp_path.glob("*/manifest.json"))
-    out = subprocess.run(
-        [binary("shadowtrace"), "analyze", run, "--fail-on", "convention"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    out = analyze(tmp_path, "--fail-on", "convention")
     assert out.returncode == 2, out.stderr
     line = "convention:        not judged: indexer hadamard: the engine's value (false) is assumed"
     assert line in out.stdout

@@ -111,11 +111,24 @@ def _quantize_padded(qop, key: str, value: torch.Tensor, block: int = 128) -> di
     return {k: (v[..., :rows, :cols].contiguous() if v.dtype == E4M3 else v) for k, v in out.items()}
 
 
-def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
-    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code.
-    `skip`: the checkpoint's own modules_to_not_convert, which replaces transformers'
-    defaults (lm_head among them): an FP8 lm_head, as some checkpoints have."""
-    bf16 = tiny_models.glm(layers, **{**DIMS, **overrides})
+EXPERTS_AT_ONCE = 8
+
+
+def _quantized(qop, key: str, value: torch.Tensor) -> dict:
+    """`key`'s codes and scales by transformers' Fp8Quantize, shapes that do not tile by
+    the block padded first (`_quantize_padded`)."""
+    out = qop.convert({key: value})
+    for k in [k for k in out if k.endswith(("weight", "_proj")) and out[k].dtype != E4M3]:
+        out.update(_quantize_padded(qop, k, out[k]))
+    return out
+
+
+def convert(model: torch.nn.Module, scale_fmt: str = "float", skip: list[str] | None = None):
+    """Converts a bf16 GLM-5 `model` to transformers' fine-grained FP8 in place, by
+    transformers' code (the quantizer's pre-load step, `Fp8Quantize`, the post-load step), a
+    module at a time so that its bf16 weight is freed as its FP8 one arrives: a model at
+    GLM-5's widths converts on one GPU. Returns (model, quantizer). `skip`: the checkpoint's
+    own modules_to_not_convert, which replaces transformers' defaults (lm_head among them)."""
     cfg = FineGrainedFP8Config(
         weight_block_size=[128, 128],
         activation_scheme="dynamic",
@@ -123,24 +136,39 @@ def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = 
         modules_to_not_convert=skip,
     )
     quantizer = FineGrainedFP8HfQuantizer(cfg, pre_quantized=True)
-    model = copy.deepcopy(bf16)
+    src = dict(model.state_dict())  # the bf16 tensors, held until each is quantized
     quantizer._process_model_before_weight_loading(model)
     qop = ff.Fp8Quantize(quantizer)
-    src = bf16.state_dict()
-    new = {}
-    for name, mod in model.named_modules():
+    for name, mod in list(model.named_modules()):
         if isinstance(mod, ff.FP8Linear):
-            new.update(qop.convert({f"{name}.weight": src[f"{name}.weight"]}))
+            keys = [f"{name}.weight"]
         elif isinstance(mod, ff.FP8Experts):
-            for p in ("gate_up_proj", "down_proj"):
-                new.update(qop.convert({f"{name}.{p}": src[f"{name}.{p}"]}))
-    for key in [k for k in new if k.endswith(("weight", "_proj")) and new[k].dtype != E4M3]:
-        new.update(_quantize_padded(qop, key, new[key]))
-    missing = [k for k, v in model.state_dict().items() if v.is_meta and k not in new]
+            keys = [f"{name}.gate_up_proj", f"{name}.down_proj"]
+        else:
+            continue
+        new = {}
+        for key in keys:
+            value = src.pop(key)
+            # An expert bank a few experts at a time: Fp8Quantize's fp32 temporaries of a
+            # whole GLM-5 bank (256 x 4096 x 6144) would not fit beside the model.
+            pieces = value.split(EXPERTS_AT_ONCE) if isinstance(mod, ff.FP8Experts) else (value,)
+            outs = [_quantized(qop, key, piece) for piece in pieces]
+            new.update({k: torch.cat([o[k] for o in outs]) if len(outs) > 1 else outs[0][k] for k in outs[0]})
+        model.load_state_dict(new, strict=False, assign=True)
+    del src
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
     assert not missing, missing
-    model.load_state_dict(new, strict=False, assign=True)
     quantizer._process_model_after_weight_loading(model)
     model.config.quantization_config = cfg
+    return model, quantizer
+
+
+def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
+    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code
+    (`convert`). `skip`: the checkpoint's own modules_to_not_convert: an FP8 lm_head, as some
+    checkpoints have."""
+    bf16 = tiny_models.glm(layers, **{**DIMS, **overrides})
+    model, quantizer = convert(copy.deepcopy(bf16), scale_fmt, skip)
     return bf16, model, quantizer
 
 
