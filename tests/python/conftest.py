@@ -73,13 +73,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     write = terminalreporter.write_line
     write("")
-    write(
-        "reliability suite: rows per fault, from the runs on disk (rows counted: dropped, or not written in a"
-    )
-    write("run flagged incomplete; a forward with no run is said in one printed line)")
+    write("reliability suite: rows per fault; produced by the test's own count of each forward's rows,")
+    write("written and counted from the manifests on disk (counted: dropped, unflushed, or missing from a")
+    write("run whose counters name the loss); lost silently: what no manifest counts (a log line does not)")
     columns = {
         "fault": "fault", "forwards": "forwards", "runs": "runs", "survived": "engine survived",
-        "sent": "rows sent", "written": "rows written", "counted": "rows counted", "silent": "lost silently",
+        "sent": "rows produced", "written": "rows written", "counted": "rows counted",
+        "silent": "lost silently",
     }  # fmt: skip
     rows = [list(columns.values())]
     for r in results:

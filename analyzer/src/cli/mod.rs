@@ -19,11 +19,12 @@ pub(crate) fn exit_error() -> ExitCode {
 
 /// Layer-wise shadow-precision tracing for LLM inference numerics.
 ///
-/// Runs are written by shadowtrace's producers (today `shadowtrace demo`,
-/// which writes synthetic ones); this command reads them without libtorch.
+/// Runs are written by shadowtrace's producers (the Python hooks inside an
+/// engine's process with SHADOWTRACE=1, and the reference engine: `shadowtrace
+/// run`, `shadowtrace demo`); this command reads them without libtorch.
 /// Exit codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input
-/// or error (`inspect`: a bad run; `analyze --fail-on`: no run that could be
-/// judged).
+/// or error (`inspect`: a bad run; `analyze --fail-on`: a verdict not judged,
+/// or no run that could be judged).
 #[derive(Debug, Parser)]
 #[command(
     name = "shadowtrace",
