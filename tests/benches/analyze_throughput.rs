@@ -115,8 +115,15 @@ fn write_trace(
     layers: i32,
     tokens: i32,
 ) {
-    if dir.join("manifest.json").exists() {
-        return;
+    // A trace kept from an earlier call is reused only when it was closed
+    // complete: one cut short would time fewer rows than it claims.
+    if let Ok(text) = std::fs::read_to_string(dir.join("manifest.json")) {
+        let manifest: serde_json::Value = serde_json::from_str(&text).unwrap();
+        if manifest["status"] == "complete" {
+            return;
+        }
+        println!("{}: incomplete, written again", dir.display());
+        std::fs::remove_dir_all(dir).unwrap();
     }
     let spec = SynthSpec {
         layers,
@@ -413,6 +420,10 @@ fn bench(workload: Workload) {
     );
     let py_times = script_times(&stdout, "");
     assert_eq!(py_times.len(), repeats, "one time per repetition: {stdout}");
+    assert!(
+        stdout.contains(&format!("layers {layers},")),
+        "polars aggregated every layer: {stdout}"
+    );
     let py_secs = median(&py_times);
     println!(
         "python polars set_intersection/set_union over v1 full lists: median {py_secs:.2} s of {}, {:.0} rows/s",
