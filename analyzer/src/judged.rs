@@ -71,7 +71,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 11] = [
+const INFORMATIONAL: [&str; 12] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -80,6 +80,11 @@ const INFORMATIONAL: [&str; 11] = [
     // Tensor-parallel expert shards upcast for the shadow's eager forward:
     // memory, not precision.
     "shadow_expert_bank_upcast",
+    // The HF shadow re-runs layers on the prefill only, by design (a decode
+    // step would need a shadow KV cache): decode rows carry no shadow, and
+    // the metrics count them apart (rows without a shadow), so the verdicts
+    // are whole over the prefill they judge.
+    "shadow_skipped_decode_steps",
     "warnings",
     "closed_at_exit",
     "request_resumed",
