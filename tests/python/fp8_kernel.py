@@ -3,18 +3,16 @@
 transformers fetches its FP8 kernel (`kernels-community/finegrained-fp8`) from a hub at run
 time, which the GPU machine cannot reach. `tensor_core_kernel()` puts `torch._scaled_mm` on
 the tensor cores behind the kernel's three entry points (the module global that
-`load_finegrained_fp8_kernel` returns once set): activations quantized per token in 1x128
+`load_finegrained_fp8_kernel` returns once set; the batched and grouped ones go expert by
+expert, `tiny_fp8.per_expert`): activations quantized per token in 1x128
 groups (e4m3, fp32 scale amax/448, as the Triton kernel quantizes them), the weight's
 128x128 block scales repeated over their 128 rows (the 1x128-by-1x128 scaling `_scaled_mm`
 takes, the same numbers), fp32 accumulation. CUDA only (compute capability 8.9 or newer);
 the CPU tests use tiny_fp8's emulation of the same definition.
 """
 
-import contextlib
-from collections.abc import Iterator
-
+import tiny_fp8
 import torch
-import transformers.integrations.finegrained_fp8 as ff
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(E4M3).max
@@ -44,33 +42,6 @@ def scaled_mm_matmul(input, weight, weight_scale_inv, block_size, output_dtype, 
     return out[:m, :n].to(output_dtype).view(*shape[:-1], n)
 
 
-def scaled_mm_grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = scaled_mm_matmul(x[start:end], w[e], s[e], block_size, x.dtype)
-        start = end
-    return out
-
-
-def scaled_mm_batched(x, w, s, block_size=None, expert_ids=None):
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    for e in expert_ids.unique().tolist():
-        if e < w.shape[0]:
-            rows = expert_ids == e
-            out[rows] = scaled_mm_matmul(x[rows], w[e], s[e], block_size, x.dtype)
-    return out
-
-
-@contextlib.contextmanager
-def tensor_core_kernel() -> Iterator[None]:
+def tensor_core_kernel():
     """transformers' FP8 kernel entry points are `torch._scaled_mm` within the block."""
-    saved = ff._FINEGRAINED_FP8
-    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(
-        matmul=scaled_mm_matmul, batched_matmul=scaled_mm_batched, grouped_matmul=scaled_mm_grouped
-    )
-    try:
-        yield
-    finally:
-        ff._FINEGRAINED_FP8 = saved
+    return tiny_fp8.kernel(scaled_mm_matmul)

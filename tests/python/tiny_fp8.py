@@ -67,38 +67,48 @@ def emu_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activa
     return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
 
 
-def emu_batched(x, w, s, block_size=None, expert_ids=None):
-    """matmul_batched(x [S, K], w [E, N, K], s [E, ...], expert_ids [S]) -> [S, N]."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
-    for e in expert_ids.unique().tolist():
-        if e < w.shape[0]:  # expert parallelism's sentinels: the caller masks them
-            rows = expert_ids == e
-            out[rows] = emu_matmul(x[rows], w[e], s[e], block_size, x.dtype)
-    return out
+def per_expert(matmul):
+    """The kernel's batched and grouped entry points over a 2-D `matmul` (`emu_matmul`'s
+    signature), one expert at a time: matmul_batched(x [S, K], w [E, N, K], s [E, ...],
+    expert_ids [S]) and matmul_grouped(x [S, K] sorted by expert, w, s, offsets: cumsum),
+    both -> [S, N]."""
 
+    def batched(x, w, s, block_size=None, expert_ids=None):
+        out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+        for e in expert_ids.unique().tolist():
+            if e < w.shape[0]:  # expert parallelism's sentinels: the caller masks them
+                rows = expert_ids == e
+                out[rows] = matmul(x[rows], w[e], s[e], block_size, x.dtype)
+        return out
 
-def emu_grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
-    """matmul_grouped(x [S, K] sorted by expert, w [E, N, K], s, offsets: cumsum) -> [S, N]."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = emu_matmul(x[start:end], w[e], s[e], block_size, x.dtype)
-        start = end
-    return out
+    def grouped(x, w, s, offsets=None, tokens_per_expert=None, block_size=None):
+        out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                out[start:end] = matmul(x[start:end], w[e], s[e], block_size, x.dtype)
+            start = end
+        return out
+
+    return batched, grouped
 
 
 @contextlib.contextmanager
-def kernel_emulated() -> Iterator[None]:
-    """transformers' FP8 kernel entry points are the emulation within the block."""
+def kernel(matmul) -> Iterator[None]:
+    """transformers' FP8 kernel entry points are `matmul` (and `per_expert` of it) within
+    the block, through the module global `load_finegrained_fp8_kernel` returns once set."""
     saved = ff._FINEGRAINED_FP8
-    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(
-        matmul=emu_matmul, batched_matmul=emu_batched, grouped_matmul=emu_grouped
-    )
+    batched, grouped = per_expert(matmul)
+    ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(matmul=matmul, batched_matmul=batched, grouped_matmul=grouped)
     try:
         yield
     finally:
         ff._FINEGRAINED_FP8 = saved
+
+
+def kernel_emulated():
+    """transformers' FP8 kernel entry points are the emulation within the block."""
+    return kernel(emu_matmul)
 
 
 def _quantize_padded(qop, key: str, value: torch.Tensor, block: int = 128) -> dict:
