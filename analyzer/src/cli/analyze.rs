@@ -168,10 +168,13 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     let lines = not_judged_lines(&analysis, &args.fail_on);
-    if !args.fail_on.is_empty() && !analysis.runs.iter().any(|r| r.can_be_judged()) {
+    let none_judged = !args.fail_on.is_empty() && !analysis.runs.iter().any(|r| r.can_be_judged());
+    if none_judged || !args.allow_partial {
         for line in &lines {
             eprintln!("error: --fail-on: {line}");
         }
+    }
+    if none_judged {
         eprintln!(
             "error: --fail-on: no run could be judged: {}",
             unjudged(&analysis)
@@ -179,9 +182,6 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
         return Ok(exit_error());
     }
     if !args.allow_partial && !lines.is_empty() {
-        for line in &lines {
-            eprintln!("error: --fail-on: {line}");
-        }
         eprintln!(
             "error: --fail-on: {} verdict{} not judged: data missing is not a pass (--allow-partial accepts it)",
             lines.len(),
