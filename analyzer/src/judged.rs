@@ -175,20 +175,28 @@ pub fn not_measured(
 ) -> Vec<NotMeasured> {
     let mut out = Vec::new();
     // An assumed engine value says nothing about the engine, whether it
-    // agrees with the model's or not.
-    for c in conventions
-        .iter()
-        .filter(|c| c.engine_assumed && !c.model.is_null())
-    {
+    // agrees with the model's or not; one not read says nothing at all. A
+    // model that defines no value has nothing to judge.
+    for c in conventions.iter().filter(|c| !c.model.is_null()) {
+        let name = c.name.replace('_', " ");
+        let model = crate::verdict::convention_value(&c.model);
+        let why = if c.engine.is_null() {
+            format!(
+                "{name}: the engine's value was not read ({}); the model's is {model}",
+                c.engine_source
+            )
+        } else if c.engine_assumed {
+            format!(
+                "{name}: the engine's value ({}) is assumed ({}), not read from the engine; the model's is {model}",
+                crate::verdict::convention_value(&c.engine),
+                c.engine_source
+            )
+        } else {
+            continue;
+        };
         out.push(NotMeasured {
             questions: vec![Question::Convention],
-            why: format!(
-                "{}: the engine's value ({}) is assumed ({}), not read from the engine; the model's is {}",
-                c.name.replace('_', " "),
-                crate::verdict::convention_value(&c.engine),
-                c.engine_source,
-                crate::verdict::convention_value(&c.model)
-            ),
+            why,
         });
     }
     if manifest.status != Status::Complete {

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use shadowtrace_analyzer::judged::{EVERY_QUESTION, NotMeasured, Question};
+use shadowtrace_analyzer::judged::{EVERY_QUESTION, NotMeasured, Question, why_not_judged};
 use shadowtrace_analyzer::verdict::Thresholds;
 use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
 use shadowtrace_schemas::Convention;
@@ -624,6 +624,12 @@ fn agreeing_and_unknown_conventions_are_no_verdict() {
         run.conventions.len(),
         3,
         "all of them are kept for the report"
+    );
+    // The engine value nobody could read is no agreement: not judged.
+    assert!(!run.judged(Question::Convention));
+    assert_eq!(
+        why_not_judged(&run.not_measured, Question::Convention).unwrap(),
+        "indexer rope: the engine's value was not read (engine module); the model's is neox"
     );
 }
 
