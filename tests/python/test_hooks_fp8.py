@@ -140,11 +140,13 @@ def _fp8_modules(model: torch.nn.Module) -> tuple[int, int]:
     return sum(isinstance(m, ff.FP8Linear) for m in mods), sum(isinstance(m, ff.FP8Experts) for m in mods)
 
 
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
 def test_the_local_shadow_of_fp8_layers_is_their_dequantized_fp32_recompute(
-    tmp_path: Path, scale_fmt: str
+    tmp_path: Path, scale_fmt: str, family: str
 ) -> None:
-    bf16, model, _ = tiny_fp8.fp8_glm(scale_fmt=scale_fmt)
+    """GLM-5 and DeepSeek-V3.2 (its half-split indexer RoPE, group-limited routing) alike."""
+    bf16, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
     linears, banks = _fp8_modules(model)
     assert (linears, banks) == (30, 2)  # 10 per layer (indexer wq_b, wk among them); 2 MoE layers
     scales = model.model.layers[1].mlp.experts.gate_up_proj_scale_inv.dtype

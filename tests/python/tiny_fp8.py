@@ -173,13 +173,21 @@ def convert(model: torch.nn.Module, scale_fmt: str = "float", skip: list[str] | 
     return model, quantizer
 
 
-def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
-    """(bf16 model, its FP8 conversion, the quantizer), the FP8 one by transformers' code
-    (`convert`). `skip`: the checkpoint's own modules_to_not_convert: an FP8 lm_head, as some
-    checkpoints have."""
-    bf16 = tiny_models.glm(layers, **{**DIMS, **overrides})
+def fp8_model(
+    family: str = "glm", layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides
+):
+    """(bf16 model, its FP8 conversion, the quantizer) of `family` (`glm`: glm_moe_dsa,
+    `deepseek`: deepseek_v32), the FP8 one by transformers' code (`convert`). `skip`: the
+    checkpoint's own modules_to_not_convert: an FP8 lm_head, as some checkpoints have."""
+    build = {"glm": tiny_models.glm, "deepseek": tiny_models.deepseek}[family]
+    bf16 = build(layers, **{**DIMS, **overrides})
     model, quantizer = convert(copy.deepcopy(bf16), scale_fmt, skip)
     return bf16, model, quantizer
+
+
+def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
+    """`fp8_model` of a tiny GLM-5."""
+    return fp8_model("glm", layers, scale_fmt, skip, **overrides)
 
 
 def per_tensor(bf16: torch.nn.Module, fp8: torch.nn.Module, path: str) -> None:

@@ -14,6 +14,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use shadowtrace_tracer::fp8::ScaleFormat;
 use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::deviation::{Deviation, Effect};
 use shadowtrace_tracer::model::fault::Fault;
@@ -29,8 +30,16 @@ enum Path {
     Fp32,
     /// bf16 throughout (the shadow).
     Bf16,
-    /// FP8 block-scaled linears, bf16 activations (production).
+    /// FP8 block-scaled linears, bf16 activations (production): every linear's weight
+    /// quantized in 128x128 blocks with ue8m0 scales, activations in 1x128 with ue8m0 scales.
     Fp8,
+    /// Production as transformers runs an FP8 checkpoint: the linears it stores in FP8 on
+    /// their own codes and block scales (never re-quantized), activations in 1x128 groups
+    /// with fp32 scales (transformers' FP8 kernel on Hopper), every other linear in bf16.
+    Fp8Checkpoint,
+    /// As fp8-checkpoint, with fp32 activations and every other linear in fp32: transformers'
+    /// FP8 modules in a model held in fp32, where the FP8 GEMMs are all that is low precision.
+    Fp8CheckpointFp32,
 }
 
 /// Run the reference GLM-5 / DeepSeek-V3.2 / GLM-5.3-Flash engine on prompts, traced or not.
@@ -86,8 +95,8 @@ struct Args {
     /// Numerics of an untraced pass.
     #[arg(long, value_enum, default_value = "fp8")]
     path: Path,
-    /// Write every layer's hidden states, indexer top-k and scores, and the logits of an
-    /// untraced pass to this safetensors file (one prompt only).
+    /// Write every layer's hidden states (attn_out.L, mlp_out.L, layer_out.L), indexer top-k
+    /// and scores, and the logits of an untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
     dump: Option<PathBuf>,
 }
@@ -184,10 +193,16 @@ fn run(args: &Args) -> Result<()> {
             if let Some(dump) = &args.dump {
                 let mut tensors: Vec<(String, Tensor)> = Vec::new();
                 for (l, layer) in forward.layers.iter().enumerate() {
-                    tensors.push((
-                        format!("layer_out.{l}"),
-                        layer.layer_out.to_kind(Kind::Float).to_device(Device::Cpu),
-                    ));
+                    for (site, t) in [
+                        ("attn_out", &layer.attn_out),
+                        ("mlp_out", &layer.mlp_out),
+                        ("layer_out", &layer.layer_out),
+                    ] {
+                        tensors.push((
+                            format!("{site}.{l}"),
+                            t.to_kind(Kind::Float).to_device(Device::Cpu),
+                        ));
+                    }
                     tensors.push((format!("topk.{l}"), layer.topk.to_device(Device::Cpu)));
                     if let Some(scores) = &layer.index_scores {
                         tensors.push((format!("index_scores.{l}"), scores.to_device(Device::Cpu)));
@@ -324,6 +339,14 @@ fn numerics(path: Path) -> Numerics {
         Path::Fp32 => Numerics::Plain(Kind::Float),
         Path::Bf16 => Numerics::Plain(Kind::BFloat16),
         Path::Fp8 => Numerics::Fp8,
+        Path::Fp8Checkpoint => Numerics::Fp8Checkpoint {
+            activations: Kind::BFloat16,
+            scales: ScaleFormat::Fp32,
+        },
+        Path::Fp8CheckpointFp32 => Numerics::Fp8Checkpoint {
+            activations: Kind::Float,
+            scales: ScaleFormat::Fp32,
+        },
     }
 }
 

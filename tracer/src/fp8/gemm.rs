@@ -24,6 +24,20 @@ pub const SPEC: QuantSpec = QuantSpec {
     amax_clamp: 1e-4,
 };
 
+/// Activations quantized as an FP8 checkpoint's kernel quantizes them
+/// ([`stored`]): e4m3 per token in 1x128 groups, scales of `scale`'s format,
+/// each kept at or above 1e-12 (amax 448e-12) as transformers' fine-grained
+/// FP8 kernel keeps them (fp32 on Hopper, for its Triton kernel and DeepGEMM's
+/// SM90 recipe alike). An all-zero group gets zero codes whatever the floor.
+#[must_use]
+pub fn checkpoint_activations(scale: ScaleFormat) -> QuantSpec {
+    QuantSpec {
+        format: Fp8Format::E4m3fn,
+        scale,
+        amax_clamp: 448e-12,
+    }
+}
+
 /// Both operands of one GEMM, block-quantized, zero-padded to what
 /// `_scaled_mm` takes (rows of `x` to 16, the inner and output sides to 128),
 /// with the unpadded output shape.
@@ -63,6 +77,67 @@ pub fn quantize(x: &Tensor, weight: &Tensor) -> Result<Operands, TraceError> {
     Ok(Operands {
         x: quantize_blocks(&xp, (1, 128), SPEC)?,
         weight: quantize_blocks(&wp, (128, 128), SPEC)?,
+        m,
+        n,
+    })
+}
+
+/// Quantizes `x` `[M, K]` with `activation` (1x128 blocks) against `weight`
+/// `[N, K]` as an FP8 checkpoint stores it: `weight` holds its e4m3 codes
+/// times `scale_inv` (`[ceil(N/128), ceil(K/128)]`, one fp32 scale per
+/// 128x128 block) as the loader multiplied them out, so each code comes back
+/// exactly by division (the product was rounded once, to within 2^-24 of
+/// itself, and e4m3 neighbours lie 2^-4 apart) and the weight is never
+/// re-quantized with scales of its own. A zero scale (a block of zeros) gives
+/// zero codes.
+///
+/// # Errors
+/// A scale grid that is not `weight`'s, or when libtorch refuses an operation.
+pub fn stored(
+    x: &Tensor,
+    weight: &Tensor,
+    scale_inv: &Tensor,
+    activation: QuantSpec,
+) -> Result<Operands, TraceError> {
+    const OP: &str = "fp8 gemm stored weight";
+    let (m, k, n) = (x.size()[0], x.size()[1], weight.size()[0]);
+    let up = |v: i64, to: i64| (v + to - 1) / to * to;
+    let (mp, kp, np) = (up(m, 16), up(k, 128), up(n, 128));
+    let grid = vec![np / 128, kp / 128];
+    if scale_inv.size() != grid {
+        return Err(TraceError::Shape {
+            op: OP,
+            what: "weight_scale_inv",
+            expected: format!("{grid:?}: one scale per 128x128 block of the weight [{n}, {k}]"),
+            got: format!("{:?}", scale_inv.size()),
+        });
+    }
+    let run = || -> Result<(Tensor, Tensor, Tensor), tch::TchError> {
+        let scales = scale_inv.f_to_kind(Kind::Float)?;
+        let divisor = scales
+            .f_masked_fill(&scales.f_eq(0.0)?, 1.0)?
+            .f_repeat_interleave_self_int(128, Some(0), None)?
+            .f_repeat_interleave_self_int(128, Some(1), None)?;
+        let max = f64::from(Fp8Format::E4m3fn.max());
+        let codes = weight
+            .f_to_kind(Kind::Float)?
+            .f_constant_pad_nd([0, kp - k, 0, np - n])?
+            .f_div(&divisor)?
+            .f_clamp(-max, max)?
+            .f_to_kind(Fp8Format::E4m3fn.kind())?;
+        let xp = x
+            .f_to_kind(Kind::Float)?
+            .f_constant_pad_nd([0, kp - k, 0, mp - m])?;
+        Ok((xp, codes, scales))
+    };
+    let (xp, codes, scales) = run().map_err(torch(OP))?;
+    Ok(Operands {
+        x: quantize_blocks(&xp, (1, 128), activation)?,
+        weight: Quantized {
+            values: codes,
+            scales,
+            block: (128, 128),
+        },
         m,
         n,
     })
@@ -114,4 +189,75 @@ pub fn emulate(op: &Operands) -> Result<Tensor, TraceError> {
         .and_then(|y| y.f_narrow(0, 0, op.m))
         .and_then(|y| y.f_narrow(1, 0, op.n))
         .map_err(torch(OP))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    /// Every finite e4m3 code, by PyTorch's own cast of its value.
+    fn all_codes(rows: i64, cols: i64) -> Tensor {
+        let values: Vec<f32> = (0..=255_u8)
+            .map(|c| Fp8Format::E4m3fn.decode(c))
+            .filter(|v| v.is_finite())
+            .collect();
+        let table = Tensor::from_slice(&values);
+        let n = table.size()[0];
+        let pick = Tensor::arange(rows * cols, (Kind::Int64, Device::Cpu)).remainder(n);
+        table
+            .index_select(0, &pick)
+            .view([rows, cols])
+            .to_kind(Fp8Format::E4m3fn.kind())
+    }
+
+    #[test]
+    fn a_stored_weight_multiplies_the_checkpoint_codes_never_requantized_ones() {
+        // Scales with full fp32 mantissas, as transformers' Fp8Quantize makes them
+        // (amax / 448), so the code times its scale rounds; a zero scale (a zero block).
+        let (n, k) = (200, 300);
+        let codes = all_codes(n, k);
+        let scales = Tensor::from_slice(&[
+            1.234_567_9e-4_f32,
+            3.1e-3,
+            0.0,
+            7.777_777e-5,
+            2.0e-6,
+            5.5e-2,
+        ])
+        .view([2, 3]);
+        let codes32 = codes.to_kind(Kind::Float);
+        let _ = codes32.narrow(0, 0, 128).narrow(1, 256, 44).fill_(0.0);
+        let codes = codes32.to_kind(Fp8Format::E4m3fn.kind());
+        let expanded = scales
+            .repeat_interleave_self_int(128, Some(0), None)
+            .repeat_interleave_self_int(128, Some(1), None)
+            .narrow(0, 0, n)
+            .narrow(1, 0, k);
+        // What the loader holds: each code times its scale, rounded once in fp32.
+        let weight = codes.to_kind(Kind::Float) * &expanded;
+        let x = Tensor::randn([5, k], (Kind::Float, Device::Cpu));
+        let op = stored(
+            &x,
+            &weight,
+            &scales,
+            checkpoint_activations(ScaleFormat::Fp32),
+        )
+        .unwrap();
+        let got = op.weight.values.narrow(0, 0, n).narrow(1, 0, k);
+        assert!(
+            got.view_dtype(Kind::Uint8)
+                .equal(&codes.view_dtype(Kind::Uint8)),
+            "the codes came back changed"
+        );
+        // The emulated GEMM multiplies exactly the loader's values.
+        let back = dequantize_blocks(&op.weight)
+            .unwrap()
+            .narrow(0, 0, n)
+            .narrow(1, 0, k);
+        assert!(back.equal(&weight));
+        let wrong = scales.narrow(0, 0, 1);
+        let err = stored(&x, &weight, &wrong, SPEC).unwrap_err();
+        assert!(err.to_string().contains("[2, 3]"), "{err}");
+    }
 }

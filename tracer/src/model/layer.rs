@@ -14,7 +14,7 @@ use super::deviation::{self, AtLayer, Deviation, IndexerQuant};
 use super::fault::Fault;
 use super::rope::Rope;
 use super::router::Router;
-use crate::fp8::gemm;
+use crate::fp8::{ScaleFormat, gemm};
 use crate::indexer::{Fp8Indexer, Precision, index_scores};
 
 /// How a path computes.
@@ -32,6 +32,21 @@ pub enum Numerics {
     /// everywhere: an exact emulation of a block-scaled FP8 GEMM with plain
     /// fp32 accumulation.
     Fp8Emulated,
+    /// Production as an FP8 checkpoint's loader runs it (transformers'
+    /// fine-grained FP8, `FP8Linear` and `FP8Experts`): a linear whose weight
+    /// the checkpoint stores in FP8 multiplies its stored codes and 128x128
+    /// block scales, never re-quantized, by its input quantized per token in
+    /// 1x128 groups with scales of the format `scales` ([`gemm::stored`]);
+    /// every other linear (the indexer's `weights_proj` among them) is a GEMM
+    /// in `activations`, the kind the load holds the model in (bf16 in
+    /// serving; fp32 where the FP8 GEMMs are checked alone). On CUDA the FP8
+    /// GEMM runs on the tensor cores, elsewhere emulated.
+    Fp8Checkpoint {
+        /// The kind activations and unquantized weights are held in.
+        activations: Kind,
+        /// The activations' scale format.
+        scales: ScaleFormat,
+    },
 }
 
 impl Numerics {
@@ -41,6 +56,7 @@ impl Numerics {
         match self {
             Numerics::Plain(kind) => kind,
             Numerics::Fp8 | Numerics::Fp8Emulated => Kind::BFloat16,
+            Numerics::Fp8Checkpoint { activations, .. } => activations,
         }
     }
 }
@@ -188,25 +204,32 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
 }
 
 /// `x @ W.T` in `numerics`: the plain kind's matmul, or the FP8 linear (on
-/// the tensor cores when `numerics` is [`Numerics::Fp8`] on CUDA, emulated
-/// otherwise) with a bf16 result; every FP8 fallback counted in `fallbacks`.
-/// The GLM-5 layers and GLM-5.3-Flash's share it.
+/// the tensor cores when `numerics` is [`Numerics::Fp8`] or
+/// [`Numerics::Fp8Checkpoint`] on CUDA, emulated otherwise) with a bf16
+/// result; every FP8 fallback counted in `fallbacks`. `scale_inv`: the
+/// checkpoint's block scales where it stores the weight in FP8, which
+/// [`Numerics::Fp8Checkpoint`] multiplies as stored (without them, a bf16
+/// GEMM). The GLM-5 layers and GLM-5.3-Flash's share it.
 pub(crate) fn linear_in(
     numerics: Numerics,
     fallbacks: Option<&Fallbacks>,
     x: &Tensor,
     weight: &Tensor,
+    scale_inv: Option<&Tensor>,
 ) -> Tensor {
-    match numerics {
-        Numerics::Plain(kind) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
-        Numerics::Fp8 | Numerics::Fp8Emulated => {
+    match (numerics, scale_inv) {
+        (Numerics::Plain(kind), _) => x.to_kind(kind).matmul(&weight.to_kind(kind).tr()),
+        (Numerics::Fp8Checkpoint { activations, .. }, None) => x
+            .to_kind(activations)
+            .matmul(&weight.to_kind(activations).tr()),
+        (Numerics::Fp8 | Numerics::Fp8Emulated | Numerics::Fp8Checkpoint { .. }, _) => {
             let shape = x.size();
             let x2 = x.reshape([-1, shape[shape.len() - 1]]);
-            let y = fp8_linear(numerics, fallbacks, &x2, weight);
+            let y = fp8_linear(numerics, fallbacks, &x2, weight, scale_inv);
             let mut out = shape.clone();
             let last = out.len() - 1;
             out[last] = weight.size()[0];
-            y.view(out.as_slice()).to_kind(Kind::BFloat16)
+            y.view(out.as_slice()).to_kind(numerics.kind())
         }
     }
 }
@@ -216,6 +239,7 @@ fn fp8_linear(
     fallbacks: Option<&Fallbacks>,
     x: &Tensor,
     weight: &Tensor,
+    scale_inv: Option<&Tensor>,
 ) -> Tensor {
     let count = |f: fn(&Fallbacks) -> &AtomicU64| {
         if let Some(fallbacks) = fallbacks {
@@ -226,11 +250,18 @@ fn fp8_linear(
         x.to_kind(Kind::Float)
             .matmul(&weight.to_kind(Kind::Float).tr())
     };
-    let Ok(operands) = gemm::quantize(x, weight) else {
+    let operands = match (numerics, scale_inv) {
+        (Numerics::Fp8Checkpoint { scales, .. }, Some(scale_inv)) => {
+            gemm::stored(x, weight, scale_inv, gemm::checkpoint_activations(scales))
+        }
+        _ => gemm::quantize(x, weight),
+    };
+    let Ok(operands) = operands else {
         count(|f| &f.quantize_failed);
         return unquantized();
     };
-    if numerics == Numerics::Fp8 && x.device().is_cuda() {
+    let tensor_cores = matches!(numerics, Numerics::Fp8 | Numerics::Fp8Checkpoint { .. });
+    if tensor_cores && x.device().is_cuda() {
         if let Ok(y) = gemm::scaled_mm(&operands) {
             count(|f| &f.linears_tensor_cores);
             return y;
@@ -274,20 +305,33 @@ impl Layer<'_> {
         x
     }
 
-    /// `x @ W.T` in the path's numerics.
+    /// `x @ W.T` in the path's numerics, with the checkpoint's FP8 scales
+    /// where it stores the weight in FP8.
     fn linear(&self, x: &Tensor, name: &str) -> Tensor {
-        let scaled;
-        let mut weight = self.w(&format!("{name}.weight"));
+        let mut weight = self.w(&format!("{name}.weight")).shallow_clone();
+        let mut scale_inv = self
+            .weights
+            .get(&format!("{name}.weight_scale_inv"))
+            .map(Tensor::shallow_clone);
         for f in self.faults() {
             if let Fault::Fp8Scale { linear, factor, .. } = f
                 && linear == name
             {
-                scaled = weight * *factor;
-                weight = &scaled;
+                // A wrong scale: the codes as stored, their product moved. Never in
+                // place: the tensors are the layer's own weights.
+                let scaled = &weight * *factor;
+                weight = scaled;
+                scale_inv = scale_inv.map(|s| s * *factor);
                 break;
             }
         }
-        linear_in(self.numerics, self.fallbacks, x, weight)
+        linear_in(
+            self.numerics,
+            self.fallbacks,
+            x,
+            &weight,
+            scale_inv.as_ref(),
+        )
     }
 
     /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.
@@ -537,7 +581,11 @@ impl Layer<'_> {
             -1,
         );
         let weights_proj = self.w("self_attn.indexer.weights_proj.weight");
-        let w = if dev.weights_proj_bf16 {
+        let w = if matches!(self.numerics, Numerics::Fp8Checkpoint { .. }) {
+            // As the load holds it (bf16 in serving: a bf16 output), or its FP8.
+            self.linear(x, "self_attn.indexer.weights_proj")
+                .to_kind(Kind::Float)
+        } else if dev.weights_proj_bf16 {
             // A bf16 GEMM: bf16 operands, fp32 accumulation, bf16 output.
             x.to_kind(Kind::BFloat16)
                 .matmul(&weights_proj.to_kind(Kind::BFloat16).tr())
@@ -549,7 +597,10 @@ impl Layer<'_> {
         let positions = Tensor::arange(s, (Kind::Int64, x.device()));
         // Production's FP8 indexer, as the chosen engine variant and the
         // deviations make it.
-        let fp8_path = matches!(self.numerics, Numerics::Fp8 | Numerics::Fp8Emulated);
+        let fp8_path = matches!(
+            self.numerics,
+            Numerics::Fp8 | Numerics::Fp8Emulated | Numerics::Fp8Checkpoint { .. }
+        );
         let quant = if fp8_path {
             dev.indexer_quant(self.fp8_indexer)
         } else {
@@ -652,7 +703,16 @@ impl Layer<'_> {
             self.w("mlp.gate.weight"),
             self.w("mlp.gate.e_score_correction_bias"),
         );
-        let mut out = Tensor::zeros([s, c.hidden_size], (self.act_kind(), x.device()));
+        // transformers' FP8Experts weighs each expert's output in its own kind and sums
+        // them in fp32, cast once (its eager loop and its grouped_mm path alike); the
+        // bf16 experts promote to fp32 per product and sum in the activations' kind.
+        let fp8_experts = matches!(self.numerics, Numerics::Fp8Checkpoint { .. });
+        let sum_kind = if fp8_experts {
+            Kind::Float
+        } else {
+            self.act_kind()
+        };
+        let mut out = Tensor::zeros([s, c.hidden_size], (sum_kind, x.device()));
         for expert in 0..e {
             let hits = top.eq(expert).nonzero();
             if hits.size()[0] == 0 {
@@ -664,10 +724,15 @@ impl Layer<'_> {
             let w = weights
                 .index(&[Some(tokens.shallow_clone()), Some(slots)])
                 .unsqueeze(1);
-            // bf16 output times fp32 routing weight promotes to fp32, as in transformers.
-            let ye = (ye.to_kind(Kind::Float) * w).to_kind(out.kind());
+            let ye = if fp8_experts {
+                (&ye * w.to_kind(ye.kind())).to_kind(Kind::Float)
+            } else {
+                // bf16 output times fp32 routing weight promotes to fp32, as in transformers.
+                (ye.to_kind(Kind::Float) * w).to_kind(out.kind())
+            };
             out = out.index_add(0, &tokens, &ye);
         }
+        let out = out.to_kind(self.act_kind());
         (out + self.mlp(x, "mlp.shared_experts"), top)
     }
 }

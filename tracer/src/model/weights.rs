@@ -107,8 +107,9 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The tensors named, as fp32 on `device` (FP8 weights multiplied out by
-    /// their `<name>_scale_inv` blocks there).
+    /// The tensors named, as fp32 on `device`: FP8 weights multiplied out by
+    /// their `<name>_scale_inv` blocks there, each with its scales (fp32) under
+    /// that name, so a weight the checkpoint stores in FP8 says so.
     ///
     /// # Errors
     /// A missing tensor, an unsupported dtype, or a truncated file.
@@ -155,10 +156,19 @@ impl Checkpoint {
             .collect();
         for name in fp8 {
             let scale_name = format!("{name}_scale_inv");
-            let scale = self.load(std::slice::from_ref(&scale_name), device)?;
-            let codes = &out[&name];
-            let values = dequantize(codes, &scale[&scale_name]);
+            let mut scale = self.load(std::slice::from_ref(&scale_name), device)?;
+            let scale = scale
+                .remove(&scale_name)
+                .ok_or_else(|| ModelError::Weights {
+                    path: PathBuf::from(&scale_name),
+                    what: "not in the checkpoint".to_owned(),
+                })?;
+            let scale = scale_grid(&scale_name, &out[&name], &scale)?;
+            let values = dequantize(&out[&name], &scale);
             out.insert(name, values);
+            // Kept beside the values: a production path that runs the checkpoint as
+            // stored multiplies these codes and scales, never re-quantized ones.
+            out.insert(scale_name, scale);
         }
         Ok(out)
     }
@@ -203,12 +213,13 @@ fn decode(path: &Path, name: &str, entry: &Entry, data: &[u8]) -> Result<Tensor,
         "BF16" => Kind::BFloat16,
         "F16" => Kind::Half,
         "F32" => Kind::Float,
-        // FP8 codes stay bytes until their scale is applied.
-        "F8_E4M3" => Kind::Uint8,
+        // FP8 codes stay bytes until their scale is applied; ue8m0 scales
+        // (transformers' float8_e8m0fnu) are decoded from their bytes below.
+        "F8_E4M3" | "F8_E8M0" => Kind::Uint8,
         other => {
             return Err(ModelError::Weights {
                 path: path.to_owned(),
-                what: format!("{name}: dtype {other}, expected BF16, F16, F32 or F8_E4M3"),
+                what: format!("{name}: dtype {other}, expected BF16, F16, F32, F8_E4M3 or F8_E8M0"),
             });
         }
     };
@@ -217,15 +228,55 @@ fn decode(path: &Path, name: &str, entry: &Entry, data: &[u8]) -> Result<Tensor,
             path: path.to_owned(),
             what: format!("{name}: {e}"),
         })?;
-    Ok(if kind == Kind::Uint8 {
+    Ok(if entry.dtype == "F8_E8M0" {
+        let table: Vec<f32> = (0..=255_u8).map(ue8m0).collect();
+        Tensor::from_slice(&table)
+            .index_select(0, &tensor.to_kind(Kind::Int64).flatten(0, -1))
+            .view(entry.shape.as_slice())
+    } else if kind == Kind::Uint8 {
         tensor
     } else {
         tensor.to_kind(Kind::Float)
     })
 }
 
-/// FP8 e4m3 codes `[R, C]` times their per-128x128-block scales, in fp32:
-/// exact, each product being an e4m3 value times an fp32 scale.
+/// A ue8m0 byte's value: 2^(byte - 127), the byte 255 NaN (the e8m0fnu format
+/// of `torch.float8_e8m0fnu`, which has no zero, sign or infinity).
+fn ue8m0(byte: u8) -> f32 {
+    match byte {
+        255 => f32::NAN,
+        // 2^-127 is an fp32 subnormal: the mantissa's top bit.
+        0 => f32::from_bits(0x0040_0000),
+        b => f32::from_bits(u32::from(b) << 23),
+    }
+}
+
+/// The scales of FP8 codes `[R, C]` as one fp32 scale per 128x128 block,
+/// `[ceil(R/128), ceil(C/128)]`: a grid as stored, or one scale for every
+/// block (a per-tensor scale, or a 1x1 grid saved squeezed, as transformers
+/// 5.17's `save_pretrained` writes each expert's of a small bank).
+fn scale_grid(name: &str, codes: &Tensor, scale: &Tensor) -> Result<Tensor, ModelError> {
+    let size = codes.size();
+    let grid = [(size[0] + 127) / 128, (size[1] + 127) / 128];
+    let scale = scale.to_kind(Kind::Float);
+    if scale.numel() == 1 {
+        return Ok(scale.reshape([1, 1]).expand(grid, false).contiguous());
+    }
+    if scale.size() != grid {
+        return Err(ModelError::Weights {
+            path: PathBuf::from(name),
+            what: format!(
+                "shape {:?}, expected {grid:?} (one scale per 128x128 block of {size:?}) or one scale",
+                scale.size()
+            ),
+        });
+    }
+    Ok(scale)
+}
+
+/// FP8 e4m3 codes `[R, C]` times their per-128x128-block scales, in fp32 (the
+/// product rounded once, as a kernel's dequantization rounds it; dividing it by
+/// its scale gives the code back exactly: see `gemm::stored`).
 fn dequantize(codes: &Tensor, scale_inv: &Tensor) -> Tensor {
     let table: Vec<f32> = (0..=255_u8).map(|c| Fp8Format::E4m3fn.decode(c)).collect();
     let values = Tensor::from_slice(&table)

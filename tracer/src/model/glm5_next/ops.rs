@@ -39,7 +39,8 @@ impl Ops<'_> {
     /// `x @ W.T` for the linear `name` (`{name}.weight`) in the path's numerics.
     pub fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let weight = self.w(&format!("{name}.weight"));
-        linear_in(self.numerics, self.fallbacks, x, weight)
+        let scale_inv = self.weights.get(&format!("{name}.weight_scale_inv"));
+        linear_in(self.numerics, self.fallbacks, x, weight, scale_inv)
     }
 
     /// transformers' RMSNorm with the weight `{name}.weight`.
