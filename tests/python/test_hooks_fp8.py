@@ -477,3 +477,35 @@ def test_an_fp8_lm_head_is_dequantized_in_the_logits_shadow(tmp_path: Path) -> N
         torch.testing.assert_close(torch.tensor(r["shadow_top_logprobs"]), want[t][top], rtol=1e-5, atol=1e-6)
     assert manifest["settings"]["prod_precision"]["lm_head"].startswith("fp8_e4m3 block 128x128")
     assert manifest["settings"]["logits_shadow_mode"] == "local"
+
+
+def test_glm5_next_in_fp8_is_shadowed_by_its_dequantized_fp32_recompute(tmp_path: Path) -> None:
+    """GLM-5.3-Flash on transformers 5.24 (trace_fp8_family.py), converted to FP8 by
+    transformers' code: KDA and MLA layers, FP8Experts, the k-pool indexer's FP8 projections.
+    Every recorded local error equals the script's own dequantized fp32 recompute."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO, transformers_path
+
+    out = tmp_path / "out.pt"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, REPO / "tests" / "python" / "trace_fp8_family.py", str(T), tmp_path / "runs", out],
+        capture_output=True, text=True, env={**clean, **transformers_path("5.24.0")}, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = torch.load(out)
+    manifest = result["manifest"]
+    assert manifest["status"] == "complete"
+    assert manifest["dtypes"] == {"prod": "fp8_e4m3", "shadow": "fp32"}
+    assert "shadow_refused" not in manifest["settings"]
+    assert manifest["counters"].get("hook_errors", 0) == 0
+    for kind in ("linear", "experts", "indexer.wq_b", "indexer.wk"):
+        assert manifest["settings"]["prod_precision"][kind].startswith("fp8_e4m3 block 128x128"), kind
+    assert len(result["sites"]) == 8  # 4 layers (3 KDA, 1 MLA), attn_out and mlp_out
+    for key, site in result["sites"].items():
+        assert site["tokens"] == list(range(T)), key
+        for t, (got, want) in enumerate(zip(site["recorded"], site["expected"], strict=True)):
+            assert got == pytest.approx(want, rel=ERR_REL), (key, t, got, want)

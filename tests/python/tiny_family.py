@@ -22,14 +22,17 @@ VOCAB = 512
 
 
 def _text_glm5_next(layers: int, **overrides: object) -> dict:
-    return dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, v_head_dim=16,
-        qk_nope_head_dim=16, index_topk=64, index_head_dim=32, index_n_heads=4, index_kpool=16,
-        linear_head_dim=16, linear_num_heads=4, hc_mult=4, pad_token_id=0, max_position_embeddings=4096,
-        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), **overrides,
-    )  # fmt: skip
+    return {
+        **dict(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=32, v_head_dim=16,
+            qk_nope_head_dim=16, index_topk=64, index_head_dim=32, index_n_heads=4, index_kpool=16,
+            linear_head_dim=16, linear_num_heads=4, hc_mult=4, pad_token_id=0, max_position_embeddings=4096,
+            mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        ),
+        **overrides,
+    }  # fmt: skip
 
 
 def glm5_next(layers: int = 4, dtype: torch.dtype = torch.bfloat16, **overrides: object) -> torch.nn.Module:

@@ -164,6 +164,8 @@ def convert(model: torch.nn.Module, scale_fmt: str = "float", skip: list[str] | 
             pieces = value.split(EXPERTS_AT_ONCE) if isinstance(mod, ff.FP8Experts) else (value,)
             outs = [_quantized(qop, key, piece) for piece in pieces]
             new.update({k: torch.cat([o[k] for o in outs]) if len(outs) > 1 else outs[0][k] for k in outs[0]})
+        if isinstance(mod, ff.FP8Linear) and mod.bias is not None:  # kept as it was (a vision tower's)
+            new[f"{name}.bias"] = src.pop(f"{name}.bias")
         model.load_state_dict(new, strict=False, assign=True)
     del src
     missing = [k for k, v in model.state_dict().items() if v.is_meta]
