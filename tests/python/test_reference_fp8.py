@@ -15,9 +15,11 @@ test can tell a wrong FP8 implementation from a right one.
 """
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import tiny_fp8
 import tiny_models
@@ -46,12 +48,9 @@ def emu_matmul_fp64(input, weight, weight_scale_inv, block_size, output_dtype, a
     return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
 
 
-def fp8_checkpoint(tmp: Path, family: str, scale_fmt: str) -> torch.nn.Module:
-    """transformers' FP8 model of `family`, saved to tmp/fp8 by its own save_pretrained."""
-    _, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
-    model.save_pretrained(tmp / "fp8")
-    # tiny_models casts the whole model to bf16, RoPE frequencies included; a checkpoint's
-    # load computes them in fp32 from the config, as the engine does.
+def fp32_rope(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """tiny_models casts the whole model to bf16, RoPE frequencies included; a checkpoint's
+    load computes them in fp32 from the config, as the engine does: put those back."""
     fresh = {"glm": tiny_models.glm, "deepseek": tiny_models.deepseek}[family](
         len(model.model.layers), dtype=torch.float32, **tiny_fp8.DIMS
     )
@@ -60,13 +59,19 @@ def fp8_checkpoint(tmp: Path, family: str, scale_fmt: str) -> torch.nn.Module:
     return model
 
 
+def fp8_checkpoint(tmp: Path, family: str, scale_fmt: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' FP8 model of `family`, saved to tmp/fp8 by its own save_pretrained, and
+    the bf16 model it was converted from."""
+    bf16, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
+    model.save_pretrained(tmp / "fp8")
+    return fp32_rope(bf16, family), fp32_rope(model, family)
+
+
 def hf_forward(model: torch.nn.Module, ids: torch.Tensor, matmul) -> tuple[dict, torch.Tensor]:
     """Each layer's output (fp32) and the logits of transformers' FP8 path on `matmul`."""
     outs: dict[int, torch.Tensor] = {}
     handles = [
-        layer.register_forward_hook(
-            lambda m, a, out, i=i: outs.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].float())
-        )
+        layer.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(i, first(out)[0].float()))
         for i, layer in enumerate(model.model.layers)
     ]
     try:
@@ -82,10 +87,19 @@ def engine(tmp: Path, path: str) -> dict[str, torch.Tensor]:
     run = subprocess.run(
         [binary("shadowtrace-run"), "--model", tmp / "fp8", tmp / "ids.json", "--path", path,
          "--dump", tmp / f"{path}.safetensors"],
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, env=untraced(),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return load_file(tmp / f"{path}.safetensors")
+
+
+def first(output: object) -> torch.Tensor:
+    """A module's output tensor: the first element of a tuple."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def untraced() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
 
 
 def departure(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -103,7 +117,7 @@ def within(got: tuple[float, float], control: tuple[float, float]) -> bool:
 def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_accumulation_order(
     tmp_path: Path, family: str, scale_fmt: str
 ) -> None:
-    model = fp8_checkpoint(tmp_path, family, scale_fmt)
+    _, model = fp8_checkpoint(tmp_path, family, scale_fmt)
     ids = tiny_models.prompt(T)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
     hf, hf_logits = hf_forward(model, ids, tiny_fp8.emu_matmul)
@@ -125,3 +139,71 @@ def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_a
     # The power of the check: re-quantizing the stored weights departs by far more.
     requantized = engine(tmp_path, "fp8")
     assert not within(departure(requantized["layer_out.0"], hf[0]), departure(control[0], hf[0]))
+
+
+def test_a_traced_fp8_checkpoint_records_transformers_fp8_against_its_dequantized_fp32(
+    tmp_path: Path,
+) -> None:
+    """`shadowtrace run --prod fp8-checkpoint`: production is transformers' FP8 path, the
+    local shadow its dequantized fp32 recompute. The first layer's recorded errors are those
+    the test computes from transformers alone: its FP8 model's outputs against the test's own
+    dequantized fp32 model (tiny_fp8.dequantized_fp32) on the same input."""
+    bf16, model = fp8_checkpoint(tmp_path, "glm", "float")
+    ids = tiny_models.prompt(T)
+    (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
+    ref = fp32_rope(tiny_fp8.dequantized_fp32(bf16, model), "glm")
+    prod, want = {}, {}
+    for out, m in ((prod, model), (want, ref)):
+        layer = m.model.layers[0]
+        handles = [
+            block.register_forward_hook(
+                lambda mod, a, o, site=site, out=out: out.__setitem__(site, first(o)[0].float())
+            )
+            for site, block in (("attn_out", layer.self_attn), ("mlp_out", layer.mlp))
+        ]
+        with tiny_fp8.kernel_emulated(), torch.no_grad():
+            m(ids)
+        for h in handles:
+            h.remove()
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp_path / "fp8", tmp_path / "ids.json",
+         "--out", tmp_path / "runs", "--prod", "fp8-checkpoint", "--fp8-indexer", "none"],
+        capture_output=True, text=True, check=False, env={**untraced(), "SHADOWTRACE_MODE": "local"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (run_dir,) = (p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["settings"]["prod_linears"].startswith("as the FP8 checkpoint stores them")
+    counters = manifest["counters"]
+    assert counters["fp8_linears_emulated"] >= 3 * 10  # 10 FP8 linears a layer at least
+    assert not {"fp8_scaled_mm_fallbacks", "fp8_quantize_fallbacks", "fp8_indexer_fallbacks"} & set(counters)
+    rows = pq.read_table(run_dir / "hidden").to_pylist()
+    for site in ("attn_out", "mlp_out"):
+        p, s = prod[site], want[site]
+        expected = ((p - s).norm(dim=-1) / s.norm(dim=-1)).tolist()
+        got = sorted((r for r in rows if (r["layer"], r["site"], r["shadow_mode"]) == (0, site, "local")),
+                     key=lambda r: r["token"])  # fmt: skip
+        assert [r["token"] for r in got] == list(range(T)), site
+        for t, r in enumerate(got):
+            # fp32 shadows with other reduction orders (1e-7 of the vector) under an error ~0.05
+            assert r["rel_l2_err"] == pytest.approx(expected[t], rel=1e-4), (
+                site,
+                t,
+                r["rel_l2_err"],
+                expected[t],
+            )
+
+
+def test_production_as_an_fp8_checkpoint_is_refused_on_a_checkpoint_without_fp8_weights(
+    tmp_path: Path,
+) -> None:
+    tiny_models.glm(layers=1).save_pretrained(tmp_path / "bf16")
+    (tmp_path / "ids.json").write_text(json.dumps(tiny_models.prompt(16)[0].tolist()))
+    run = subprocess.run(
+        [binary("shadowtrace-run"), "--model", tmp_path / "bf16", tmp_path / "ids.json",
+         "--out", tmp_path / "runs", "--prod", "fp8-checkpoint"],
+        capture_output=True, text=True, check=False, env=untraced(),
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "no FP8 weight (no *_scale_inv tensor)" in run.stderr, run.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -42,6 +42,15 @@ enum Path {
     Fp8CheckpointFp32,
 }
 
+/// Production's numerics in a traced pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Prod {
+    /// As `--path fp8`.
+    Fp8,
+    /// As `--path fp8-checkpoint`.
+    Fp8Checkpoint,
+}
+
 /// Run the reference GLM-5 / DeepSeek-V3.2 / GLM-5.3-Flash engine on prompts, traced or not.
 ///
 /// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8
@@ -95,6 +104,12 @@ struct Args {
     /// Numerics of an untraced pass.
     #[arg(long, value_enum, default_value = "fp8")]
     path: Path,
+    /// Production's numerics in a traced pass: fp8 (every linear re-quantized in 128x128
+    /// blocks with ue8m0 scales, the engines' re-quantizing FP8 path) or fp8-checkpoint (an FP8
+    /// checkpoint's linears on their stored codes and block scales, the rest in bf16, as
+    /// transformers runs it; the checkpoint must store FP8 weights). GLM-5.3-Flash takes fp8.
+    #[arg(long, value_enum, default_value = "fp8")]
+    prod: Prod,
     /// Write every layer's hidden states (attn_out.L, mlp_out.L, layer_out.L), indexer top-k
     /// and scores, and the logits of an untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
@@ -142,6 +157,16 @@ fn run(args: &Args) -> Result<()> {
         })?),
     };
     fp8_indexer.clone_into(&mut opts.fp8_indexer_name);
+    if args.prod == Prod::Fp8Checkpoint
+        || matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+    {
+        model
+            .check_fp8_checkpoint()
+            .context("production as the FP8 checkpoint stores it")?;
+    }
+    if args.prod == Prod::Fp8Checkpoint {
+        opts.prod = numerics(Path::Fp8Checkpoint);
+    }
     for text in &args.deviation {
         let deviation = Deviation::parse(text).with_context(|| format!("--deviation {text}"))?;
         deviation
@@ -234,6 +259,14 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     let model = Glm5Next::open(&args.model, device)?;
     if !args.deviation.is_empty() {
         bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
+    }
+    if args.prod == Prod::Fp8Checkpoint
+        || matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+    {
+        bail!(
+            "--prod/--path fp8-checkpoint: not implemented for glm5_next (GLM-5.3-Flash): its \
+             engine was checked against transformers in fp32 and bf16, not on an FP8 checkpoint"
+        );
     }
     let name = model_name(args);
     let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;

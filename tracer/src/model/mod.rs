@@ -82,6 +82,8 @@ pub struct Model {
     /// Which architecture.
     pub arch: Architecture,
     checkpoint: Checkpoint,
+    /// The model directory.
+    model_dir: PathBuf,
     /// The device everything runs on.
     pub device: Device,
 }
@@ -114,6 +116,7 @@ impl Model {
             config_bytes,
             arch,
             checkpoint,
+            model_dir: dir.to_owned(),
             device,
         })
     }
@@ -125,6 +128,44 @@ impl Model {
             .names_with_prefix(name)
             .iter()
             .any(|n| n == name)
+    }
+
+    /// Refuses a checkpoint that production cannot run as an FP8 checkpoint
+    /// ([`Numerics::Fp8Checkpoint`]): one that stores no FP8 weight (its
+    /// production would be bf16 throughout under an FP8 label), or whose
+    /// `quantization_config` names blocks other than 128x128.
+    ///
+    /// # Errors
+    /// Either case, saying which.
+    pub fn check_fp8_checkpoint(&self) -> Result<(), ModelError> {
+        let config = self.model_dir.join("config.json");
+        let blocks = serde_json::from_slice::<serde_json::Value>(&self.config_bytes)
+            .ok()
+            .and_then(|v| v.pointer("/quantization_config/weight_block_size").cloned());
+        if let Some(blocks) = blocks
+            && blocks != serde_json::json!([128, 128])
+        {
+            return Err(ModelError::Weights {
+                path: config,
+                what: format!(
+                    "quantization_config.weight_block_size {blocks}, expected [128, 128]"
+                ),
+            });
+        }
+        let fp8 = self
+            .checkpoint
+            .names_with_prefix("")
+            .iter()
+            .any(|n| n.ends_with("_scale_inv"));
+        if !fp8 {
+            return Err(ModelError::Weights {
+                path: self.model_dir.clone(),
+                what: "no FP8 weight (no *_scale_inv tensor): production would run bf16 \
+                       throughout under an FP8 label"
+                    .to_owned(),
+            });
+        }
+        Ok(())
     }
 
     /// Loads the named tensors (fp32, on the model's device) with `prefix`

@@ -106,13 +106,11 @@ pub fn trace(
             deviations,
             fallbacks,
         };
-        let prod = layer(
-            Numerics::Fp8,
-            &opts.faults,
-            &opts.deviations,
-            Some(&fallbacks),
-        )
-        .forward(&h_prod, &rope, prev_prod.as_ref());
+        let prod = layer(opts.prod, &opts.faults, &opts.deviations, Some(&fallbacks)).forward(
+            &h_prod,
+            &rope,
+            prev_prod.as_ref(),
+        );
         let shadow = Numerics::Plain(kind);
         let local = (opts.modes.contains(&Mode::Local)).then(|| {
             layer(shadow, &[], &[], None).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref())
@@ -426,6 +424,30 @@ pub(crate) fn runs_dir_salt(run_dir: &Path) -> Vec<u8> {
     directory_salt(run_dir.parent().unwrap_or_else(|| Path::new(".")))
 }
 
+/// What production's linears computed, for the manifest's `settings.prod_linears`:
+/// the counters that say how each ran follow, the caller closes the list.
+pub(crate) fn prod_linears(prod: Numerics) -> String {
+    let how = match prod {
+        Numerics::Fp8Checkpoint { activations, .. } => format!(
+            "as the FP8 checkpoint stores them (transformers' fine-grained FP8): the linears it \
+             holds in fp8 e4m3 on their stored codes and 128x128 block scales, never \
+             re-quantized, times 1x128 activation blocks with fp32 scales (transformers' kernel \
+             on Hopper); every other linear in {activations:?}"
+        ),
+        Numerics::Plain(kind) => format!("{kind:?}, no fp8"),
+        Numerics::Fp8 | Numerics::Fp8Emulated => {
+            "fp8 e4m3, 1x128 activation and 128x128 weight blocks, ue8m0 scales, every weight \
+             re-quantized"
+                .to_owned()
+        }
+    };
+    format!(
+        "{how}: on CUDA the tensor cores' _scaled_mm, else the exact fp32 emulation (counters \
+         fp8_linears_tensor_cores, fp8_linears_emulated; fallbacks fp8_scaled_mm_fallbacks, \
+         fp8_quantize_fallbacks,"
+    )
+}
+
 fn identity(
     model: &Model,
     ids: &[i64],
@@ -443,11 +465,7 @@ fn identity(
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),
-        "fp8 e4m3, 1x128 activation and 128x128 weight blocks, ue8m0 scales: on CUDA the tensor \
-         cores' _scaled_mm, else the exact fp32 emulation (counters fp8_linears_tensor_cores, \
-         fp8_linears_emulated; fallbacks fp8_scaled_mm_fallbacks, fp8_quantize_fallbacks, \
-         fp8_indexer_fallbacks)"
-            .into(),
+        format!("{} fp8_indexer_fallbacks)", prod_linears(opts.prod)).into(),
     );
     let model_id = ModelId {
         name: opts.model_name.clone(),

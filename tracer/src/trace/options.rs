@@ -11,6 +11,7 @@ use shadowtrace_schemas::env::{EnvError, resolve};
 use tch::Kind;
 
 use crate::indexer::Fp8Indexer;
+use crate::model::Numerics;
 use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
 use crate::writer::TopkLists;
@@ -53,6 +54,12 @@ pub struct TraceOptions {
     pub band: f32,
     /// Top-N of each logits row.
     pub top_n: i64,
+    /// Production's numerics: [`Numerics::Fp8`] (every linear's weight
+    /// re-quantized in 128x128 blocks, ue8m0 scales) or
+    /// [`Numerics::Fp8Checkpoint`] (the linears an FP8 checkpoint stores in
+    /// FP8 on their stored codes and scales, the rest in bf16, as transformers
+    /// runs it).
+    pub prod: Numerics,
     /// The production FP8 indexer; `None`: no FP8 in the indexer (q and k
     /// in bf16, scores in fp32, as transformers computes it).
     pub fp8_indexer: Option<Fp8Indexer>,
@@ -88,6 +95,7 @@ impl TraceOptions {
             tokens_setting: serde_json::json!({"kind": "all"}),
             band: 1e-3,
             top_n: 20,
+            prod: Numerics::Fp8,
             fp8_indexer: Some(Fp8Indexer::trtllm()),
             fp8_indexer_name: "trtllm".to_owned(),
             faults: Vec::new(),
