@@ -39,21 +39,6 @@ def capturing() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
-def topk_lists(raw: Any) -> dict[str, Any]:
-    """SHADOWTRACE_TOPK_LISTS (none, every:N or all: the query rows whose full production
-    list the topk table keeps) in its canonical form {"kind": ..., "n": N}. Accepts that form
-    (once env.json defines the variable, config.resolve gives it) or the raw text."""
-    if isinstance(raw, dict):
-        return raw
-    text = str(raw).strip(" \t\n\x0c\r")
-    if text in ("none", "all"):
-        return {"kind": text}
-    kind, _, n = text.partition(":")
-    if kind == "every" and n.isascii() and n.isdigit() and 1 <= int(n) < 1 << 64:
-        return {"kind": "every", "n": int(n)}
-    raise config.EnvError("SHADOWTRACE_TOPK_LISTS", str(raw), "none, every:N or all with N >= 1")
-
-
 @dataclass
 class TokenRows:
     """The rows of one forward's tensor for one request: their absolute positions, and which
@@ -75,7 +60,7 @@ class TokenRows:
 class Settings:
     """The SHADOWTRACE_* variables as the hooks use them (definitions in schemas/v1/env.json)."""
 
-    def __init__(self, values: dict[str, Any], environ: dict[str, str] | None = None) -> None:
+    def __init__(self, values: dict[str, Any]) -> None:
         self.values = values
         self.enabled: bool = values["SHADOWTRACE"]
         self.dir = Path(values["SHADOWTRACE_DIR"])
@@ -97,15 +82,11 @@ class Settings:
         self.flush_timeout_s: float = values["SHADOWTRACE_FLUSH_TIMEOUT_S"]
         self.band: float = values["SHADOWTRACE_BOUNDARY_BAND"]
         self.top_n: int = values["SHADOWTRACE_LOGITS_TOP_N"]
-        # Defined in env.json by format v2's reader side; read here from the environment
-        # until it is (config.resolve then gives its canonical value).
-        lists = values.get("SHADOWTRACE_TOPK_LISTS", (environ or {}).get("SHADOWTRACE_TOPK_LISTS", "none"))
-        self.topk_lists: dict[str, Any] = topk_lists(lists)
+        self.topk_lists: dict[str, Any] = values["SHADOWTRACE_TOPK_LISTS"]
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "Settings":
-        environ = dict(os.environ if environ is None else environ)
-        return cls(config.resolve(environ), environ)
+        return cls(config.resolve(dict(os.environ if environ is None else environ)))
 
     @property
     def shadow_dtype(self) -> torch.dtype | None:
