@@ -86,3 +86,36 @@ def test_indexer_events_count_non_finite_scores_among_visible_keys_only() -> Non
     }
     masked_only = torch.tensor([[1.0, -math.inf], [1.0, 2.0]])
     assert stats.indexer_events(masked_only, torch.arange(2)) == []
+
+
+def test_events_of_every_kind_match_a_row_by_row_search_on_planted_values() -> None:
+    """events_device against the test's own search (rows in order, then channels), on random
+    plants of each kind, with and without a per-row count of valid elements (the rest -inf,
+    as the indexer's masked scores are)."""
+    gen = torch.Generator().manual_seed(5)
+    kinds = {"nan": math.nan, "pos_inf": math.inf, "neg_inf": -math.inf}
+    for trial in range(60):
+        t, n = 1 + trial % 7, 1 + (trial * 3) % 11
+        x = torch.randn(t, n, generator=gen).to(torch.bfloat16 if trial % 2 else torch.float32)
+        for value in kinds.values():
+            for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):
+                r, c = (int(v) for v in torch.randint(0, 1 << 20, (2,), generator=gen))
+                x[r % t, c % n] = value
+        valid = torch.randint(0, n + 1, (t,), generator=gen) if trial % 3 == 0 else None
+        if valid is not None:  # the indexer's contract: -inf past each row's valid keys
+            x = x.masked_fill(torch.arange(n)[None, :] >= valid[:, None], -math.inf)
+        finite = torch.rand(t, generator=gen) < 0.5
+        want = []
+        for kind, value in kinds.items():
+            hits = [
+                (r, c)
+                for r in range(t)
+                for c in range(n if valid is None else int(valid[r]))
+                if (math.isnan(float(x[r, c])) if kind == "nan" else float(x[r, c]) == value)
+            ]
+            if hits:
+                want.append({"kind": kind, "token": hits[0][0], "channel": hits[0][1], "count": len(hits),
+                             "shadow_finite": bool(finite[hits[0][0]])})  # fmt: skip
+        counts = stats.counts_device(x, valid)
+        got = stats.event_rows(stats.events_device(x, counts, finite, valid).numpy())
+        assert got == want, (trial, got, want)

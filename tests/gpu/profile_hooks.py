@@ -9,7 +9,10 @@ pageable memory show as long CPU rows), and on CUDA how long the device ran no k
 the forward, with its longest gaps and the kernels on either side (`--gaps`).
 
 usage: python tests/gpu/profile_hooks.py [--layers 4] [--tokens 8192] [--modes unhooked,capture,on]
-       [--rows 30] [--gaps 12] [--inside fn:selection._gap_coded,...] [--tiny]
+       [--rows 30] [--gaps 12] [--inside fn:selection._gap_coded,...] [--tiny] [--fp8] [--attn IMPL]
+
+The model is bench_hooks_overhead.py's, with its attention (default the model's own, SDPA) and
+with --fp8 its FP8 production (transformers' FP8 modules on torch._scaled_mm).
 
 The figures are a profile's (the profiler adds its own cost): read them as shares, and take
 ratios from bench_hooks_overhead.py.
@@ -79,7 +82,10 @@ def child(args: argparse.Namespace) -> None:
             for name in names:
                 if hasattr(module, name):
                     wrap(module, name)
-    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny, attn="eager")
+    model, ids, device = bench.model_and_prompt(args.layers, args.tokens, args.tiny, args.attn, args.fp8)
+    if args.fp8:  # production's FP8 modules on the benchmark's kernel for the whole process
+        kernel = bench.fp8_kernel(device)
+        kernel.__enter__()
 
     def forward() -> float:
         if device == "cuda":
@@ -172,6 +178,10 @@ def main() -> int:
     parser.add_argument("--gaps", type=int, default=12, help="longest device idle gaps listed")
     parser.add_argument("--inside", default="", help="comma list of ranges whose kernels are listed")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--fp8", action="store_true", help="transformers' FP8 production, as the benchmark's --fp8"
+    )
+    parser.add_argument("--attn", help="attention implementation (default: the model's own, sdpa)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -184,6 +194,8 @@ def main() -> int:
         cmd += ["--tokens", str(args.tokens), "--rows", str(args.rows), "--gaps", str(args.gaps)]
         cmd += ["--inside", args.inside]
         cmd += ["--tiny"] if args.tiny else []
+        cmd += ["--fp8"] if args.fp8 else []
+        cmd += ["--attn", args.attn] if args.attn else []
         env = {**clean, **MODES[mode], "SHADOWTRACE_DIR": f"/tmp/profile-runs/{mode}"}
         print(f"===== {mode}: {MODES[mode]}", flush=True)
         out = subprocess.run(cmd, env=env, check=False)
