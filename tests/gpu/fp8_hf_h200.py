@@ -7,7 +7,8 @@ FP8 GEMM, `torch._scaled_mm` on the tensor cores, behind the kernel's three entr
 
 It checks, and prints:
 1. the kernel against a dequantized fp32 product of the same operands (relative L2), at
-   4096x2048x6144 and at the tiny model's shapes;
+   4096x2048x6144 and at the tiny model's shapes; its grouped entry point against the
+   per-expert loop of its matmul, bit for bit;
 2. a tiny GLM-5 converted by transformers' own FP8 code (tests/python/tiny_fp8.py) on CUDA,
    traced with SHADOWTRACE=1 in local mode: every recorded local error at attn_out and
    mlp_out against this script's own dequantized fp32 recompute of that layer from
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import fp8_kernel
 import pyarrow.parquet as pq
 import tiny_fp8
 from fp8_kernel import FP8_MAX, scaled_mm_matmul, tensor_core_kernel
@@ -163,6 +165,28 @@ def tiny_model_traced(out: Path) -> None:
     check(settings.get("disabled_sites") is None, "no capture disabled")
 
 
+def grouped_against_per_expert(experts: int, tokens: int, k: int, n: int) -> None:
+    """The grouped entry point (one quantization of the sorted tokens, each expert's scale
+    layout kept) against the per-expert loop of matmul_2d: bit for bit, uneven groups, an
+    expert with no tokens, and a second call reading the kept layouts."""
+    torch.manual_seed(1)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda") * 0.02
+    blocks = w.view(experts, n // 128, 128, k // 128, 128)
+    scale = blocks.abs().amax(dim=(2, 4)) / FP8_MAX
+    codes = (blocks / scale[:, :, None, :, None]).to(E4M3).view(experts, n, k)
+    ids = torch.randint(0, experts, (tokens,))
+    ids[ids == 1] = 0  # expert 1 gets no token
+    offsets = torch.cumsum(torch.bincount(ids, minlength=experts), 0).to(torch.int32).cuda()
+    _, loop = tiny_fp8.per_expert(scaled_mm_matmul)
+    want = loop(x, codes, scale, offsets=offsets, block_size=[128, 128])
+    grouped = fp8_kernel._Grouped()
+    first = grouped(x, codes, scale, offsets=offsets, block_size=[128, 128])
+    again = grouped(x, codes, scale, offsets=offsets, block_size=[128, 128])
+    same = torch.equal(first, want) and torch.equal(again, want)
+    check(same, f"grouped entry point {experts}x{tokens}x{k}x{n} equals the per-expert loop bit for bit")
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
     if not torch.cuda.is_available():
@@ -170,6 +194,8 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     kernel_against_fp32(4096, 2048, 6144)
     kernel_against_fp32(64, 256, 512)
+    grouped_against_per_expert(16, 1000, 512, 256)
+    grouped_against_per_expert(8, 333, 384, 640)
     with tensor_core_kernel():
         tiny_model_traced(out)
     print(f"{len(failed)} checks failed" if failed else "every check passed", flush=True)

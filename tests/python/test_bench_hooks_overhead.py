@@ -58,7 +58,10 @@ def test_the_tiny_benchmark_times_transformers_fp8_production_and_names_what_it_
     assert len(manifests) == 4, "two traced rows, a warm-up and a timed forward each"
     for m in manifests:
         assert m["dtypes"]["prod"] == "fp8_e4m3"
-        assert m["settings"]["prod_fp8_kernel"].endswith("loaded: tiny_fp8.emu_matmul")
+        assert m["settings"]["prod_fp8_kernel"].endswith(
+            "loaded: tiny_fp8.emu_matmul (grouped tiny_fp8.per_expert.<locals>.grouped, "
+            "batched tiny_fp8.per_expert.<locals>.batched)"
+        )
     assert "computed by prod_fp8_kernel: " in out.stdout
 
 

@@ -182,7 +182,10 @@ def test_the_local_shadow_of_fp8_layers_is_their_dequantized_fp32_recompute(
     kernel = manifest["settings"]["prod_fp8_kernel"]
     assert kernel.startswith("linear: triton kernels-community/finegrained-fp8 (deepgemm not loadable: ")
     assert "experts: grouped_mm -> triton kernels-community/finegrained-fp8 grouped_matmul" in kernel
-    assert kernel.endswith("loaded: tiny_fp8.emu_matmul")
+    assert kernel.endswith(
+        "loaded: tiny_fp8.emu_matmul (grouped tiny_fp8.per_expert.<locals>.grouped, "
+        "batched tiny_fp8.per_expert.<locals>.batched)"
+    )
     assert "no FP8 kernel" in manifest["settings"]["shadow_dequant"]
     assert manifest["settings"]["shadow_indexer_projections"] == "fp32 (fp8_e4m3 dequantized)"
 

@@ -94,11 +94,13 @@ def per_expert(matmul):
 
 
 @contextlib.contextmanager
-def kernel(matmul) -> Iterator[None]:
-    """transformers' FP8 kernel entry points are `matmul` (and `per_expert` of it) within
-    the block, through the module global `load_finegrained_fp8_kernel` returns once set."""
+def kernel(matmul, batched=None, grouped=None) -> Iterator[None]:
+    """transformers' FP8 kernel entry points are `matmul` (and, unless given, `per_expert`
+    of it) within the block, through the module global `load_finegrained_fp8_kernel`
+    returns once set."""
     saved = ff._FINEGRAINED_FP8
-    batched, grouped = per_expert(matmul)
+    loops = per_expert(matmul)
+    batched, grouped = batched or loops[0], grouped or loops[1]
     ff._FINEGRAINED_FP8 = ff.FineGrainedFP8(matmul=matmul, batched_matmul=batched, grouped_matmul=grouped)
     try:
         yield

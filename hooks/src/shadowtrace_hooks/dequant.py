@@ -428,8 +428,13 @@ def loaded() -> str:
     out = []
     triton = getattr(ff, "_FINEGRAINED_FP8", None)
     if triton is not None:
-        fn = triton.matmul
-        out.append(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}")
+
+        def name(fn: object) -> str:
+            return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+        # The expert banks' entry points may be another kernel's than the linears'.
+        experts = f"grouped {name(triton.grouped_matmul)}, batched {name(triton.batched_matmul)}"
+        out.append(f"{name(triton.matmul)} ({experts})")
     with contextlib.suppress(Exception):
         from transformers.integrations import deepgemm
 
