@@ -38,35 +38,6 @@ def kernel():
     return fp8_kernel.tensor_core_kernel() if DEVICE == "cuda" else tiny_fp8.kernel_emulated()
 
 
-def fp32_rope(model: torch.nn.Module, family: str) -> None:
-    build = {"glm": tiny_models.glm, "deepseek": tiny_models.deepseek}[family]
-    fresh = build(len(model.model.layers), dtype=torch.float32, **tiny_fp8.DIMS)
-    for name in ("inv_freq", "original_inv_freq"):
-        setattr(model.model.rotary_emb, name, getattr(fresh.model.rotary_emb, name).clone())
-
-
-def emu_fp64(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
-    shape = input.shape
-    a = tiny_fp8._quant_act(input.reshape(-1, shape[-1]), block_size[1])
-    w = tiny_fp8.reference_weight(weight, weight_scale_inv, block_size)
-    return (a.double() @ w.double().t()).to(output_dtype).view(*shape[:-1], weight.shape[0])
-
-
-def forward(model, ids, kernel) -> tuple[dict, torch.Tensor]:
-    outs = {}
-    hooks = [
-        layer.register_forward_hook(
-            lambda m, a, o, i=i: outs.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].float().cpu())
-        )
-        for i, layer in enumerate(model.model.layers)
-    ]
-    with kernel, torch.no_grad():
-        logits = model(ids).logits[0].float().cpu()
-    for h in hooks:
-        h.remove()
-    return outs, logits
-
-
 def stats(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float, float]:
     err = (got - want).norm(dim=-1) / want.norm(dim=-1)
     same = float((got == want).all(-1).float().mean())
@@ -83,12 +54,14 @@ def main() -> int:
             case = work / f"{family}-{scale_fmt}"
             _, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
             model.save_pretrained(case / "fp8")
-            fp32_rope(model, family)
+            tiny_fp8.fp32_rope(model, family)
             model.to(DEVICE)
             ids = tiny_models.prompt(length)
             (case / "ids.json").write_text(json.dumps(ids[0].tolist()))
-            hf, hf_logits = forward(model, ids.to(DEVICE), kernel())
-            control, _ = forward(model, ids.to(DEVICE), tiny_fp8.kernel(emu_fp64))
+            hf, hf_logits = tiny_fp8.layer_outputs(model, ids.to(DEVICE), kernel())
+            control, _ = tiny_fp8.layer_outputs(
+                model, ids.to(DEVICE), tiny_fp8.kernel(tiny_fp8.emu_matmul_fp64)
+            )
             run = subprocess.run(
                 [binary, "--model", case / "fp8", case / "ids.json", "--path", "fp8-checkpoint",
                  "--dump", case / "engine.safetensors"],

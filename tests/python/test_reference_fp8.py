@@ -39,48 +39,12 @@ FLOOR = 1e-6
 ARGMAX_SLACK = 0.02
 
 
-def emu_matmul_fp64(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
-    """tiny_fp8.emu_matmul with the products summed in fp64: the accumulation-order control."""
-    shape = input.shape
-    a = tiny_fp8._quant_act(input.reshape(-1, shape[-1]), block_size[1])
-    w = tiny_fp8.reference_weight(weight, weight_scale_inv, block_size)
-    out = a.double() @ w.double().t()
-    return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
-
-
-def fp32_rope(model: torch.nn.Module, family: str) -> torch.nn.Module:
-    """tiny_models casts the whole model to bf16, RoPE frequencies included; a checkpoint's
-    load computes them in fp32 from the config, as the engine does: put those back."""
-    fresh = {"glm": tiny_models.glm, "deepseek": tiny_models.deepseek}[family](
-        len(model.model.layers), dtype=torch.float32, **tiny_fp8.DIMS
-    )
-    for name in ("inv_freq", "original_inv_freq"):
-        setattr(model.model.rotary_emb, name, getattr(fresh.model.rotary_emb, name).clone())
-    return model
-
-
 def fp8_checkpoint(tmp: Path, family: str, scale_fmt: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """transformers' FP8 model of `family`, saved to tmp/fp8 by its own save_pretrained, and
     the bf16 model it was converted from."""
     bf16, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
     model.save_pretrained(tmp / "fp8")
-    return fp32_rope(bf16, family), fp32_rope(model, family)
-
-
-def hf_forward(model: torch.nn.Module, ids: torch.Tensor, matmul) -> tuple[dict, torch.Tensor]:
-    """Each layer's output (fp32) and the logits of transformers' FP8 path on `matmul`."""
-    outs: dict[int, torch.Tensor] = {}
-    handles = [
-        layer.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(i, first(out)[0].float()))
-        for i, layer in enumerate(model.model.layers)
-    ]
-    try:
-        with tiny_fp8.kernel(matmul), torch.no_grad():
-            logits = model(ids).logits[0].float()
-    finally:
-        for h in handles:
-            h.remove()
-    return outs, logits
+    return tiny_fp8.fp32_rope(bf16, family), tiny_fp8.fp32_rope(model, family)
 
 
 def engine(tmp: Path, path: str) -> dict[str, torch.Tensor]:
@@ -120,8 +84,8 @@ def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_a
     _, model = fp8_checkpoint(tmp_path, family, scale_fmt)
     ids = tiny_models.prompt(T)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
-    hf, hf_logits = hf_forward(model, ids, tiny_fp8.emu_matmul)
-    control, control_logits = hf_forward(model, ids, emu_matmul_fp64)
+    hf, hf_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel_emulated())
+    control, control_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel(tiny_fp8.emu_matmul_fp64))
     rust = engine(tmp_path, "fp8-checkpoint")
 
     for i, want in hf.items():
@@ -151,7 +115,7 @@ def test_a_traced_fp8_checkpoint_records_transformers_fp8_against_its_dequantize
     bf16, model = fp8_checkpoint(tmp_path, "glm", "float")
     ids = tiny_models.prompt(T)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
-    ref = fp32_rope(tiny_fp8.dequantized_fp32(bf16, model), "glm")
+    ref = tiny_fp8.fp32_rope(tiny_fp8.dequantized_fp32(bf16, model), "glm")
     prod, want = {}, {}
     for out, m in ((prod, model), (want, ref)):
         layer = m.model.layers[0]

@@ -67,6 +67,15 @@ def emu_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activa
     return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
 
 
+def emu_matmul_fp64(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
+    """`emu_matmul` with the products summed in fp64: the same FP8 path in another
+    accumulation order (the control of the reference engine's FP8 agreement)."""
+    shape = input.shape
+    a = _quant_act(input.reshape(-1, shape[-1]), block_size[1])
+    out = a.double() @ reference_weight(weight, weight_scale_inv, block_size).double().t()
+    return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
+
+
 def per_expert(matmul):
     """The kernel's batched and grouped entry points over a 2-D `matmul` (`emu_matmul`'s
     signature), one expert at a time: matmul_batched(x [S, K], w [E, N, K], s [E, ...],
@@ -187,6 +196,37 @@ def fp8_model(
     bf16 = build(layers, **{**DIMS, **overrides})
     model, quantizer = convert(copy.deepcopy(bf16), scale_fmt, skip)
     return bf16, model, quantizer
+
+
+def fp32_rope(model: torch.nn.Module, family: str) -> torch.nn.Module:
+    """tiny_models casts the whole model to bf16, RoPE frequencies included; a checkpoint's
+    load computes them in fp32 from the config, as the reference engine does: put those back
+    (a `family` model of DIMS's widths)."""
+    build = {"glm": tiny_models.glm, "deepseek": tiny_models.deepseek}[family]
+    fresh = build(len(model.model.layers), dtype=torch.float32, **DIMS)
+    for name in ("inv_freq", "original_inv_freq"):
+        setattr(model.model.rotary_emb, name, getattr(fresh.model.rotary_emb, name).clone())
+    return model
+
+
+def layer_outputs(model: torch.nn.Module, ids: torch.Tensor, kernel) -> tuple[dict, torch.Tensor]:
+    """Each decoder layer's output and the logits of one forward (fp32, on the host), its
+    FP8 modules on the entry points `kernel` (a context, as `kernel(...)` makes) installs."""
+    outs: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        return lambda m, a, out: outs.__setitem__(
+            i, (out[0] if isinstance(out, tuple) else out)[0].float().cpu()
+        )
+
+    handles = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    try:
+        with kernel, torch.no_grad():
+            logits = model(ids).logits[0].float().cpu()
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, logits
 
 
 def fp8_glm(layers: int = 3, scale_fmt: str = "float", skip: list[str] | None = None, **overrides):
