@@ -91,6 +91,16 @@ impl Run {
                     .to_owned(),
             );
         }
+        if let Some(why) = manifest
+            .identity
+            .settings
+            .get("untested_engine_version")
+            .and_then(serde_json::Value::as_str)
+        {
+            // The adapter's signatures matched a release newer than any it was checked
+            // against: the run is read, and the reader is told.
+            notes.push(format!("untested engine version: {why}"));
+        }
         for table in Table::ALL {
             let (complete, partial) = list_parts(&dir.join(table.name()))?;
             let listed: Vec<&String> = manifest

@@ -56,7 +56,7 @@ import torch
 
 from shadowtrace_hooks import dequant, numerics, session, shadow, stats
 from shadowtrace_hooks.adapters import hf_prefix
-from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
 from shadowtrace_hooks.session import Run, Session
 
 log = logging.getLogger("shadowtrace")
@@ -449,7 +449,10 @@ class _Tracer:
             dtypes={"prod": prod, "shadow": self.settings.precision},
         )
         writer = run.writer
-        writer.set_setting("adapter", f"{NAME}: layout {layout.name} ({layout.source})")
+        for key, value in run_settings(
+            layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})"
+        ).items():
+            writer.set_setting(key, value)
         self.sess.guarded("transformers:production", run, self._record_production, run)
         if self.shadow_refused is not None:
             writer.refuse_shadow(self.shadow_refused)

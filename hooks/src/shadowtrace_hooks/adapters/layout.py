@@ -13,8 +13,12 @@ declarations serve two checks:
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
+
+# A release as sources name them: 0.33.0, 5.24.0 (a commit hash or a PR number is none).
+_RELEASE = re.compile(r"\d+(?:\.\d+)+")
 
 
 class UnsupportedVersion(RuntimeError):
@@ -58,6 +62,55 @@ class Layout:
     @property
     def modules(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.module for s in self.symbols))
+
+    @property
+    def newest(self) -> str | None:
+        """The newest release the layout was checked against: the last its source names
+        (None for a layout checked against commits, whose releases are not compared)."""
+        found = _RELEASE.findall(self.source)
+        return found[-1] if found else None
+
+    def untested(self, engine: str, version: str) -> str | None:
+        """Why a run on `engine` `version` is on a release nobody checked this layout
+        against (newer than `newest`, or a version that names no release), or None.
+        Signatures that still match say nothing of what the code now means."""
+        newest = self.newest
+        if newest is None:
+            return None
+        release = _release(version)
+        if not release:
+            return (
+                f"{engine} version {version!r} names no release: not compared with {newest}, the newest "
+                f"release layout {self.name} was checked against"
+            )
+        if release <= _release(newest):
+            return None
+        return (
+            f"{engine} {version} is newer than {newest}, the newest release layout {self.name} "
+            f"was checked against: its signatures match, what it records may still be misread"
+        )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numbers of a release (0.34.0rc1 -> (0, 34, 0)); () when it names none."""
+    found = _RELEASE.match(version.strip())
+    if found is None:
+        found = re.match(r"\d+", version.strip())
+    return tuple(int(part) for part in found.group().split(".")) if found else ()
+
+
+def run_settings(layout: Layout, engine: str, version: str, adapter: str) -> dict[str, str]:
+    """The settings every run traced on `layout` records: `adapter` (what was hooked), and
+    `untested_engine_version` where the engine is newer than the layout was checked against,
+    said once on stderr too."""
+    out = {"adapter": adapter}
+    why = layout.untested(engine, version)
+    if why is not None:
+        from shadowtrace_hooks import session  # the conformance tests read layouts without torch
+
+        out["untested_engine_version"] = why
+        session.warn_once(f"untested:{engine}:{layout.name}", why)
+    return out
 
 
 def parameters(obj: Any) -> list[str] | None:

@@ -89,7 +89,7 @@ from shadowtrace_hooks.adapters.engine import (
     RawInputs,
     Request,
 )
-from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
 from shadowtrace_hooks.rope import IndexerRope
 from shadowtrace_hooks.session import Session
 
@@ -578,7 +578,7 @@ def _capture(
                 f"sglang {_version()}: the indexer took a path that exposes no FP8 operands; the dequant "
                 f"shadow is skipped (counted as {why})",
             )
-    settings = {"adapter": f"{NAME}: layout {layout.name} ({layout.source})"}
+    settings = run_settings(layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})")
     conventions = [
         _convention(indexer, origin),
         engine.hadamard_convention(*_hadamard(indexer, stash), config),

@@ -77,7 +77,7 @@ import torch
 
 from shadowtrace_hooks import numerics, rope, session
 from shadowtrace_hooks.adapters import engine
-from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
 from shadowtrace_hooks.session import Session
 
 NAME = "tensorrt_llm"
@@ -379,7 +379,7 @@ def _record(
         requests=requests,
         raw=raw,
         fp8=fp8,
-        settings={"adapter": f"{NAME}: layout {layout.name} ({layout.source})"},
+        settings=run_settings(layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})"),
         conventions=[
             convention,
             # Neither checked layout rotates: PR #11899 fused the FP8 cast and dropped

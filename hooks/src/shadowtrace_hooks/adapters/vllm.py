@@ -103,7 +103,7 @@ import torch
 from shadowtrace_hooks import numerics, rope, session
 from shadowtrace_hooks.adapters import engine
 from shadowtrace_hooks.adapters.engine import Fp8Operands, IndexerCall, RawInputs, Request
-from shadowtrace_hooks.adapters.layout import Layout, Symbol, select
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
 from shadowtrace_hooks.session import Session
 
 NAME = "vllm"
@@ -774,7 +774,9 @@ def _annotate(call: IndexerCall, module: str, step: Step, conventions: list[dict
     skipped for each request's rows, counted in its run."""
     layout = _hooked(module)
     assert layout is not None
-    call.settings = {"adapter": f"{NAME}: layout {layout.name} ({layout.source}); runner {step.runner}"}
+    call.settings = run_settings(
+        layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source}); runner {step.runner}"
+    )
     call.conventions = conventions
     for req in call.requests:
         if req.prefix == 0 and not req.skipped:
