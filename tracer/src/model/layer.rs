@@ -205,8 +205,8 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
 
 /// `x @ W.T` in `numerics`: the plain kind's matmul, or the FP8 linear (on
 /// the tensor cores when `numerics` is [`Numerics::Fp8`] or
-/// [`Numerics::Fp8Checkpoint`] on CUDA, emulated otherwise) with a bf16
-/// result; every FP8 fallback counted in `fallbacks`. `scale_inv`: the
+/// [`Numerics::Fp8Checkpoint`] on CUDA, emulated otherwise) with its result
+/// in the path's activation kind; every FP8 fallback counted in `fallbacks`. `scale_inv`: the
 /// checkpoint's block scales where it stores the weight in FP8, which
 /// [`Numerics::Fp8Checkpoint`] multiplies as stored (without them, a bf16
 /// GEMM). The GLM-5 layers and GLM-5.3-Flash's share it.
