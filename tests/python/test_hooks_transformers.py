@@ -96,7 +96,18 @@ def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
     assert manifest["tables"]["topk"]["rows"] == 3 * length
     assert manifest["tables"]["logits"]["rows"] == length
 
+    # transformers holds the indexer's head weights in bf16 in a bf16 load (its
+    # _keep_in_fp32_modules applies to fp16 only), where the reference computes them in fp32:
+    # read from the model, recorded, and named by the analyzer (issue 27, item 6)
+    (weights_proj,) = [c for c in manifest["conventions"] if c["name"] == "indexer_weights_proj_dtype"]
+    assert (weights_proj["engine"], weights_proj["model"]) == ("bf16", "fp32")
+    assert weights_proj["engine_source"].endswith(
+        "indexer.weights_proj.weight.dtype, read from the loaded model"
+    )
+    assert "engine_assumed" not in weights_proj
+
     (run,) = analyze(runs)["runs"]
+    assert [m["name"] for m in run["convention_mismatches"]] == ["indexer_weights_proj_dtype"]
     assert run["onset"] is None
     assert run["hidden_verdict"] is None
     assert run["topk_verdict"] is None

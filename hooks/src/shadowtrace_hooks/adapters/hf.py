@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from shadowtrace_hooks import dequant, numerics, session, shadow, stats
-from shadowtrace_hooks.adapters import hf_prefix
+from shadowtrace_hooks.adapters import engine, hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
 from shadowtrace_hooks.session import Run, Session
 
@@ -194,6 +194,21 @@ class _Inputs:
             "position_ids": bound.get("position_ids"),
             "cache": cache,
         }
+
+
+def _weights_proj(model: torch.nn.Module) -> tuple[str, torch.dtype] | None:
+    """The first indexer's `weights_proj.weight` (its name and the dtype transformers holds it
+    in) for the models whose reference computes it in fp32 (glm_moe_dsa, deepseek_v32): a bf16
+    load keeps it bf16 (`_keep_in_fp32_modules` applies to fp16 only), which the reference
+    engine runs only as a deviation. None for other models."""
+    if getattr(model.config, "model_type", None) not in ARCHITECTURES:
+        return None
+    for name, module in model.named_modules():
+        proj = getattr(module, "weights_proj", None)
+        weight = getattr(proj, "weight", None)
+        if name.endswith("indexer") and isinstance(weight, torch.Tensor):
+            return f"{name}.weights_proj.weight", weight.dtype
+    return None
 
 
 def _model_identity(config: Any) -> dict:
@@ -467,6 +482,11 @@ class _Tracer:
         quantization = dequant.quantization(self.model)
         if quantization is not None:
             writer.set_setting("quantization", quantization)
+        weights_proj = _weights_proj(self.model)
+        if weights_proj is not None:
+            name, dtype = weights_proj
+            source = f"transformers {_version()}: {name}.dtype, read from the loaded model"
+            writer.add_conventions([engine.weights_proj_convention(dtype, source)], engine.merge_conventions)
         if self.quant.fp8:
             if self._prod_kernel is None:  # the dispatch rule, once (it may look for nvcc)
                 self._prod_kernel = dequant.kernel(self.model, self.quant)
