@@ -116,6 +116,14 @@ struct Args {
     dump: Option<PathBuf>,
 }
 
+impl Args {
+    /// Whether production (traced or not) runs as the FP8 checkpoint stores it.
+    fn fp8_checkpoint(&self) -> bool {
+        self.prod == Prod::Fp8Checkpoint
+            || matches!(self.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+    }
+}
+
 fn main() -> ExitCode {
     match run(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -157,9 +165,7 @@ fn run(args: &Args) -> Result<()> {
         })?),
     };
     fp8_indexer.clone_into(&mut opts.fp8_indexer_name);
-    if args.prod == Prod::Fp8Checkpoint
-        || matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
-    {
+    if args.fp8_checkpoint() {
         model
             .check_fp8_checkpoint()
             .context("production as the FP8 checkpoint stores it")?;
@@ -260,9 +266,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     if !args.deviation.is_empty() {
         bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
     }
-    if args.prod == Prod::Fp8Checkpoint
-        || matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
-    {
+    if args.fp8_checkpoint() {
         bail!(
             "--prod/--path fp8-checkpoint: not implemented for glm5_next (GLM-5.3-Flash): its \
              engine was checked against transformers in fp32 and bf16, not on an FP8 checkpoint"

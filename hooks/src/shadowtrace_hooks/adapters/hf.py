@@ -464,9 +464,7 @@ class _Tracer:
             dtypes={"prod": prod, "shadow": self.settings.precision},
         )
         writer = run.writer
-        for key, value in run_settings(
-            layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})"
-        ).items():
+        for key, value in run_settings(layout, NAME, _version()).items():
             writer.set_setting(key, value)
         self.sess.guarded("transformers:production", run, self._record_production, run)
         if self.shadow_refused is not None:

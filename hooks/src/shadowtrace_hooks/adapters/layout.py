@@ -99,11 +99,11 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in found.group().split(".")) if found else ()
 
 
-def run_settings(layout: Layout, engine: str, version: str, adapter: str) -> dict[str, str]:
-    """The settings every run traced on `layout` records: `adapter` (what was hooked), and
-    `untested_engine_version` where the engine is newer than the layout was checked against,
-    said once on stderr too."""
-    out = {"adapter": adapter}
+def run_settings(layout: Layout, engine: str, version: str, more: str = "") -> dict[str, str]:
+    """The settings every run traced on `layout` records: `adapter` (what was hooked, `more`
+    appended), and `untested_engine_version` where the engine is newer than the layout was
+    checked against, said once on stderr too."""
+    out = {"adapter": f"{engine}: layout {layout.name} ({layout.source}){more}"}
     why = layout.untested(engine, version)
     if why is not None:
         from shadowtrace_hooks import session  # the conformance tests read layouts without torch

@@ -578,7 +578,7 @@ def _capture(
                 f"sglang {_version()}: the indexer took a path that exposes no FP8 operands; the dequant "
                 f"shadow is skipped (counted as {why})",
             )
-    settings = run_settings(layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})")
+    settings = run_settings(layout, NAME, _version())
     conventions = [
         _convention(indexer, origin),
         engine.hadamard_convention(*_hadamard(indexer, stash), config),

@@ -379,7 +379,7 @@ def _record(
         requests=requests,
         raw=raw,
         fp8=fp8,
-        settings=run_settings(layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source})"),
+        settings=run_settings(layout, NAME, _version()),
         conventions=[
             convention,
             # Neither checked layout rotates: PR #11899 fused the FP8 cast and dropped

@@ -774,9 +774,7 @@ def _annotate(call: IndexerCall, module: str, step: Step, conventions: list[dict
     skipped for each request's rows, counted in its run."""
     layout = _hooked(module)
     assert layout is not None
-    call.settings = run_settings(
-        layout, NAME, _version(), f"{NAME}: layout {layout.name} ({layout.source}); runner {step.runner}"
-    )
+    call.settings = run_settings(layout, NAME, _version(), f"; runner {step.runner}")
     call.conventions = conventions
     for req in call.requests:
         if req.prefix == 0 and not req.skipped:
