@@ -120,6 +120,54 @@ def test_the_close_time_manifest_never_replaces_the_final_one(tmp_path: Path) ->
         assert on_disk["tables"]["hidden"]["rows"] == i
 
 
+@pytest.mark.parametrize("where", ["_logits", "_ship", "close_runs"])
+def test_an_exit_in_the_bookkeeping_after_a_forward_leaves_its_run_interrupted_and_whole(
+    traced: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A serving engine's SIGTERM handler raises SystemExit wherever the main thread is, so
+    also in the hooks' own work after the model's forward returned (the logits capture, the
+    shipment, the close). The request did not finish being recorded: its run must say
+    `interrupted`, and the exit flush must still write or count every row it produced.
+    Before, an exit inside the close left the run unreachable, incomplete without the word."""
+    import tiny_models
+    from shadowtrace_hooks import session
+    from shadowtrace_hooks.adapters import hf
+
+    real = getattr(hf._Tracer, where)
+    calls = []
+
+    # The call after the forward returned: _ship runs once per layer inside it, close_runs
+    # once as the step opens. The exit lands once; the calls after it are the real ones.
+    after_forward = {"_logits": 1, "_ship": LAYERS + 1, "close_runs": 2}[where]
+
+    def cut(self: object, *args: object, **kwargs: object) -> None:
+        calls.append(where)
+        if len(calls) != after_forward:
+            return real(self, *args, **kwargs)
+        if where == "close_runs":
+            real(self, *args, **kwargs)  # the run is handed over; the exit lands just after
+        raise SystemExit(143)
+
+    monkeypatch.setattr(hf._Tracer, where, cut)
+    model, ids = tiny_models.glm(layers=LAYERS), tiny_models.prompt(LENGTH)
+    with pytest.raises(SystemExit), torch.no_grad():
+        model(ids)
+    assert len(calls) >= after_forward
+    session.stop()
+    (m,) = manifests(traced, settle=False)
+    (run_dir,) = traced.iterdir()
+    expected = produced()
+    if where == "close_runs":  # the close finished: nothing was cut
+        assert m["status"] == "complete", m["counters"]
+    else:
+        assert m["status"] == "incomplete"
+        assert m["counters"]["interrupted"] == 1
+    for table in ("hidden", "topk"):
+        assert m["tables"][table]["rows"] == parts(run_dir, table) == expected[table]
+    logits = m["tables"]["logits"]
+    assert logits["rows"] == (0 if where == "_logits" else expected["logits"])
+
+
 def failing_step(monkeypatch: pytest.MonkeyPatch, fails: object) -> list[bool]:
     """`_Step.__init__` (its `.cpu()` included) raises where `fails(decode)`; returns, per
     step opened, whether it failed."""

@@ -197,6 +197,9 @@ class Run:
         self.seq = 0
         self.step = -1
         self.counters: dict[str, int] = {}
+        # Set when an exit (SIGTERM's SystemExit) landed while the run was being closed: the
+        # exit flush closes it once more, interrupted.
+        self.cut = False
         self.state: dict[Any, Any] = {}  # adapter scratch: shadow chains, indexer key caches
         self._packet = Packet()
         self._device: torch.device | None = None
@@ -497,9 +500,22 @@ class Session:
         thread finishing the files (at exit, waits at most `timeout_s` for it). A writer
         failure is counted, never raised into the engine. An `interrupted` run (its forward
         raised, the process was stopped half way) stays incomplete; a run closed `at_exit`
-        says so."""
+        says so.
+
+        The run stays in `open_runs` until its writer holds it: an exit that lands half way
+        (a serving engine's SIGTERM handler raises SystemExit between any two bytecodes)
+        leaves it to the exit flush, which closes it `interrupted`, never unreachable."""
+        try:
+            self._close_run(run, interrupted=interrupted, at_exit=at_exit, timeout_s=timeout_s)
+        except BaseException:
+            run.cut = True
+            raise
         if run in self.open_runs:
             self.open_runs.remove(run)
+        if not at_exit:
+            self.closing.append(run.writer)
+
+    def _close_run(self, run: Run, *, interrupted: bool, at_exit: bool, timeout_s: float | None) -> None:
         try:
             run.ship()
         except Exception as e:
@@ -516,12 +532,10 @@ class Session:
         # A dead writer stays: the exit flush writes its manifest once more, off the forward's path.
         self.closing = [w for w in self.closing if not w.finished or w.died]
         try:
-            run.writer.close(interrupted=interrupted, wait=at_exit, timeout_s=timeout_s)
+            run.writer.close(interrupted=interrupted or run.cut, wait=at_exit, timeout_s=timeout_s)
         except Exception as e:  # the writer already counted it in the manifest
             self.errors += 1
             log.warning("shadowtrace: run %s: %s", run.run_id, e)
-        if not at_exit:
-            self.closing.append(run.writer)
 
     def wait_closed(self, deadline: float) -> None:
         """Waits until every closed run is written, or the monotonic `deadline`: what is not

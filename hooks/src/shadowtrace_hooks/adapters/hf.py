@@ -371,14 +371,21 @@ class _Tracer:
         self.sess.guarded("transformers:step", None, self._begin_step, model, args, kwargs, disable=False)
         try:
             out = forward(model, *args, **kwargs)
+            self._end_step(out)
         except BaseException:
-            # SystemExit from a serving engine's SIGTERM handler, an out-of-memory error:
-            # the request's rows stop half way, and its runs must say so.
+            # SystemExit from a serving engine's SIGTERM handler (in the forward, or in the
+            # bookkeeping after it), an out-of-memory error: the request's rows stop half
+            # way, and its runs must say so.
             self.interrupted = True
             self.step = None
+            for run in self.runs:
+                run.cut = True  # closed interrupted by the exit flush if not here
             if not self.in_generate:
                 self.sess.guarded("transformers:close", None, self.close_runs)
             raise
+        return out
+
+    def _end_step(self, out: Any) -> None:
         step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
@@ -388,7 +395,6 @@ class _Tracer:
             self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, out, self.runs)
         if not self.in_generate:
             self.sess.guarded("transformers:close", None, self.close_runs)
-        return out
 
     def _ship(self) -> None:
         """Sends each run's captures since the last ship in one device-to-host copy."""
