@@ -13,6 +13,7 @@ use shadowtrace_schemas::{Convention, Table};
 
 use crate::AnalyzeError;
 use crate::cache_pair::{self, CachePairs, FirstPosition};
+use crate::capture_check::CaptureCheck;
 use crate::grid::{Grid, group_runs};
 use crate::judged::{self, EVERY_QUESTION, NotMeasured, Question, why_not_judged};
 use crate::load::{Dataset, PartFile, Run};
@@ -86,6 +87,12 @@ pub struct RunAnalysis {
     /// Conventions the engine ran differently from the model: a verdict of
     /// its own, named before any metric.
     pub convention_mismatches: Vec<ConventionMismatch>,
+    /// The producer's capture self-check ([`crate::capture_check`]): a layer
+    /// whose recorded selections production's own scores contradict is
+    /// `capture inconsistent`, a verdict printed before every other. Absent
+    /// where the producer ran none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capture_check: Option<CaptureCheck>,
     /// Engine behaviours the reference engine ran on purpose (the manifest's
     /// `deviations`, by name).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -138,10 +145,20 @@ impl RunAnalysis {
         why_not_judged(&self.not_measured, question).is_none()
     }
 
+    /// Whether the capture self-check found a layer whose recorded
+    /// selections production's own scores contradict.
+    #[must_use]
+    pub fn capture_inconsistent(&self) -> bool {
+        self.capture_check
+            .as_ref()
+            .is_some_and(|c| c.inconsistent().next().is_some())
+    }
+
     /// Whether any verdict fired.
     #[must_use]
     pub fn has_verdict(&self) -> bool {
-        !self.convention_mismatches.is_empty()
+        self.capture_inconsistent()
+            || !self.convention_mismatches.is_empty()
             || self.onset.is_some()
             || self.hidden_verdict.is_some()
             || self.topk_verdict.is_some()
@@ -354,6 +371,8 @@ pub fn analyze_run(
     let counters = judged::run_counters(m);
     let not_measured =
         judged::not_measured(m, &conventions, &counters, topk_summary_check.as_ref());
+    // An unreadable check is not measured (above), never a pass.
+    let capture_check = CaptureCheck::of(m).ok().flatten();
     Ok(RunAnalysis {
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
@@ -373,6 +392,7 @@ pub fn analyze_run(
         logits,
         conventions,
         convention_mismatches,
+        capture_check,
         deviations: m
             .identity
             .deviations

@@ -225,6 +225,21 @@ pub fn render_run(run: &Run) -> String {
             counters.join(" ")
         }
     );
+    match crate::capture_check::CaptureCheck::of(m) {
+        Ok(Some(check)) => {
+            let lines = check.verdict_lines();
+            if lines.is_empty() {
+                let _ = writeln!(out, "{:<11}{}", "capture", check.consistent_line());
+            }
+            for (i, line) in lines.iter().enumerate() {
+                let _ = writeln!(out, "{:<11}{line}", if i == 0 { "CAPTURE" } else { "" });
+            }
+        }
+        Ok(None) => {}
+        Err(why) => {
+            let _ = writeln!(out, "{:<11}{why}", "CAPTURE");
+        }
+    }
     // What the verdicts of `analyze` will not judge, from the manifest alone
     // (the summary check's disagreements are PROBLEMS below).
     let conventions = crate::analysis::recorded_conventions(m);

@@ -17,6 +17,7 @@ use serde::Serialize;
 use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{Convention, Manifest};
 
+use crate::capture_check::CaptureCheck;
 use crate::metrics::topk_check::SummaryCheck;
 
 /// A question a run's verdicts answer (DESIGN.md, "The questions").
@@ -238,7 +239,35 @@ pub fn not_measured(
             why: check.text(),
         });
     }
+    out.extend(capture_not_measured(
+        CaptureCheck::of(manifest).as_ref().map(Option::as_ref),
+    ));
     out
+}
+
+/// What the capture self-check leaves not judged: the top-k verdict of a
+/// run where a layer's recorded selections contradict production's own
+/// scores (the adapter misread the engine there), or whose check cannot be
+/// read.
+#[must_use]
+fn capture_not_measured(check: Result<Option<&CaptureCheck>, &String>) -> Vec<NotMeasured> {
+    match check {
+        Err(why) => vec![NotMeasured {
+            questions: vec![Question::Topk],
+            why: why.clone(),
+        }],
+        Ok(None) => Vec::new(),
+        Ok(Some(c)) => c
+            .inconsistent()
+            .map(|l| NotMeasured {
+                questions: vec![Question::Topk],
+                why: format!(
+                    "capture inconsistent at layer {} ({} of {} rows)",
+                    l.layer, l.disagree, l.rows
+                ),
+            })
+            .collect(),
+    }
 }
 
 /// The reasons among `list` that leave `question` not judged, joined for a

@@ -17,6 +17,7 @@
 
 pub mod analysis;
 pub mod cache_pair;
+pub mod capture_check;
 mod error;
 pub mod export;
 mod frame;

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import traced
+from shadowtrace_hooks import selection
 from shadowtrace_hooks.adapters import engine
 from standins import vllm as sv
 
@@ -176,6 +177,26 @@ def test_the_dequant_shadow_reproduces_production_up_to_ties_at_the_kth_score(se
         assert prod ^ shadow <= set(row["shadow_boundary_indices"]), (row["layer"], row["token"])
         exact += prod == shadow
     assert exact >= 0.9 * len(rows)
+
+
+def test_the_capture_self_check_finds_the_engines_own_reading_consistent_and_churn_known(
+    serving: Traced,
+) -> None:
+    """Production's scores are recomputed from its own FP8 operands (the dequant shadow): its
+    recorded selection is their top-k on every informative row (issue 27's self-check), and
+    production's boundary is known, so churn is too (issue 27, item 7)."""
+    for request in ("A",):  # the one request past index_topk
+        manifest = serving.run(request)["manifest"]
+        check = manifest["settings"]["capture_check"]
+        assert check["sources"] == [engine.DEQUANT_SOURCE]
+        assert check["tolerance"] == selection.CHECK_TOLERANCE
+        for layer in range(LAYERS):
+            want = len([r for r in informative(serving.rows(request, "dequant")) if r["layer"] == layer])
+            assert want > 0
+            assert check["layers"][str(layer)] == {"rows": want, "disagree": 0, "first_token": None}
+    for row in informative(serving.rows("A", "raw")):
+        assert row["prod_kth_score"] is not None
+        assert row["jaccard_no_churn"] is not None, "churn is known where production's scores are"
 
 
 def test_the_raw_shadow_stays_close_to_production(serving: Traced) -> None:

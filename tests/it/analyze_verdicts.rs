@@ -776,3 +776,85 @@ fn a_capture_disabled_in_an_earlier_request_leaves_its_verdicts_not_judged() {
     let grid = &a.grid.groups[0];
     assert_eq!(grid.not_judged_runs, 2);
 }
+
+fn with_capture_check(path: &Path, layers: serde_json::Value) {
+    crate::support::edit_manifest(path, |m| {
+        m["engine"]["name"] = "vllm".into();
+        m["engine"]["version"] = "0.34.0".into();
+        m["settings"]["capture_check"] = serde_json::json!({
+            "tolerance": 1e-3,
+            "sources": ["recomputed: production's FP8 q, k and scales"],
+            "layers": layers,
+        });
+    });
+}
+
+#[test]
+fn a_capture_the_adapter_misread_is_its_own_verdict_first_and_leaves_top_k_not_judged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = write(tmp.path(), &[clean("misread"), clean("read-right")]);
+    with_capture_check(
+        &paths[0],
+        serde_json::json!({
+            "1": {"rows": 40, "disagree": 0, "first_token": null},
+            "3": {"rows": 40, "disagree": 38, "first_token": 24}
+        }),
+    );
+    with_capture_check(
+        &paths[1],
+        serde_json::json!({"1": {"rows": 40, "disagree": 0, "first_token": null}}),
+    );
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let bad = a.runs.iter().find(|r| r.run_id == "misread").unwrap();
+    assert!(bad.capture_inconsistent() && bad.has_verdict());
+    assert!(!bad.judged(Question::Topk));
+    assert!(bad.judged(Question::Hidden) && bad.judged(Question::Nonfinite));
+    let text = render_terminal_of(bad);
+    let verdict = "  CAPTURE INCONSISTENT at layer 3: 38 of 40 informative rows (95.0%) select keys production's own scores rank outside its top-k (first at token 24); the adapter may not match vllm 0.34.0, so this layer's top-k rows are not judged as numerics\n";
+    let at = text.find(verdict).unwrap_or_else(|| panic!("{text}"));
+    assert!(at < text.find("non-finite onset").unwrap(), "{text}");
+    assert!(
+        text.contains(
+            "  top-k divergence:  not judged: capture inconsistent at layer 3 (38 of 40 rows)"
+        ),
+        "{text}"
+    );
+    let good = a.runs.iter().find(|r| r.run_id == "read-right").unwrap();
+    assert!(!good.capture_inconsistent() && !good.has_verdict());
+    assert!(good.judged(Question::Topk));
+    assert!(
+        render_terminal_of(good).contains(
+            "  capture self-check: 1 layer, 40 informative rows, every selection production's own scores' top-k (tolerance 1e-3; scores recomputed: production's FP8 q, k and scales)\n"
+        )
+    );
+    let inspected = shadowtrace_analyzer::inspect::render_run(
+        &shadowtrace_analyzer::Run::open(&paths[0]).unwrap(),
+    );
+    assert!(
+        inspected.contains("CAPTURE    CAPTURE INCONSISTENT at layer 3: 38 of 40"),
+        "{inspected}"
+    );
+    assert!(
+        inspected.contains("- capture inconsistent at layer 3 (38 of 40 rows) (leaves not judged: top-k divergence)"),
+        "{inspected}"
+    );
+}
+
+#[test]
+fn an_unreadable_capture_check_leaves_top_k_not_judged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = write(tmp.path(), &[clean("garbled")]);
+    with_capture_check(
+        &paths[0],
+        serde_json::json!({"3": {"rows": 1, "disagree": 5, "first_token": 0}}),
+    );
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let run = &a.runs[0];
+    assert!(!run.judged(Question::Topk));
+    assert!(run.capture_check.is_none());
+    assert!(
+        why_not_judged(&run.not_measured, Question::Topk)
+            .unwrap()
+            .contains("settings.capture_check: layer 3: 5 rows disagree of 1 checked")
+    );
+}

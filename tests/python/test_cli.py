@@ -219,3 +219,30 @@ def test_demo_refuses_suspects_arguments_it_cannot_run_before_tracing_the_grid(t
         assert done.returncode != 0
         assert needle in done.stderr, done.stderr
         assert not (out / "runs").exists(), "the grid was traced first"
+
+
+def test_a_capture_inconsistent_run_fails_every_fail_on_and_prints_its_verdict_first(
+    demo_run: Path, tmp_path: Path
+) -> None:
+    """The adapter's self-check found recorded selections production's own scores contradict
+    (issue 27): whatever verdict --fail-on asks for, the run fails, and the verdict is the
+    first line of its analysis."""
+
+    def misread(m: dict) -> None:
+        m["settings"]["capture_check"] = {
+            "tolerance": 1e-3,
+            "sources": ["recomputed: production's FP8 q, k and scales with its head weights, scored in fp32"],
+            "layers": {"0": {"rows": 10, "disagree": 0, "first_token": None},
+                       "2": {"rows": 10, "disagree": 9, "first_token": 2049}},
+        }  # fmt: skip
+
+    edited_copy(demo_run, tmp_path / "misread", misread)
+    for verdict in ("hidden", "nonfinite", "topk", "convention"):
+        assert shadowtrace("analyze", tmp_path, "--fail-on", verdict).returncode == 1, verdict
+    out = shadowtrace("analyze", tmp_path)
+    assert out.returncode == 0, out.stderr
+    run_lines = out.stdout.split("run glm-tool-3k:")[1].splitlines()
+    assert run_lines[1].startswith("  CAPTURE INCONSISTENT at layer 2: 9 of 10 informative rows (90.0%)")
+    assert "top-k divergence:  not judged: capture inconsistent at layer 2 (9 of 10 rows)" in out.stdout
+    inspected = shadowtrace("inspect", tmp_path)
+    assert "CAPTURE    CAPTURE INCONSISTENT at layer 2" in inspected.stdout

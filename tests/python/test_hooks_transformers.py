@@ -106,12 +106,21 @@ def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
     )
     assert "engine_assumed" not in weights_proj
 
+    # The capture self-check ran on production's captured scores: every informative row's
+    # selection is their top-k in transformers' own model (issue 27, item 1).
+    check = manifest["settings"]["capture_check"]
+    assert check["sources"] == ["captured: the scores production's top-k call ranked"]
+    informative = max(0, length - K)
+    assert check["layers"] == {
+        str(layer): {"rows": informative, "disagree": 0, "first_token": None} for layer in range(3)
+    }
+
     (run,) = analyze(runs)["runs"]
     assert [m["name"] for m in run["convention_mismatches"]] == ["indexer_weights_proj_dtype"]
+    assert run["capture_check"]["layers"][0]["disagree"] == 0
     assert run["onset"] is None
     assert run["hidden_verdict"] is None
     assert run["topk_verdict"] is None
-    informative = max(0, length - K)
     for layer in run["topk"]:
         assert layer["dense_rows"] == min(length, K)
         assert layer["informative_rows"] == informative

@@ -64,7 +64,10 @@ pub(crate) struct AnalyzeArgs {
     /// text for people, json for scripts.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
-    /// Exit with status 1 when a run has this verdict. Repeatable. When no
+    /// Exit with status 1 when a run has this verdict. Repeatable. A run
+    /// whose capture is inconsistent (the adapter's self-check found
+    /// recorded selections that production's own scores contradict) fails
+    /// whichever verdict is asked for. When no
     /// run has it but a run's verdict is not judged (its data is not whole:
     /// a capture disabled, rows dropped or lost, the run incomplete, ...),
     /// or no run could be judged at all, exit with status 2: no verdict from
@@ -262,6 +265,11 @@ fn unjudged(a: &Analysis) -> String {
 
 fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {
     let cache = a.cache.as_ref().is_some_and(|c| c.any_parted());
+    // A capture the adapter misread fails whatever verdict was asked for: no
+    // verdict of that run can be trusted to mean what it says.
+    if !fail_on.is_empty() && a.runs.iter().any(|r| r.capture_inconsistent()) {
+        return true;
+    }
     fail_on.iter().any(|f| match f {
         FailOn::Cache => cache,
         FailOn::Any => cache || a.runs.iter().any(|r| r.has_verdict()),

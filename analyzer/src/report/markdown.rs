@@ -128,6 +128,15 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 "**incomplete**"
             }
         );
+        if let Some(check) = &run.capture_check {
+            let lines = check.verdict_lines();
+            if lines.is_empty() {
+                let _ = writeln!(out, "- {}", check.consistent_line());
+            }
+            for line in lines {
+                let _ = writeln!(out, "- **{line}**");
+            }
+        }
         for m in &run.convention_mismatches {
             let _ = writeln!(
                 out,

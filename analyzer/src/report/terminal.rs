@@ -131,7 +131,17 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             );
         }
     }
-    // A convention the engine got wrong explains every metric below: it comes first.
+    // A capture the adapter misread makes every top-k metric below meaningless: first of all.
+    if let Some(check) = &run.capture_check {
+        let lines = check.verdict_lines();
+        if lines.is_empty() {
+            let _ = writeln!(out, "  {}", check.consistent_line());
+        }
+        for line in lines {
+            let _ = writeln!(out, "  {line}");
+        }
+    }
+    // A convention the engine got wrong explains every metric below: it comes next.
     for m in &run.convention_mismatches {
         let _ = writeln!(out, "  {}", m.line());
     }

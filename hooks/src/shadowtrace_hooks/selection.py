@@ -25,6 +25,15 @@ Definitions, as DESIGN.md and the topk table give them:
   churn-free Jaccard removes the churn keys from both selections first. Churn, and so the
   churn-free Jaccard, is known only with both paths' boundary candidates (production's
   need its recomputed scores): otherwise both are null.
+
+The capture self-check (`compare(..., check=True)`, issue 27): where `prod_scores` are
+production's own scores (captured from its top-k call, or recomputed from its own operands),
+production's selection must be their top-k. On each sparse row it counts the keys production
+selected that contradict them: a key its query cannot see (beyond the causal limit), or one
+scored below the k-th score by more than `CHECK_TOLERANCE` of the row's largest selected
+|score|. Keys tied at the k-th score never count. A row with any such key disagrees: the
+adapter read the selection against other tokens, another request or another layer than the
+scores, which is a misreading of the engine, not numerics.
 """
 
 import math
@@ -36,6 +45,14 @@ import torch
 from shadowtrace_hooks import kernels
 from shadowtrace_hooks.numerics import Lists
 from shadowtrace_hooks.transfer import Later, Packet
+
+# The capture self-check's tolerance, relative to the row's largest selected |score|. A
+# recompute of production's operands in fp32 differs from the engine's kernel by its
+# summation order: a few fp32 ulps of the sum's terms (below 1e-6 relative; the stand-ins'
+# kernels, emulated, and HF's captured scores give 0). 1e-3 leaves three decades to that and
+# still flags a key scored 0.1% of the row's range below the k-th: a selection read against
+# the wrong tokens puts most keys far below it (tests/python/test_capture_check.py).
+CHECK_TOLERANCE = 1e-3
 
 # Elements of one [rows, keys] mask: rows are compared in chunks of at most this many, which
 # bounds the comparison's device memory whatever the prompt length.
@@ -61,6 +78,7 @@ class _Chunk:
     ints: int
     floats: int
     counts: int  # [lists, rows] entries per list and row
+    check: int | None  # [rows] keys contradicting production's own scores (capture check)
     # [entries] each: the lists' gap-coded keys (list-major, then row, then key), score minus
     # that path's k-th score and whether that path selected the key (boundary lists only)
     lists: Later
@@ -74,6 +92,7 @@ class Compared:
     has_prod_scores: bool
     has_shadow: bool
     band: float | None
+    check: bool = False  # whether the chunks carry the capture self-check
     chunks: list[_Chunk] = field(default_factory=list)
 
     @property
@@ -133,6 +152,7 @@ def compare(
     band: float | None = None,
     sampled: torch.Tensor | None = None,
     prod_top_values: torch.Tensor | None = None,
+    check: bool = False,
 ) -> Compared:
     """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
     with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
@@ -140,8 +160,9 @@ def compare(
     margin and boundary candidates; `sampled` [T] bool marks rows whose full production
     list is kept. `prod_top_values` [T, k]: the scores production's own top-k call returned
     with `prod_topk`, when `prod_scores` are that call's input (captured, not recomputed);
-    its k-th score is then read from them instead of a second top-k. The results go into
-    `packet`; `columns` reads them back."""
+    its k-th score is then read from them instead of a second top-k. With `check`, and
+    `prod_scores` production's own, the capture self-check runs too (`check_counts`). The
+    results go into `packet`; `columns` reads them back."""
     for name, scores in (("prod_scores", prod_scores), ("shadow_scores", shadow_scores)):
         if scores is not None and tuple(scores.shape) != (prod_topk.shape[0], keys):
             raise ValueError(
@@ -159,7 +180,9 @@ def compare(
     if band is not None:
         lists += ["prod_boundary"] if prod_scores is not None else []
         lists += ["shadow_boundary"] if shadow_scores is not None else []
-    out = Compared(tuple(lists), prod_scores is not None, shadow_scores is not None, band)
+    out = Compared(tuple(lists), prod_scores is not None, shadow_scores is not None, band, check)
+    if check and prod_scores is None:
+        raise ValueError("compare: the capture check needs production's own scores (prod_scores)")
     rows_total = prod_topk.shape[0]
     step = max(1, CHUNK_ELEMENTS // max(1, keys))
     for start in range(0, rows_total, step):
@@ -206,6 +229,11 @@ def _compare_chunk(
             prod_kth = prod_top_values[:, k - 1].float()
         floats["prod_kth_score"] = prod_kth
         paths["prod_boundary"] = (prod_scores, prod_kth, prod)
+    check = None
+    if spec.check:
+        assert prod_scores is not None
+        assert prod_kth is not None
+        check = packet.add(_contradicting(prod_topk, prod_scores, prod_kth, visible, sparse))
     shadow = shadow_kth = None
     if shadow_scores is not None:
         shadow_kth, floats["shadow_kth_margin"], chosen = _kth(shadow_scores, k)
@@ -224,7 +252,7 @@ def _compare_chunk(
         ints = dict(zip(_INTS, by_kernel.unbind(0), strict=True))
         if prod_kth is not None and prod_top_values is not None:
             floats["prod_kth_margin"] = prod_kth - left
-        return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts)
+        return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, check)
     if prod_scores is not None and prod_top_values is not None:
         _, floats["prod_kth_margin"] = _kth_from_top(prod_scores, prod_top_values, prod, k)
     ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)
@@ -253,7 +281,8 @@ def _compare_chunk(
         if spec.lists
         else torch.zeros(0, rows, keys, dtype=torch.bool, device=device)
     )
-    return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, stacked.sum(-1, dtype=torch.int32))
+    counts = stacked.sum(-1, dtype=torch.int32)
+    return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, check)
 
 
 def _chunk_tail(
@@ -265,6 +294,7 @@ def _chunk_tail(
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     stacked: torch.Tensor,
     counts: torch.Tensor,
+    check: int | None,
 ) -> _Chunk:
     """A chunk's Jaccards from its counts, and its lists gap-coded from their masks `stacked`
     [L, rows, keys] with `counts` [L, rows] entries, into the packet."""
@@ -285,7 +315,36 @@ def _chunk_tail(
         floats=packet.add(torch.stack([floats[n].float() for n in _FLOATS])),
         counts=packet.add(counts),
         lists=lists,
+        check=check,
     )
+
+
+def _contradicting(
+    prod_topk: torch.Tensor,
+    prod_scores: torch.Tensor,
+    kth: torch.Tensor,
+    visible: torch.Tensor,
+    sparse: torch.Tensor,
+) -> torch.Tensor:
+    """[rows] int32: the keys of production's selection that its own scores contradict (the
+    module's capture self-check), 0 on dense rows. Reads only the selected keys' scores, a
+    [rows, n] gather, never the whole [rows, keys] matrix again."""
+    idx = prod_topk.long()
+    unseen = (idx >= visible[:, None]) & sparse[:, None]
+    valid = (idx >= 0) & ~unseen
+    got = prod_scores.gather(1, torch.where(valid, idx, 0)).float()
+    finite = valid & torch.isfinite(got)
+    scale = torch.where(finite, got.abs(), 0.0).amax(-1)
+    below = valid & (got < (kth.float() - CHECK_TOLERANCE * scale)[:, None]) & sparse[:, None]
+    return (below | unseen).sum(-1, dtype=torch.int32)
+
+
+def check_counts(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:
+    """[T] the capture self-check's contradicting keys per row (0 on dense rows), from the
+    packet's host arrays; None when the comparison did not run the check."""
+    if not spec.check:
+        return None
+    return np.concatenate([arrays[c.check] for c in spec.chunks if c.check is not None])
 
 
 def _gap_coded(

@@ -309,6 +309,7 @@ class Run:
         unit_tokens: int = 1,
         visible: np.ndarray | None = None,
         prod_top_values: torch.Tensor | None = None,
+        check: str | None = None,
     ) -> None:
         """Rows of one indexer call: production's selection `prod_topk` [T, n] (with its
         recomputed scores when known) against each shadow input's scores [T, keys] (raw,
@@ -318,7 +319,10 @@ class Run:
         per key, and each query's `visible` keys in that unit [T] (host), which `k`, the
         indices and the scores' columns count too. `prod_top_values` [T, k]: what
         production's top-k returned with `prod_topk`, where `prod_scores` were its input
-        (`selection.compare`)."""
+        (`selection.compare`). `check` says where `prod_scores` came from when they are
+        production's own (captured from its top-k call, or recomputed from its operands):
+        the capture self-check then runs on them, and its counts per layer go into the
+        manifest (`settings.capture_check`)."""
         rows = len(positions)
         if rows == 0:
             return
@@ -334,11 +338,12 @@ class Run:
         on_device = None if sampled is None else torch.as_tensor(sampled, device=q_pos.device)
         self._use(q_pos.device)
         specs = {}
-        for shadow_input, scores in (shadows or {None: None}).items():
+        checked = check is not None and prod_scores is not None
+        for i, (shadow_input, scores) in enumerate((shadows or {None: None}).items()):
             band = self.settings.band if (prod_scores is not None or scores is not None) else None
             specs[shadow_input] = selection.compare(
                 self._packet, prod_topk, q_key, keys, k, prod_scores=prod_scores, shadow_scores=scores,
-                band=band, sampled=on_device, prod_top_values=prod_top_values,
+                band=band, sampled=on_device, prod_top_values=prod_top_values, check=checked and i == 0,
             )  # fmt: skip
         fixed = {"step": self.step, "layer": layer, "token": np.asarray(positions, dtype=np.int32),
                  "indexer_layer": indexer_layer, "unit": unit, "unit_tokens": unit_tokens, "k": k,
@@ -346,6 +351,15 @@ class Run:
 
         def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
             out = []
+            first = next(iter(specs.values()))
+            contradicting = selection.check_counts(first, arrays)
+            if contradicting is not None:
+                sparse = visible > k
+                bad = sparse & (contradicting > 0)
+                self.writer.capture_check(
+                    layer, str(check), selection.CHECK_TOLERANCE, int(sparse.sum()), int(bad.sum()),
+                    int(np.asarray(positions)[bad][0]) if bad.any() else None,
+                )  # fmt: skip
             for shadow_input, spec in specs.items():
                 try:
                     cols = selection.columns(spec, arrays, visible, k, sampled)

@@ -561,6 +561,26 @@ class RunWriter:
             if not (keep and key in settings):
                 settings[key] = value
 
+    def capture_check(
+        self, layer: int, source: str, tolerance: float, rows: int, disagree: int, first_token: int | None
+    ) -> None:
+        """Adds one indexer call's capture self-check (`selection`: production's selection
+        against its own scores) to `settings.capture_check`: per layer, the informative
+        rows checked, those that disagree and the first of them; `source` says where
+        production's scores came from, `tolerance` is the check's (relative)."""
+        with self._lock:
+            check = self.manifest["settings"].setdefault(
+                "capture_check", {"tolerance": tolerance, "sources": [], "layers": {}}
+            )
+            if source not in check["sources"]:
+                check["sources"].append(source)
+            entry = check["layers"].setdefault(str(layer), {"rows": 0, "disagree": 0, "first_token": None})
+            entry["rows"] += rows
+            entry["disagree"] += disagree
+            first = entry["first_token"]
+            if first_token is not None and (first is None or first_token < first):
+                entry["first_token"] = first_token
+
     def tag(self, key: str, value: str) -> None:
         """Sets the run's tag `key`."""
         with self._lock:

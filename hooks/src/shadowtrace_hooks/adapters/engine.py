@@ -261,6 +261,7 @@ class EngineTracer:
             positions = np.arange(req.prefix, req.prefix + req.rows, dtype=np.int32)
             q_pos = torch.arange(req.prefix, req.prefix + req.rows, device=device)
             shadows: dict[str, torch.Tensor] = {}
+            prod_scores, source = None, None
             if s.precision is not None and req.prefix == 0:
                 if call.raw is not None:
                     scores = self.sess.guarded(
@@ -274,9 +275,14 @@ class EngineTracer:
                     )
                     if scores is not None:
                         shadows["dequant"] = scores
+                        # Production's own FP8 operands, scored: its selection should be their
+                        # top-k. They give production's k-th score, margin and boundary (so
+                        # churn is known), and the capture self-check.
+                        prod_scores, source = scores, DEQUANT_SOURCE
             elif s.precision is not None:
                 run.count("shadow_skipped_rows_without_keys", req.rows)
-            run.topk(call.layer, call.layer, call.k, positions, q_pos, call.prod_topk[rows], None, shadows)
+            run.topk(call.layer, call.layer, call.k, positions, q_pos, call.prod_topk[rows], prod_scores,
+                     shadows, check=source)  # fmt: skip
             run.ship()
 
     def _raw(self, run: Run, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
@@ -293,6 +299,10 @@ class EngineTracer:
         return numerics.folded_scores(
             op.q8[rows], op.k8[keys], op.k_scale[keys].reshape(-1), op.weights[rows], q_pos
         )
+
+
+# Where a serving engine's production scores come from when the adapter has them.
+DEQUANT_SOURCE = "recomputed: production's FP8 q, k and scales with its head weights, scored in fp32"
 
 
 def convention(

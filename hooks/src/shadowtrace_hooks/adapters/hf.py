@@ -808,6 +808,7 @@ class _Tracer:
                 scores = captured[0][b]
                 prod_scores = scores.masked_fill(~numerics.causal_mask(q_pos, scores.shape[-1]), -math.inf)
                 top_values = None if captured[1] is None else captured[1][b]
+                source = "captured: the scores production's top-k call ranked"
                 # This step's keys join no recomputation's key list: a later step whose
                 # capture fails finds none and is counted, never scored against keys
                 # shifted by the ones missing here.
@@ -828,6 +829,7 @@ class _Tracer:
                 keys.append(prod_k[b])
                 prod_scores = _hf_scores(prod_q[b], torch.cat(keys), prod_w[b], q_pos, module.softmax_scale)
                 run.count("indexer_scores_recomputed")
+                source = "recomputed: production's indexer modules re-run in production's dtype"
             # A NaN or Inf among production's visible scores is an event of its own, so that
             # it can be the onset (the top-k rows alone cannot say it). The shadow's finiteness
             # there is unknown: only its selection is kept.
@@ -835,7 +837,7 @@ class _Tracer:
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
             run.topk(
                 layer, layer, module.index_topk, positions, q_pos, output[b], prod_scores, row_shadows,
-                prod_top_values=top_values,
+                prod_top_values=top_values, check=source,
             )  # fmt: skip
 
     def _final_norm(self, module: torch.nn.Module, args: tuple) -> None:

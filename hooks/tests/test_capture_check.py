@@ -1,0 +1,110 @@
+"""The capture self-check (selection.compare(check=True)): production's selection against
+production's own scores. Expected answers are built here with torch.topk over the scores and
+Python sets, never with the check's code: a selection that is the scores' top-k agrees, keys
+tied at the k-th score never count, and a selection read against other tokens (the
+misreading the check exists to catch) disagrees on nearly every sparse row."""
+
+import math
+
+import numpy as np
+import torch
+from shadowtrace_hooks import selection
+from shadowtrace_hooks.transfer import Packet
+
+
+def contradicting(prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int, **kw) -> list[int]:
+    """The check's count per row, shipped and read back as the writer's thread does."""
+    packet = Packet()
+    spec = selection.compare(
+        packet, prod_topk, torch.tensor(q_pos), scores.shape[1], k, prod_scores=scores, check=True, **kw
+    )
+    counts = selection.check_counts(spec, packet.ship().arrays())
+    assert counts is not None
+    return counts.tolist()
+
+
+def causal_scores(rows: int, keys: int, q_pos: list[int], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, keys, generator=g)
+    visible = torch.arange(keys)[None, :] <= torch.tensor(q_pos)[:, None]
+    return scores.masked_fill(~visible, -math.inf)
+
+
+def test_a_selection_that_is_its_scores_top_k_agrees_on_every_row() -> None:
+    q_pos = list(range(40, 72))
+    scores = causal_scores(len(q_pos), 72, q_pos)
+    top = scores.topk(16, dim=-1).indices
+    assert contradicting(top, scores, q_pos, 16) == [0] * len(q_pos)
+    # In any order, and padded by an engine's -1 beyond k entries.
+    shuffled = top[:, torch.randperm(16)]
+    padded = torch.cat([shuffled, torch.full((len(q_pos), 4), -1)], dim=1)
+    assert contradicting(padded, scores, q_pos, 16) == [0] * len(q_pos)
+
+
+def test_each_key_scored_below_the_kth_beyond_the_tolerance_counts_once() -> None:
+    q_pos = [63] * 6
+    scores = causal_scores(6, 64, q_pos, seed=1)
+    order = scores.argsort(dim=-1, descending=True)
+    chosen = order[:, :8].clone()
+    # Row r swaps its r lowest selected keys for the r best keys left out... of the worst.
+    for r in range(6):
+        chosen[r, 8 - r :] = order[r, 64 - r :]
+    want = list(range(6))
+    assert contradicting(chosen, scores, q_pos, 8) == want
+
+
+def test_keys_tied_at_the_kth_score_never_count() -> None:
+    q_pos = [15, 15]
+    scores = torch.zeros(2, 16)
+    scores[:, :3] = 2.0  # three clear winners, then 13 keys tied at 0 for the last slot of k = 4
+    first = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 15]])  # either tied key is a valid top-k
+    assert contradicting(first, scores, q_pos, 4) == [0, 0]
+
+
+def test_a_key_within_the_tolerance_of_the_kth_score_is_not_counted_and_one_past_it_is() -> None:
+    q_pos = [7, 7]
+    scores = torch.tensor([[10.0, 9, 8, 7, 6, 5, 4, 3]] * 2)
+    tol = selection.CHECK_TOLERANCE * 10.0  # the row's largest selected |score| is 10
+    scores[0, 7] = 7.0 - 0.5 * tol  # within: rounding between two sums of the same terms
+    scores[1, 7] = 7.0 - 2.0 * tol  # past it
+    chosen = torch.tensor([[0, 1, 2, 7], [0, 1, 2, 7]])
+    assert contradicting(chosen, scores, q_pos, 4) == [0, 1]
+
+
+def test_a_key_the_query_cannot_see_counts_on_sparse_rows_and_dense_rows_are_never_judged() -> None:
+    q_pos = [3, 9]  # k = 4: row 0 sees 4 keys (dense), row 1 sees 10 (sparse)
+    scores = torch.cat([causal_scores(2, 10, q_pos, seed=2), torch.full((2, 1), -math.inf)], dim=1)
+    best = scores[1].topk(3).indices.tolist()
+    chosen = torch.tensor([[0, 1, 2, 10], [*best, 10]])  # both pick key 10, a future key
+    assert contradicting(chosen, scores, q_pos, 4) == [0, 1]
+
+
+def test_nan_scores_count_no_key_below_them() -> None:
+    q_pos = [7]
+    scores = torch.full((1, 8), math.nan)
+    assert contradicting(torch.tensor([[4, 5, 6, 7]]), scores, q_pos, 4) == [0]
+
+
+def test_a_selection_read_against_shifted_tokens_disagrees_on_nearly_every_sparse_row() -> None:
+    """What a misreading looks like (ShardQ's compact rows read in global order): row t holds
+    the selection of another query. The check must flag it; it is the defect it exists for."""
+    q_pos = list(range(256, 512))
+    scores = causal_scores(len(q_pos), 512, q_pos, seed=3)
+    top = scores.topk(64, dim=-1).indices
+    shifted = torch.roll(top, shifts=37, dims=0)
+    counts = np.array(contradicting(shifted, scores, q_pos, 64))
+    assert (counts > 0).mean() > 0.99, counts
+    # Against the checked selection itself, the same rows agree.
+    assert contradicting(top, scores, q_pos, 64) == [0] * len(q_pos)
+
+
+def test_the_check_reads_production_top_values_when_given() -> None:
+    """Where production's own top-k values come with its selection (HF captures both), the
+    k-th score is production's: a selection consistent with them agrees."""
+    q_pos = [31] * 4
+    scores = causal_scores(4, 32, q_pos, seed=4)
+    values, top = scores.topk(8, dim=-1)
+    assert contradicting(top, scores, q_pos, 8, prod_top_values=values) == [0] * 4
+    wrong = top.clone()
+    wrong[:, 0] = scores.argmin(dim=-1)
+    assert contradicting(wrong, scores, q_pos, 8, prod_top_values=values) == [1] * 4
