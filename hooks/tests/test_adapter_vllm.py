@@ -5,6 +5,7 @@ the SparseAttnIndexer CustomOp; GPUModelRunner v1). Production top-k comes from 
 stand-in's kernels, written from vLLM's source; the runs are read back from disk."""
 
 import logging
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch
 import traced
 from shadowtrace_hooks import selection
 from shadowtrace_hooks.adapters import engine
+from shadowtrace_hooks.adapters import vllm as vllm_adapter
 from standins import vllm as sv
 
 V32, V2 = "deepseek_v32", "deepseek_v2"
@@ -46,12 +48,13 @@ class Traced:
 
 def trace(
     monkeypatch: pytest.MonkeyPatch, out: Path, scenario: Callable[[sv.Engine], Any], path: str = V32,
-    newer_attention: bool = False, unhooked: tuple[str, ...] = (), **engine_kwargs: Any,
+    newer_attention: bool = False, unhooked: tuple[str, ...] = (), version: str = "0.33.0",
+    **engine_kwargs: Any,
 ) -> Traced:  # fmt: skip
     """Registers the stand-in, starts tracing as SHADOWTRACE=1 would (the adapter installs
     on the imported modules, before the model is built), runs `scenario`, stops and reads
     the runs back. Modules in `unhooked` are left out of sys.modules: not hooked."""
-    fake = sv.register(monkeypatch, newer_attention=newer_attention)
+    fake = sv.register(monkeypatch, version=version, newer_attention=newer_attention)
     for name in unhooked:
         monkeypatch.delitem(sys.modules, name)
     sess = traced.start(out)
@@ -544,3 +547,117 @@ def test_a_request_served_from_the_prefix_cache_is_tagged_a_hit_and_a_fresh_one_
     # the prefix's keys live in the engine's cache: its rows are production only, counted
     assert e["counters"]["shadow_skipped_rows_without_keys"] == 84 * LAYERS
     assert e["prompt"]["length"] == 340
+
+
+# === vLLM 0.34 ShardQ at TP = 2 =======================================================
+
+
+def _sharded_serving(eng: sv.Engine) -> None:
+    """A prefill step ShardQ shards (3700 tokens after no decode, A longer than index_topk),
+    then decodes of both, which it does not."""
+    eng.step({"A": 3000, "B": 700}, new={"A": sv.prompt(3000, 1), "B": sv.prompt(700, 2)})
+    eng.step({"A": 1, "B": 1})
+
+
+def _trace_rank(
+    monkeypatch: pytest.MonkeyPatch, out: Path, rank: int | None, misread: bool = False
+) -> Traced:
+    """One tensor-parallel rank of a 0.34 engine with ShardQ (rank None: TP = 1). With
+    `misread`, the adapter reads the buffer in global row order, as it did before 0.34."""
+    with pytest.MonkeyPatch.context() as mp:
+        if rank is not None:
+            mp.setenv("RANK", str(rank))
+            mp.setenv("WORLD_SIZE", "2")
+        if misread:
+            mp.setattr(vllm_adapter, "_shardq_gather", lambda prefix: None)
+        return trace(mp, out, _sharded_serving, version="0.34.0", shardq=None if rank is None else (rank, 2))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Traced]:
+    with pytest.MonkeyPatch.context() as mp:
+        return {rank: _trace_rank(mp, tmp_path_factory.mktemp(f"rank{rank}"), rank) for rank in (None, 0, 1)}
+
+
+def prod_rows(t: Traced, request: str) -> dict[tuple[int, int, int], list[int]]:
+    return {
+        (r["step"], r["layer"], r["token"]): sorted(r["prod_indices"])
+        for run in t.runs[request]
+        for r in run["rows"]
+        if r["shadow_input"] is None or r["shadow_input"] == "dequant"
+    }
+
+
+def test_shardq_rows_are_put_back_on_their_tokens_and_the_ranks_together_record_every_row(
+    sharded: dict[Any, Traced],
+) -> None:
+    """Each rank scored its zigzag share of the prefill and wrote it packed (0.34's
+    sparse_attn_indexer): the adapter records each packed row on its own token, and the two
+    ranks' rows together are exactly what one unsharded engine computes, row for row."""
+    whole = sharded[None]
+    for request in ("A", "B"):
+        union: dict[tuple[int, int, int], list[int]] = {}
+        for rank in (0, 1):
+            t = sharded[rank]
+            mine = prod_rows(t, request)
+            # the engine's own rows of this rank, un-permuted by the stand-in from its gather
+            for layer in range(LAYERS):
+                for p, keys in expected(t, request, 0, layer).items():
+                    assert mine[(0, layer, p)] == keys, (request, rank, layer, p)
+            assert not set(mine) & {k for k in union if k[0] == 0}, "a prefill row on both ranks"
+            union.update(mine)
+        assert union == prod_rows(whole, request)
+
+
+def test_shardq_runs_count_the_rows_another_rank_scored_and_are_no_cache_hit(
+    sharded: dict[Any, Traced],
+) -> None:
+    tokens = {"A": 3000, "B": 700}
+    for rank in (0, 1):
+        t = sharded[rank]
+        for request, n in tokens.items():
+            (run,) = t.runs[request]
+            manifest = run["manifest"]
+            assert manifest["run_id"].endswith(f"-rank{rank}-pid{os.getpid()}")
+            assert manifest["engine"]["version"] == "0.34.0"
+            assert "untested_engine_version" not in manifest["settings"]
+            assert manifest["tags"]["cache"] == "miss"
+            mine = len({r["token"] for r in run["rows"] if r["step"] == 0 and r["layer"] == 0})
+            assert 0 < mine < n
+            assert manifest["counters"]["topk_rows_on_other_ranks"] == (n - mine) * LAYERS
+
+
+def test_shardq_shadows_score_every_rank_row_against_the_keys_from_position_0(
+    sharded: dict[Any, Traced],
+) -> None:
+    """Rank 1 holds A's middle half (positions 750 to 2249): its rows past index_topk are
+    informative, and their shadows see all of A's keys, so they are the unsharded run's up
+    to fp32 summation order (the rank scores fewer query rows at once): the same k-th score
+    to 1e-5, the same selection but for keys within the boundary band of that score."""
+    whole = {(r["layer"], r["token"]): r for r in sharded[None].rows("A", "dequant")}
+    rows = informative(sharded[1].rows("A", "dequant"))
+    assert {r["token"] for r in rows} == set(range(2048, 2250))
+    for row in rows:
+        same = whole[(row["layer"], row["token"])]
+        assert row["shadow_kth_score"] == pytest.approx(same["shadow_kth_score"], rel=1e-5)
+        moved = set(row["shadow_indices"]) ^ set(same["shadow_indices"])
+        assert moved <= set(row["shadow_boundary_indices"]) | set(same["shadow_boundary_indices"])
+
+
+def test_the_capture_self_check_passes_the_shardq_reading_and_flags_the_global_order_one(
+    sharded: dict[Any, Traced], tmp_path: Path
+) -> None:
+    """Issue 27's acceptance: read in global row order (the adapter before 0.34), each rank's
+    packed rows land on other tokens and other requests; the self-check says so on every
+    informative row. Read through the gather indices, every row agrees."""
+    for rank in (0, 1):
+        check = sharded[rank].run("A")["manifest"]["settings"]["capture_check"]
+        assert all(layer["disagree"] == 0 for layer in check["layers"].values()), check
+        assert sum(layer["rows"] for layer in check["layers"].values()) > 0
+    with pytest.MonkeyPatch.context() as mp:
+        old = _trace_rank(mp, tmp_path, 1, misread=True)
+    check = old.run("A")["manifest"]["settings"]["capture_check"]
+    for layer in range(LAYERS):
+        entry = check["layers"][str(layer)]
+        assert entry["rows"] == 3000 - 2048
+        assert entry["disagree"] == entry["rows"], entry

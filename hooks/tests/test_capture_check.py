@@ -79,6 +79,28 @@ def test_a_key_the_query_cannot_see_counts_on_sparse_rows_and_dense_rows_are_nev
     assert contradicting(chosen, scores, q_pos, 4) == [0, 1]
 
 
+def test_a_sparse_row_with_fewer_keys_than_k_counts_each_empty_slot() -> None:
+    """A sparse row's top-k fills all k slots: padding in its place (a buffer row left -1,
+    read for a token this rank did not score) contradicts it, once per empty slot."""
+    q_pos = [15, 15, 2]  # k = 4: rows 0 and 1 sparse, row 2 dense (3 keys)
+    scores = causal_scores(3, 16, q_pos, seed=5)
+    top = scores.topk(4, dim=-1).indices
+    chosen = top.clone()
+    chosen[0] = -1
+    chosen[1, 2:] = -1
+    chosen[2] = torch.tensor([0, 1, 2, -1])  # dense: never judged
+    assert contradicting(chosen, scores, q_pos, 4) == [4, 2, 0]
+
+
+def test_a_row_pointing_past_every_key_is_counted_never_gathered() -> None:
+    """A misread row may hold another request's keys, past this request's last key: the check
+    counts them on a sparse row and must not index out of the scores on any row."""
+    q_pos = [5, 1]  # k = 2: row 0 sparse, row 1 dense
+    scores = causal_scores(2, 6, q_pos, seed=6)
+    chosen = torch.tensor([[int(scores[0].argmax()), 730], [1, 731]])
+    assert contradicting(chosen, scores, q_pos, 2) == [1, 0]
+
+
 def test_nan_scores_count_no_key_below_them() -> None:
     q_pos = [7]
     scores = torch.full((1, 8), math.nan)

@@ -11,7 +11,7 @@ from conformance import calls, mapping, selected
 from shadowtrace_hooks.adapters import TARGETS, vllm
 from upstream import Source, source
 
-RELEASES = ("0.24.0", "0.28.0", "0.29.0", "0.33.0")
+RELEASES = ("0.24.0", "0.28.0", "0.29.0", "0.33.0", "0.34.0")
 MODEL, OP, V32, NVIDIA = vllm.MODEL_MODULE, vllm.OP_MODULE, vllm.V32_MODULE, vllm.NVIDIA_MODULE
 RUNNER_V1, RUNNER_V2 = vllm.RUNNER_V1_MODULE, vllm.RUNNER_V2_MODULE
 ABSENT = "absent"
@@ -31,6 +31,14 @@ EXPECTED = {
     },
     "0.33.0": {
         **_V2_ONLY,
+        V32: "deepseek_v32",
+        NVIDIA: "deepseek_v32_nvidia",
+        RUNNER_V2: "gpu.model_runner-0.33",
+    },
+    # 0.34 removed the v1 runner (v1/worker/gpu_model_runner.py and gpu_input_batch.py).
+    "0.34.0": {
+        **_V2_ONLY,
+        RUNNER_V1: ABSENT,
         V32: "deepseek_v32",
         NVIDIA: "deepseek_v32_nvidia",
         RUNNER_V2: "gpu.model_runner-0.33",
@@ -225,6 +233,19 @@ def fields(src: Source, module: str, qualname: str) -> set[str]:
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_model_runners_hold_the_request_ids_where_the_adapter_reads_them(version: str) -> None:
     src = vllm_source(version)
+    if EXPECTED[version][RUNNER_V1] == ABSENT:
+        assert src.file("vllm.v1.worker.gpu_input_batch") is None
+    else:
+        v1_runner_holds_the_request_ids(src)
+    # v2: prepare_inputs returns the step's InputBatch; dummy runs skip it.
+    assert calls(src, RUNNER_V2, "GPUModelRunner.execute_model", "prepare_inputs")
+    read = {"req_ids", "num_reqs", "num_tokens", "num_draft_tokens", "query_start_loc_np", "prefill_len_np"}
+    assert read <= fields(src, "vllm.v1.worker.gpu.input_batch", "InputBatch")
+    for field in ("finished_req_ids", "preempted_req_ids"):
+        assert field in fields(src, "vllm.v1.core.sched.output", "SchedulerOutput")
+
+
+def v1_runner_holds_the_request_ids(src: Source) -> None:
     # v1: _model_forward is entered inside the step's forward context, after _update_states
     # reordered the batch.
     execute = src.definition(RUNNER_V1, "GPUModelRunner.execute_model")
@@ -245,12 +266,6 @@ def test_the_model_runners_hold_the_request_ids_where_the_adapter_reads_them(ver
     batch = "vllm.v1.worker.gpu_input_batch"
     assert {"req_ids", "num_reqs"} <= fields(src, batch, "InputBatch")
     assert "num_prompt_tokens" in assigned(src, batch, "InputBatch")
-    # v2: prepare_inputs returns the step's InputBatch; dummy runs skip it.
-    assert calls(src, RUNNER_V2, "GPUModelRunner.execute_model", "prepare_inputs")
-    read = {"req_ids", "num_reqs", "num_tokens", "num_draft_tokens", "query_start_loc_np", "prefill_len_np"}
-    assert read <= fields(src, "vllm.v1.worker.gpu.input_batch", "InputBatch")
-    for field in ("finished_req_ids", "preempted_req_ids"):
-        assert field in fields(src, "vllm.v1.core.sched.output", "SchedulerOutput")
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -285,3 +300,30 @@ def test_the_forward_context_and_indexer_metadata_hold_what_the_hooks_read(versi
         assert src.definition(V32, "eager_break_during_capture") is src.definition(
             breakable, "eager_break_during_capture"
         )
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_shardq_rows_are_read_where_the_adapter_reads_them(version: str) -> None:
+    """0.34's ShardQ: the prefill metadata carries `shardq_gather_indices`, and the indexer
+    op gathers q and weights by them and writes the rows packed (the stand-in replays this,
+    hooks/tests/standins/vllm.py). Before 0.34 there is no such field: the adapter reads it
+    with a default, and 0.33's row sharding gathered the rows back itself."""
+    src = vllm_source(version)
+    prefill = fields(src, "vllm.v1.attention.backends.mla.indexer", "DeepseekV32IndexerPrefillMetadata")
+    op = src.definition(OP, "sparse_attn_indexer")
+    assert isinstance(op, ast.FunctionDef)
+    body = ast.unparse(op)
+    if version < "0.34":
+        assert "shardq_gather_indices" not in prefill
+        assert "shardq_gather_indices" not in body
+        return
+    assert "shardq_gather_indices" in prefill
+    assert "prefill_metadata.shardq_gather_indices" in body
+    assert "q_quant[indices]" in body
+    assert "weights[indices]" in body
+    # the chunks' rows are the packed ones: topk_indices_buffer[row_start:row_end]
+    assert "topk_indices_buffer[row_start:row_end" in body
+    shardq = "vllm.v1.attention.ops.shardq"
+    zigzag = ast.unparse(src.tree(shardq))  # the partition the stand-in reimplements
+    assert "num_chunks = 2 * world" in zigzag
+    assert "np.minimum(chunk, num_chunks - 1 - chunk)" in zigzag

@@ -29,9 +29,10 @@ Definitions, as DESIGN.md and the topk table give them:
 The capture self-check (`compare(..., check=True)`, issue 27): where `prod_scores` are
 production's own scores (captured from its top-k call, or recomputed from its own operands),
 production's selection must be their top-k. On each sparse row it counts the keys production
-selected that contradict them: a key its query cannot see (beyond the causal limit), or one
+selected that contradict them: a key its query cannot see (beyond the causal limit), one
 scored below the k-th score by more than `CHECK_TOLERANCE` of the row's largest selected
-|score|. Keys tied at the k-th score never count. A row with any such key disagrees: the
+|score|, and each of the k slots left without a key (a sparse row's top-k always fills k).
+Keys tied at the k-th score never count. A row with any such key disagrees: the
 adapter read the selection against other tokens, another request or another layer than the
 scores, which is a misreading of the engine, not numerics.
 """
@@ -51,7 +52,7 @@ from shadowtrace_hooks.transfer import Later, Packet
 # summation order: a few fp32 ulps of the sum's terms (below 1e-6 relative; the stand-ins'
 # kernels, emulated, and HF's captured scores give 0). 1e-3 leaves three decades to that and
 # still flags a key scored 0.1% of the row's range below the k-th: a selection read against
-# the wrong tokens puts most keys far below it (tests/python/test_capture_check.py).
+# the wrong tokens puts most keys far below it (hooks/tests/test_capture_check.py).
 CHECK_TOLERANCE = 1e-3
 
 # Elements of one [rows, keys] mask: rows are compared in chunks of at most this many, which
@@ -233,7 +234,7 @@ def _compare_chunk(
     if spec.check:
         assert prod_scores is not None
         assert prod_kth is not None
-        check = packet.add(_contradicting(prod_topk, prod_scores, prod_kth, visible, sparse))
+        check = packet.add(_contradicting(prod_topk, prod_scores, prod_kth, visible, sparse, k))
     shadow = shadow_kth = None
     if shadow_scores is not None:
         shadow_kth, floats["shadow_kth_margin"], chosen = _kth(shadow_scores, k)
@@ -325,18 +326,22 @@ def _contradicting(
     kth: torch.Tensor,
     visible: torch.Tensor,
     sparse: torch.Tensor,
+    k: int,
 ) -> torch.Tensor:
-    """[rows] int32: the keys of production's selection that its own scores contradict (the
-    module's capture self-check), 0 on dense rows. Reads only the selected keys' scores, a
-    [rows, n] gather, never the whole [rows, keys] matrix again."""
+    """[rows] int32: the keys of production's selection that its own scores contradict, and
+    its empty slots (the module's capture self-check), 0 on dense rows. Reads only the
+    selected keys' scores, a [rows, n] gather, never the whole [rows, keys] matrix again."""
     idx = prod_topk.long()
-    unseen = (idx >= visible[:, None]) & sparse[:, None]
-    valid = (idx >= 0) & ~unseen
+    beyond = idx >= visible[:, None]  # never gathered: a misread row may point past the keys
+    unseen = beyond & sparse[:, None]
+    valid = (idx >= 0) & ~beyond
     got = prod_scores.gather(1, torch.where(valid, idx, 0)).float()
     finite = valid & torch.isfinite(got)
     scale = torch.where(finite, got.abs(), 0.0).amax(-1)
     below = valid & (got < (kth.float() - CHECK_TOLERANCE * scale)[:, None]) & sparse[:, None]
-    return (below | unseen).sum(-1, dtype=torch.int32)
+    # Padding (-1) in place of a key: a sparse row's top-k fills k slots.
+    missing = (k - (idx >= 0).sum(-1)).clamp(min=0) * sparse
+    return ((below | unseen).sum(-1) + missing).to(torch.int32)
 
 
 def check_counts(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:

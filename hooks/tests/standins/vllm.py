@@ -81,15 +81,59 @@ def hf_config(
     return config
 
 
-def vllm_config(config: Any, force_mqa: bool = False) -> Any:
-    """VllmConfig as the model code reads it."""
+def vllm_config(config: Any, force_mqa: bool = False, shardq: tuple[int, int] | None = None) -> Any:
+    """VllmConfig as the model code reads it. `shardq` (rank, world size): this process is
+    one tensor-parallel rank of a 0.34 engine with ShardQ on (`sparse_mla_shard_q`, its
+    default, on a backend that supports it)."""
+    rank, world = shardq or (0, 1)
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, max_model_len=MAX_POSITION),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
         cache_config=SimpleNamespace(block_size=BLOCK),
         # AttentionConfig.sparse_mla_force_mqa: no dense-MHA prefill for short batches.
-        attention_config=SimpleNamespace(sparse_mla_force_mqa=force_mqa),
+        attention_config=SimpleNamespace(
+            sparse_mla_force_mqa=force_mqa,
+            sparse_mla_shard_q=shardq is not None,
+            sparse_mla_shard_q_min_tokens=1024,
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=world, rank=rank),
     )
+
+
+def zigzag_split(query_lens: list[int], world: int) -> list[list[int]]:
+    """v1/attention/ops/shardq.py (0.34.0): each prefill request's tokens cut into 2 W
+    chunks, [floor(i L / 2W), floor((i + 1) L / 2W)); rank r owns chunks r and 2W - 1 - r;
+    grouped by rank over the whole prefill batch, each rank's ids ascending (ids count from
+    the first token after the decodes). Per rank, its ids."""
+    groups: list[list[int]] = [[] for _ in range(world)]
+    base = 0
+    for length in query_lens:
+        for p in range(length):
+            c = ((p + 1) * 2 * world - 1) // length
+            groups[min(c, 2 * world - 1 - c)].append(base + p)
+        base += length
+    return groups
+
+
+def shardq_gather(
+    vllm_config: Any, counts: list[int], decodes: int, seq_lens: list[int], topk: int
+) -> list[int] | None:
+    """`shardq_gather_indices` of this rank for a step (indexer.py build(), 0.34.0): the
+    decode rows in place, then this rank's zigzag tokens; None where ShardQ does not apply
+    (build_shardq_split: one rank, no prefill, fewer than the minimum tokens after the
+    decodes, no prefill longer than index_topk, a rank left without tokens)."""
+    attention, parallel = vllm_config.attention_config, vllm_config.parallel_config
+    world = parallel.tensor_parallel_size
+    prefill = counts[decodes:]
+    if not attention.sparse_mla_shard_q or world < 2 or not prefill:
+        return None
+    if sum(prefill) < attention.sparse_mla_shard_q_min_tokens or max(seq_lens[decodes:]) <= topk:
+        return None
+    groups = zigzag_split(prefill, world)
+    if min(len(g) for g in groups) == 0:
+        return None
+    d = sum(counts[:decodes])
+    return list(range(d)) + [d + t for t in groups[parallel.rank]]
 
 
 # === vllm.forward_context and vllm.compilation.breakable_cudagraph =====================
@@ -453,6 +497,11 @@ def sparse_attn_indexer(
     if not skip_topk_buffer_clear:
         topk_indices_buffer[: hidden_states.shape[0]] = -1
     if meta.prefill is not None:
+        # Under ShardQ the chunks index the shardq_gather_indices tokens (0.34.0
+        # sparse_attn_indexer.py): q and weights gathered, the rows written packed.
+        indices = getattr(meta.prefill, "shardq_gather_indices", None)
+        if indices is not None:
+            q_quant, weights = q_quant[indices.long()], weights[indices.long()]
         for chunk in meta.prefill.chunks:
             ks, ke = chunk.cu_seqlen_ks, chunk.cu_seqlen_ke
             for r in range(chunk.num_reqs):
@@ -756,6 +805,13 @@ class DeepseekV32Attention(nn.Module):
         )  # fmt: skip
         self.topk_indices_buffer, self.skip_topk = topk_indices_buffer, False
         self._dense_mha_metadata_layer_name = self.layer_name
+        # mla_attention.py (0.34): ShardQ on for the layer, flagged on the indexer's k cache too
+        self.use_shardq = (
+            vllm_config.attention_config.sparse_mla_shard_q
+            and vllm_config.parallel_config.tensor_parallel_size > 1
+        )
+        if self.use_shardq:
+            self.indexer.k_cache.use_shardq = True
         self._index_rope_interleave = getattr(config, "indexer_rope_interleave", False)
         self.fused_qkv_a_proj = MergedColumnParallelLinear(HIDDEN, Q_LORA, seed=300 + layer)
         self.q_a_layernorm = RMSNorm(Q_LORA)
@@ -876,6 +932,7 @@ class StepRecord:
     req_ids: list[str]
     starts: list[int]
     computed: list[int]
+    gather: list[int] | None = None  # ShardQ: buffer row r holds global row gather[r]
 
 
 class _States:
@@ -920,7 +977,10 @@ class _States:
         decodes = 0
         while decodes < len(order) and counts[decodes] <= 1:  # split_decodes_and_prefills, threshold 1
             decodes += 1
-        meta = self._indexer_metadata(order, counts, starts, decodes, torch.tensor(slots))
+        seq_lens = [self.requests[r].computed + n for r, n in zip(order, counts, strict=True)]
+        gather = shardq_gather(self.vllm_config, counts, decodes, seq_lens, self.config.index_topk)
+        self.history[-1].gather = gather
+        meta = self._indexer_metadata(order, counts, starts, decodes, torch.tensor(slots), gather)
         prefill_lens = [
             self.requests[r].computed + n for r, n in zip(order[decodes:], counts[decodes:], strict=True)
         ]
@@ -949,10 +1009,13 @@ class _States:
         }  # fmt: skip
 
     def _indexer_metadata(
-        self, order: list[str], counts: list[int], starts: np.ndarray, decodes: int, slots: torch.Tensor
-    ) -> Any:
+        self, order: list[str], counts: list[int], starts: np.ndarray, decodes: int, slots: torch.Tensor,
+        gather: list[int] | None = None,
+    ) -> Any:  # fmt: skip
         """v1/attention/backends/mla/indexer.py DeepseekV32IndexerMetadata: decode requests
-        first; one prefill chunk whose per-token [ks, ke) index the chunk's gathered keys."""
+        first; one prefill chunk whose per-token [ks, ke) index the chunk's gathered keys.
+        Under ShardQ (`gather`), the chunk's rows are this rank's tokens, packed: compact row
+        c is global row gather[c], and the prefill metadata carries the gather indices."""
         reqs = [self.requests[r] for r in order]
         width = max(len(r.blocks) for r in reqs)
 
@@ -973,15 +1036,22 @@ class _States:
             for j, (r, n) in enumerate(zip(reqs[decodes:], counts[decodes:], strict=True)):
                 ks += [int(cu[j])] * n
                 ke += [int(cu[j]) + r.computed + i + 1 for i in range(n)]
+            token_end = int(starts[-1])
+            if gather is not None:  # the rank's rows only, in gather order
+                first = int(starts[decodes])
+                mine = [g - first for g in gather if g >= first]
+                ks, ke = [ks[i] for i in mine], [ke[i] for i in mine]
+                token_end = len(gather)
             chunk = SimpleNamespace(
                 block_table=table(reqs[decodes:]), cu_seqlen_ks=torch.tensor(ks),
                 cu_seqlen_ke=torch.tensor(ke),
-                cu_seq_lens=torch.tensor(cu), token_start=int(starts[decodes]), token_end=int(starts[-1]),
+                cu_seq_lens=torch.tensor(cu), token_start=int(starts[decodes]), token_end=token_end,
                 num_reqs=len(order) - decodes, total_seq_lens=int(cu[-1]), skip_kv_gather=False,
                 local_cu_seq_lens=torch.tensor(cu), local_total_seq_lens=int(cu[-1]),
                 max_local_total_seq_lens=int(cu[-1]),
             )  # fmt: skip
-            prefill = SimpleNamespace(chunks=[chunk])
+            gathered = None if gather is None else torch.tensor(gather, dtype=torch.int32)
+            prefill = SimpleNamespace(chunks=[chunk], shardq_gather_indices=gathered)
         return SimpleNamespace(
             seq_lens=None, max_seq_len=0, slot_mapping=slots, num_decodes=decodes,
             num_decode_tokens=int(starts[decodes]), num_prefills=len(order) - decodes,
@@ -1267,10 +1337,10 @@ class Engine:
 
     def __init__(
         self, fake: Fake, path: str = "deepseek_v32", config: Any = None, force_mqa: bool = False,
-        runner: str | None = None,
+        runner: str | None = None, shardq: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         self.path, self.config = path, config or hf_config()
-        self.vllm_config = vllm_config(self.config, force_mqa)
+        self.vllm_config = vllm_config(self.config, force_mqa, shardq)
         if path == "deepseek_v32":
             model_cls = fake[NVIDIA_MODULE].DeepseekV32ForCausalLM
         else:
@@ -1330,10 +1400,24 @@ class Engine:
         record = self.runner.states.history[-1]
         for prefix, rows in PRODUCTION[before:]:
             layer = int(prefix.split("layers.")[1].split(".")[0])
+            owned = torch.ones(rows.shape[0], dtype=torch.bool)
+            if record.gather is not None:  # the packed rows back in global order, this rank's only
+                index = torch.tensor(record.gather)
+                rows, packed = torch.full_like(rows, -1), rows
+                rows[index] = packed[: len(index)]
+                owned = torch.zeros(rows.shape[0], dtype=torch.bool)
+                owned[index] = True
             for i, r in enumerate(record.req_ids):
                 lo, hi = record.starts[i], record.starts[i + 1]
-                positions = list(range(record.computed[i], record.computed[i] + hi - lo))
-                self.production[(r, self.step_of.get(r, 0), layer)] = (positions, rows[lo:hi])
+                mine = owned[lo:hi]
+                positions = [
+                    p
+                    for p, m in zip(
+                        range(record.computed[i], record.computed[i] + hi - lo), mine.tolist(), strict=True
+                    )
+                    if m
+                ]
+                self.production[(r, self.step_of.get(r, 0), layer)] = (positions, rows[lo:hi][mine])
         for r in record.req_ids:
             self.step_of[r] = self.step_of.get(r, 0) + 1
         return out

@@ -75,6 +75,21 @@ class Request:
     # anything else to count in its run (a shadow the call could not compute for its rows);
     # its rows are recorded
     counts: dict[str, int] = field(default_factory=dict)
+    # the call row of the request's first token in this step, where these rows are only part
+    # of them (vLLM 0.34's ShardQ: another tensor-parallel rank scored the rest); None: start
+    first_row: int | None = None
+
+    @property
+    def call_prefix(self) -> int:
+        """Tokens of the request before its first row in this call (its rows here or not)."""
+        return self.prefix if self.first_row is None else self.prefix - (self.start - self.first_row)
+
+    def key_rows(self) -> slice | None:
+        """The call rows holding this request's keys, from its position 0 to its last row
+        here; None when earlier keys are not in the call (a later chunk, a cached prefix)."""
+        if self.call_prefix != 0:
+            return None
+        return slice(self.start if self.first_row is None else self.first_row, self.start + self.rows)
 
 
 @dataclass
@@ -226,10 +241,10 @@ class EngineTracer:
             # First sight of a request in its prompt: rows past position 0 mean the engine
             # served its first tokens from its prefix cache (context 004). Engines hand the
             # hooks no token ids, so `analyze` cannot pair these runs by prompt: it lists
-            # the hits as unpaired, saying why.
-            run.writer.tag("cache", "hit" if req.prefix else "miss")
-            if req.prefix:
-                run.writer.set_setting("cached_prefix_tokens", req.prefix)
+            # the hits as unpaired, saying why. Rows another rank scored are no cache hit.
+            run.writer.tag("cache", "hit" if req.call_prefix else "miss")
+            if req.call_prefix:
+                run.writer.set_setting("cached_prefix_tokens", req.call_prefix)
         return run
 
     def _close(self, key: str, *, at_exit: bool = False, deadline: float | None = None) -> None:
@@ -262,16 +277,17 @@ class EngineTracer:
             q_pos = torch.arange(req.prefix, req.prefix + req.rows, device=device)
             shadows: dict[str, torch.Tensor] = {}
             prod_scores, source = None, None
-            if s.precision is not None and req.prefix == 0:
+            keys = req.key_rows()
+            if s.precision is not None and keys is not None:
                 if call.raw is not None:
                     scores = self.sess.guarded(
-                        f"{self.name}:shadow_raw", run, self._raw, run, call, rows, q_pos
+                        f"{self.name}:shadow_raw", run, self._raw, run, call, rows, keys, q_pos
                     )
                     if scores is not None:
                         shadows["raw"] = scores
                 if call.fp8 is not None:
                     scores = self.sess.guarded(
-                        f"{self.name}:shadow_dequant", run, self._dequant, call, rows, q_pos
+                        f"{self.name}:shadow_dequant", run, self._dequant, call, rows, keys, q_pos
                     )
                     if scores is not None:
                         shadows["dequant"] = scores
@@ -285,17 +301,23 @@ class EngineTracer:
                      shadows, check=source)  # fmt: skip
             run.ship()
 
-    def _raw(self, run: Run, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
-        """The raw shadow's scores [T, T]: the fp32 recompute from pre-quantization inputs."""
+    def _raw(
+        self, run: Run, call: IndexerCall, rows: slice, keys: slice, q_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """The raw shadow's scores [T, keys]: the fp32 recompute from pre-quantization
+        inputs, the queries of `rows` against the keys of `keys` (the call rows from the
+        request's position 0)."""
         assert call.raw is not None
-        q, k, w = raw_qkw(call.raw, rows)
-        return shadow.indexer_scores(run, q, k, w, q_pos)
+        q, k, w = raw_qkw(call.raw, keys)
+        first = rows.start - keys.start
+        return shadow.indexer_scores(run, q[first:], k, w[first:], q_pos)
 
-    def _dequant(self, call: IndexerCall, rows: slice, q_pos: torch.Tensor) -> torch.Tensor:
-        """The dequant shadow's scores [T, T]: production's own FP8 operands scored in fp32."""
+    def _dequant(self, call: IndexerCall, rows: slice, keys: slice, q_pos: torch.Tensor) -> torch.Tensor:
+        """The dequant shadow's scores [T, keys]: production's own FP8 operands scored in
+        fp32, the queries of `rows` against the keys of `keys`."""
         op = call.fp8
         assert op is not None
-        keys = slice(op.k_offset + rows.start, op.k_offset + rows.stop)
+        keys = slice(op.k_offset + keys.start, op.k_offset + keys.stop)
         return numerics.folded_scores(
             op.q8[rows], op.k8[keys], op.k_scale[keys].reshape(-1), op.weights[rows], q_pos
         )

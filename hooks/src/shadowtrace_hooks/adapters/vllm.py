@@ -1,12 +1,13 @@
 """vLLM: the DSA indexer of GLM-5 (`GlmMoeDsaForCausalLM`) and DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`), on both of the routes vLLM's model registry gives them.
 
-Supported: vLLM 0.24.0 through 0.33.0 (`LAYOUTS`, checked at install, and against the wheels
-of 0.24.0, 0.28.0, 0.29.0 and 0.33.0 by tests/python/test_conformance_vllm.py). The 0.28
+Supported: vLLM 0.24.0 through 0.34.0 (`LAYOUTS`, checked at install, and against the wheels
+of 0.24.0, 0.28.0, 0.29.0, 0.33.0 and 0.34.0 by tests/python/test_conformance_vllm.py; 0.34
+removed the v1 runner, v1/worker/gpu_model_runner.py, whose layout then hooks nothing). The 0.28
 deepseek_v32 package (reached only through `model_class_overrides`; its
 `_sparse_indexer_and_attn` has no `positions`) is refused.
 
-Indexer, `deepseek_v32` layout (vllm/models/deepseek_v32/attention.py, 0.29.0 to 0.33.0):
+Indexer, `deepseek_v32` layout (vllm/models/deepseek_v32/attention.py, 0.29.0 to 0.34.0):
 the CUDA route of both architectures from 0.29 (`vllm.models.deepseek_v32` ->
 `nvidia.model.DeepseekV32ForCausalLM`). `DeepseekV32Attention.forward(positions,
 hidden_states)` computes the indexer's q and k with fused kernels (K is LayerNormed, roped
@@ -29,9 +30,21 @@ calls the function `sparse_attn_indexer`, imported into the module by name.
   cos/sin table) and quantized as it quantizes it (1x128, ue8m0, amax clamp 1e-4). The FP8
   cache itself is not read. (0.33 on SM100 casts the weights to bf16 inside the op: the
   shadow scores the fp32 ones.)
+- ShardQ (0.34, on by default: tensor parallelism, a prefill step of >= 1024 tokens after
+  its decodes, the FlashInfer sparse backend or FlashMLA sparse with an FP8 DS-MLA cache
+  and < 32 heads per rank): each rank scores only its zigzag share of the prefill tokens
+  (per request, 2 W chunks; rank r takes chunks r and 2W - 1 - r) and writes their rows
+  packed after the decode rows, and no rank gathers the others'. The adapter reads
+  `shardq_gather_indices` from the indexer's prefill metadata during the call, puts each
+  row back on its token, and records on each rank the rows it scored: a prefill request
+  becomes at most two pieces of rows in its run, their shadows scored against the
+  request's keys from position 0 (every rank holds every token's q, k and weights). The
+  rows another rank scored are counted in the run (`topk_rows_on_other_ranks`): that
+  rank's run of the request records them. Read in global order, as before 0.34, the rows
+  would land on other tokens and requests; the capture self-check names that reading.
 
 Indexer, `deepseek_v2` layout (vllm/model_executor/models/deepseek_v2.py and
-layers/sparse_attn_indexer.py, 0.24.0 to 0.33.0): every platform up to 0.28, then CPU, XPU
+layers/sparse_attn_indexer.py, 0.24.0 to 0.34.0): every platform up to 0.28, then CPU, XPU
 and (0.29) ROCm; its Python runs per step only with `--enforce-eager` (with torch.compile
 the wrappers step aside and the model forward's watch says that no hook fired).
 
@@ -81,7 +94,9 @@ Not recorded, and counted as:
 - never seen, so not counted: steps replayed as FULL CUDA graphs (uniform decode batches
   under the default FULL_AND_PIECEWISE mode run no Python), and the 0.33 ROCm `amd` model
   (a forward of its own calling `forward_hip`; the model forward's watch says that no hook
-  fired). Every tensor-parallel rank records its own runs (the indexer is replicated).
+  fired). Every tensor-parallel rank records its own runs: to 0.33 the indexer is
+  replicated (0.33 scores rows per rank and gathers them back), and each rank's runs hold
+  every row; under 0.34's ShardQ each holds the rows that rank scored (above).
 
 The engine's indexer RoPE convention (`_index_rope_interleave`, or `rotary_emb.is_neox_style`
 on `deepseek_v2`) is written beside the model's in each run's manifest `conventions`, with
@@ -128,22 +143,22 @@ def _runner_v2(name: str, source: str, prepare: tuple[str, ...]) -> Layout:
 
 
 LAYOUTS = (
-    Layout("deepseek_v2", "vLLM 0.24.0 to 0.33.0: models/deepseek_v2.py", (
+    Layout("deepseek_v2", "vLLM 0.24.0 to 0.34.0: models/deepseek_v2.py", (
         Symbol(MODEL_MODULE, "Indexer.forward", ("self", "hidden_states", "qr", "positions", "rotary_emb")),
         Symbol(MODEL_MODULE, "DeepseekV2ForCausalLM.forward", ("self", "input_ids", "positions"),
                leading=True),
     )),
-    Layout("sparse_attn_indexer", "vLLM 0.24.0 to 0.33.0: layers/sparse_attn_indexer.py", (
+    Layout("sparse_attn_indexer", "vLLM 0.24.0 to 0.34.0: layers/sparse_attn_indexer.py", (
         Symbol(OP_MODULE, "SparseAttnIndexer.forward_cuda", _OP),
     )),
-    Layout("deepseek_v32", "vLLM 0.29.0 to 0.33.0: models/deepseek_v32/attention.py", (
+    Layout("deepseek_v32", "vLLM 0.29.0 to 0.34.0: models/deepseek_v32/attention.py", (
         Symbol(V32_MODULE, "DeepseekV32Attention.forward", ("self", "positions", "hidden_states")),
         Symbol(V32_MODULE, "DeepseekV32Attention._sparse_indexer_and_attn", _SIA),
     )),
     # The CUDA class the registry routes to from 0.29 (also present, unrouted, in 0.28): its
     # forward is DeepseekV2ForCausalLM's, watched from deepseek_v2; read here to watch it
     # should a release give it a forward of its own.
-    Layout("deepseek_v32_nvidia", "vLLM 0.28.0 to 0.33.0: models/deepseek_v32/nvidia/model.py", (
+    Layout("deepseek_v32_nvidia", "vLLM 0.28.0 to 0.34.0: models/deepseek_v32/nvidia/model.py", (
         Symbol(NVIDIA_MODULE, "DeepseekV32ForCausalLM.__init__", ("self", "vllm_config", "prefix")),
     )),
     Layout("gpu_model_runner", "vLLM 0.24.0 to 0.33.0: v1/worker/gpu_model_runner.py", (
@@ -155,7 +170,7 @@ LAYOUTS = (
                ("self", "scheduler_output", "batch_desc")),
     _runner_v2("gpu.model_runner-0.28", "vLLM 0.28.0 to 0.29.0: v1/worker/gpu/model_runner.py",
                ("self", "scheduler_output", "batch_req_state", "batch_desc")),
-    _runner_v2("gpu.model_runner-0.33", "vLLM 0.33.0: v1/worker/gpu/model_runner.py",
+    _runner_v2("gpu.model_runner-0.33", "vLLM 0.33.0 to 0.34.0: v1/worker/gpu/model_runner.py",
                ("self", "scheduler_output", "batch_req_state", "batch_desc", "num_active_loras")),
 )  # fmt: skip
 
@@ -605,10 +620,13 @@ def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
     total = step.tokens
     config = _hf_config(attn)
     tracer = engine.tracer_for(sess, NAME, "vllm:deepseek_v32", indexer.topk_tokens, config)
+    prod_topk = attn.topk_indices_buffer[:total, : indexer.topk_tokens].clone()
+    gather = _shardq_gather(indexer.k_cache.prefix)
+    if gather is not None:
+        prod_topk, requests = _unshard_rows(prod_topk, gather, requests)
     call = IndexerCall(
-        marker=step, layer=layer, k=indexer.topk_tokens,
-        prod_topk=attn.topk_indices_buffer[:total, : indexer.topk_tokens].clone(), requests=requests,
-    )  # fmt: skip
+        marker=step, layer=layer, k=indexer.topk_tokens, prod_topk=prod_topk, requests=requests
+    )
     notes: list[str] = []
     hidden = vars(attn).get(_HIDDEN)
     if _shadowed(sess, requests):
@@ -632,6 +650,58 @@ def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
     convention = _convention(not interleave, "DeepseekV32Attention._index_rope_interleave", config)
     _annotate(call, V32_MODULE, step, _conventions(convention, config, _dtype(hidden), indexer), notes)
     tracer.record(call)
+
+
+def _shardq_gather(k_cache_prefix: str) -> torch.Tensor | None:
+    """vLLM 0.34's ShardQ (tensor parallelism, a prefill step of >= 1024 tokens after its
+    decodes): this rank scored only its zigzag share of the prefill tokens and wrote their
+    rows packed after the decode rows, buffer row r holding global row gather[r]
+    (`DeepseekV32IndexerPrefillMetadata.shardq_gather_indices`, v1/attention/backends/mla/
+    indexer.py). A view into a buffer the next step overwrites: read during the call. None
+    on a step that is not sharded, and on releases without ShardQ."""
+    meta = _forward_context().attn_metadata.get(k_cache_prefix)
+    return getattr(getattr(meta, "prefill", None), "shardq_gather_indices", None)
+
+
+def _unshard_rows(
+    packed: torch.Tensor, gather: torch.Tensor, requests: list[Request]
+) -> tuple[torch.Tensor, list[Request]]:
+    """The buffer's rows put back in the step's global order (rows this rank did not score
+    stay -1), and each request cut to the rows this rank scored: at most two runs of rows
+    for a prefill (its zigzag chunks), each a Request of its own that keeps the call row of
+    the request's first token, so the shadows still see every key from position 0. The
+    rows another rank scored are counted in the request's run (`topk_rows_on_other_ranks`):
+    that rank's run of the same request records them."""
+    index = gather.long()
+    rows = torch.full_like(packed, -1)
+    rows[index] = packed[: index.numel()]
+    owned = torch.zeros(packed.shape[0], dtype=torch.bool, device=packed.device)
+    owned[index] = True
+    mine = owned.cpu().numpy()
+    out: list[Request] = []
+    for req in requests:
+        spans = _runs(mine[req.start : req.start + req.rows])
+        if len(spans) == 1 and spans[0] == (0, req.rows):
+            out.append(req)
+            continue
+        pieces = [
+            Request(key=req.key, start=req.start + lo, rows=hi - lo, prefix=req.prefix + lo,
+                    prefill=req.prefill, skipped=dict(req.skipped), first_row=req.start)
+            for lo, hi in spans
+        ]  # fmt: skip
+        other = req.rows - sum(p.rows for p in pieces)
+        if not pieces:  # every row on other ranks: the run still learns of the step
+            pieces = [Request(key=req.key, start=req.start, rows=0, prefix=req.prefix, prefill=req.prefill,
+                              skipped=dict(req.skipped), first_row=req.start)]  # fmt: skip
+        pieces[0].counts["topk_rows_on_other_ranks"] = other
+        out += pieces
+    return rows, out
+
+
+def _runs(mask: Any) -> list[tuple[int, int]]:
+    """The [lo, hi) runs of True in a 1-D bool array."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
 def _hf_config(attn: Any) -> Any:
@@ -675,7 +745,9 @@ def _layer(prefix: str) -> int:
 
 def _shadowed(sess: Session, requests: list[Request]) -> bool:
     """Whether any request of the call gets a shadow (its keys all in the call)."""
-    return sess.settings.precision is not None and any(r.prefix == 0 and not r.skipped for r in requests)
+    return sess.settings.precision is not None and any(
+        r.key_rows() is not None and not r.skipped for r in requests
+    )
 
 
 def _raw_inputs(
@@ -777,7 +849,7 @@ def _annotate(call: IndexerCall, module: str, step: Step, conventions: list[dict
     call.settings = run_settings(layout, NAME, _version(), f"; runner {step.runner}")
     call.conventions = conventions
     for req in call.requests:
-        if req.prefix == 0 and not req.skipped:
+        if req.key_rows() is not None and not req.skipped:
             for name in notes:
                 req.counts[name] = req.rows
 
