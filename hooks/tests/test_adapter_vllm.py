@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -661,3 +661,76 @@ def test_the_capture_self_check_passes_the_shardq_reading_and_flags_the_global_o
         entry = check["layers"][str(layer)]
         assert entry["rows"] == 3000 - 2048
         assert entry["disagree"] == entry["rows"], entry
+
+
+def test_a_shared_indexer_layer_is_counted_and_the_others_recorded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """GLM-5.2's shared layers (honoured by vLLM 0.34) have no indexer of their own and reuse
+    an earlier layer's selection: nothing to record there, but never silently."""
+
+    def scenario(eng: sv.Engine) -> None:
+        eng.model.model.layers[1].self_attn.indexer = None  # as indexer_types "shared" builds it
+        eng.step({"A": 300}, new={"A": sv.prompt(300, 1)})
+        eng.step({"A": 1})
+
+    t = trace(monkeypatch, tmp_path, scenario, version="0.34.0", force_mqa=True)
+    assert t.counters[vllm_adapter.SHARED_LAYER] == 2
+    run = t.run("A")
+    assert {r["layer"] for r in run["rows"]} == {0}
+    assert run["manifest"]["counters"][f"process.{vllm_adapter.SHARED_LAYER}"] == 2
+
+
+@pytest.mark.parametrize("logits_dtype", ["bfloat16", "float32"])
+def test_the_logits_dtype_and_top_k_backend_of_0_34_are_conventions_and_bf16_logits_widen_the_check(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, logits_dtype: str
+) -> None:
+    """vLLM 0.34 reduces and ranks DeepSeek-V3.2's indexer logits in bf16 on SM100 (its
+    `indexer_logits_dtype`, resolved per model), in fp32 elsewhere. The run records the
+    engine's dtype beside the reference's fp32, and the decode top-k backend; with bf16
+    logits the capture self-check allows their rounding, and still finds every row
+    consistent (the stand-in's bf16 logits round at every head)."""
+
+    def scenario(eng: sv.Engine) -> None:
+        eng.step({"A": 2600}, new={"A": sv.prompt(2600, 1)})
+
+    t = trace(monkeypatch, tmp_path, scenario, version="0.34.0", logits_dtype=logits_dtype)
+    manifest = t.run("A")["manifest"]
+    conventions = {c["name"]: c for c in manifest["conventions"]}
+    bf16 = logits_dtype == "bfloat16"
+    logits = conventions["indexer_logits_dtype"]
+    assert (logits["engine"], logits["model"]) == ("bf16" if bf16 else "fp32", "fp32")
+    assert logits["engine_source"] == "vllm 0.34.0 SparseAttnIndexer.logits_dtype"
+    backend = conventions["indexer_topk_backend"]
+    assert (backend["engine"], backend["model"]) == ("auto", None)
+    check = manifest["settings"]["capture_check"]
+    assert check["tolerance"] == (engine.BF16_LOGITS_CHECK_TOLERANCE if bf16 else selection.CHECK_TOLERANCE)
+    assert [v["disagree"] for v in check["layers"].values()] == [0] * LAYERS
+    assert all(v["rows"] == 2600 - 2048 for v in check["layers"].values())
+
+
+def test_releases_before_0_34_record_no_logits_dtype(serving: Traced) -> None:
+    names = {c["name"] for c in serving.run("A")["manifest"]["conventions"]}
+    assert "indexer_logits_dtype" not in names
+    assert "indexer_topk_backend" not in names
+
+
+def test_the_standalone_cpu_runner_of_0_34_is_named_in_the_line_it_causes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.34 on CPUs runs StandaloneCPUModelRunner (v1/worker/cpu_worker.py), which is no
+    GPUModelRunner: its steps publish no request ids. The line says which runner, not
+    "outside an engine step"."""
+
+    def scenario(eng: sv.Engine) -> None:
+        standalone = ModuleType(vllm_adapter.CPU_RUNNER_MODULE)
+        monkeypatch.setitem(sys.modules, vllm_adapter.CPU_RUNNER_MODULE, standalone)
+        eng.runner._dummy_run(300)  # a forward no hooked runner published a step for
+
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        t = trace(monkeypatch, tmp_path, scenario, version="0.34.0", force_mqa=True)
+    assert t.runs == {}
+    assert t.counters[vllm_adapter.OUTSIDE] == LAYERS
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("standalone CPU model runner" in m for m in messages) == 1, messages
+    assert not any("outside an engine step" in m for m in messages)

@@ -12,7 +12,9 @@ from shadowtrace_hooks import selection
 from shadowtrace_hooks.transfer import Packet
 
 
-def contradicting(prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int, **kw) -> list[int]:
+def contradicting(
+    prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int, **kw: object
+) -> list[int]:
     """The check's count per row, shipped and read back as the writer's thread does."""
     packet = Packet()
     spec = selection.compare(
@@ -130,3 +132,34 @@ def test_the_check_reads_production_top_values_when_given() -> None:
     wrong = top.clone()
     wrong[:, 0] = scores.argmin(dim=-1)
     assert contradicting(wrong, scores, q_pos, 8, prod_top_values=values) == [1] * 4
+
+
+def test_the_bf16_logits_tolerance_covers_a_head_by_head_bf16_reduction_of_64_heads() -> None:
+    """Calibration of `engine.BF16_LOGITS_CHECK_TOLERANCE` (vLLM 0.34 reduces DeepSeek-V3.2's
+    logits in bf16 on SM100): production ranks bf16 logits whose sum over 64 heads rounded at
+    every head (the stand-ins' emulation, more pessimistic than one rounding), the check
+    recomputes them in fp32. Its rows all agree at the bf16 tolerance, with margin; at the
+    default tolerance they would not, which is why the engines widen it."""
+    from shadowtrace_hooks.adapters import engine
+    from standins.common import mqa_logits
+
+    torch.manual_seed(0)
+    rows, keys, heads, dim, k = 64, 2600, 64, 128, 2048
+    q8 = (torch.randn(rows, heads, dim) * 2).to(torch.float8_e4m3fn)
+    k8 = (torch.randn(keys, dim) * 2).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(keys) * 0.02
+    weights = torch.randn(rows, heads) * dim**-0.5 * heads**-0.5
+    first, end = torch.zeros(rows, dtype=torch.long), torch.full((rows,), keys)
+    fp32 = mqa_logits(q8, weights, k8, k_scale, first, end)
+    chosen = mqa_logits(q8, weights, k8, k_scale, first, end, torch.bfloat16).topk(k, dim=-1).indices
+    q_pos = [keys - 1] * rows
+    # the largest shortfall, measured here with torch.topk: below the tolerance by 1.5x
+    kth = fp32.topk(k, dim=-1).values[:, -1]
+    got = fp32.gather(1, chosen)
+    shortfall = ((kth[:, None] - got).clamp(min=0).amax(-1) / got.abs().amax(-1)).max().item()
+    assert selection.CHECK_TOLERANCE < shortfall < engine.BF16_LOGITS_CHECK_TOLERANCE / 1.5
+    assert (
+        contradicting(chosen, fp32, q_pos, k, check_tolerance=engine.BF16_LOGITS_CHECK_TOLERANCE)
+        == [0] * rows
+    )
+    assert sum(c > 0 for c in contradicting(chosen, fp32, q_pos, k)) > rows // 4

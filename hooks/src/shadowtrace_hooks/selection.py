@@ -94,6 +94,7 @@ class Compared:
     has_shadow: bool
     band: float | None
     check: bool = False  # whether the chunks carry the capture self-check
+    check_tolerance: float = CHECK_TOLERANCE
     chunks: list[_Chunk] = field(default_factory=list)
 
     @property
@@ -154,6 +155,7 @@ def compare(
     sampled: torch.Tensor | None = None,
     prod_top_values: torch.Tensor | None = None,
     check: bool = False,
+    check_tolerance: float = CHECK_TOLERANCE,
 ) -> Compared:
     """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
     with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
@@ -162,8 +164,9 @@ def compare(
     list is kept. `prod_top_values` [T, k]: the scores production's own top-k call returned
     with `prod_topk`, when `prod_scores` are that call's input (captured, not recomputed);
     its k-th score is then read from them instead of a second top-k. With `check`, and
-    `prod_scores` production's own, the capture self-check runs too (`check_counts`). The
-    results go into `packet`; `columns` reads them back."""
+    `prod_scores` production's own, the capture self-check runs too (`check_counts`), with
+    `check_tolerance` (relative; `CHECK_TOLERANCE` unless production ranked rounded scores).
+    The results go into `packet`; `columns` reads them back."""
     for name, scores in (("prod_scores", prod_scores), ("shadow_scores", shadow_scores)):
         if scores is not None and tuple(scores.shape) != (prod_topk.shape[0], keys):
             raise ValueError(
@@ -181,7 +184,9 @@ def compare(
     if band is not None:
         lists += ["prod_boundary"] if prod_scores is not None else []
         lists += ["shadow_boundary"] if shadow_scores is not None else []
-    out = Compared(tuple(lists), prod_scores is not None, shadow_scores is not None, band, check)
+    out = Compared(
+        tuple(lists), prod_scores is not None, shadow_scores is not None, band, check, check_tolerance
+    )
     if check and prod_scores is None:
         raise ValueError("compare: the capture check needs production's own scores (prod_scores)")
     rows_total = prod_topk.shape[0]
@@ -234,7 +239,9 @@ def _compare_chunk(
     if spec.check:
         assert prod_scores is not None
         assert prod_kth is not None
-        check = packet.add(_contradicting(prod_topk, prod_scores, prod_kth, visible, sparse, k))
+        check = packet.add(
+            _contradicting(prod_topk, prod_scores, prod_kth, visible, sparse, k, spec.check_tolerance)
+        )
     shadow = shadow_kth = None
     if shadow_scores is not None:
         shadow_kth, floats["shadow_kth_margin"], chosen = _kth(shadow_scores, k)
@@ -327,6 +334,7 @@ def _contradicting(
     visible: torch.Tensor,
     sparse: torch.Tensor,
     k: int,
+    tolerance: float,
 ) -> torch.Tensor:
     """[rows] int32: the keys of production's selection that its own scores contradict, and
     its empty slots (the module's capture self-check), 0 on dense rows. Reads only the
@@ -338,7 +346,7 @@ def _contradicting(
     got = prod_scores.gather(1, torch.where(valid, idx, 0)).float()
     finite = valid & torch.isfinite(got)
     scale = torch.where(finite, got.abs(), 0.0).amax(-1)
-    below = valid & (got < (kth.float() - CHECK_TOLERANCE * scale)[:, None]) & sparse[:, None]
+    below = valid & (got < (kth.float() - tolerance * scale)[:, None]) & sparse[:, None]
     # Padding (-1) in place of a key: a sparse row's top-k fills k slots.
     missing = (k - (idx >= 0).sum(-1)).clamp(min=0) * sparse
     return ((below | unseen).sum(-1) + missing).to(torch.int32)

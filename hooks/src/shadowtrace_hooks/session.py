@@ -310,6 +310,7 @@ class Run:
         visible: np.ndarray | None = None,
         prod_top_values: torch.Tensor | None = None,
         check: str | None = None,
+        check_tolerance: float = selection.CHECK_TOLERANCE,
     ) -> None:
         """Rows of one indexer call: production's selection `prod_topk` [T, n] (with its
         recomputed scores when known) against each shadow input's scores [T, keys] (raw,
@@ -321,8 +322,8 @@ class Run:
         production's top-k returned with `prod_topk`, where `prod_scores` were its input
         (`selection.compare`). `check` says where `prod_scores` came from when they are
         production's own (captured from its top-k call, or recomputed from its operands):
-        the capture self-check then runs on them, and its counts per layer go into the
-        manifest (`settings.capture_check`)."""
+        the capture self-check then runs on them (with `check_tolerance`), and its counts per
+        layer go into the manifest (`settings.capture_check`)."""
         rows = len(positions)
         if rows == 0:
             return
@@ -344,6 +345,7 @@ class Run:
             specs[shadow_input] = selection.compare(
                 self._packet, prod_topk, q_key, keys, k, prod_scores=prod_scores, shadow_scores=scores,
                 band=band, sampled=on_device, prod_top_values=prod_top_values, check=checked and i == 0,
+                check_tolerance=check_tolerance,
             )  # fmt: skip
         fixed = {"step": self.step, "layer": layer, "token": np.asarray(positions, dtype=np.int32),
                  "indexer_layer": indexer_layer, "unit": unit, "unit_tokens": unit_tokens, "k": k,
@@ -357,7 +359,7 @@ class Run:
                 sparse = visible > k
                 bad = sparse & (contradicting > 0)
                 self.writer.capture_check(
-                    layer, str(check), selection.CHECK_TOLERANCE, int(sparse.sum()), int(bad.sum()),
+                    layer, str(check), check_tolerance, int(sparse.sum()), int(bad.sum()),
                     int(np.asarray(positions)[bad][0]) if bad.any() else None,
                 )  # fmt: skip
             for shadow_input, spec in specs.items():

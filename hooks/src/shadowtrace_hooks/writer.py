@@ -574,6 +574,8 @@ class RunWriter:
             )
             if source not in check["sources"]:
                 check["sources"].append(source)
+            # The loosest tolerance any call of the run was checked with.
+            check["tolerance"] = max(check["tolerance"], tolerance)
             entry = check["layers"].setdefault(str(layer), {"rows": 0, "disagree": 0, "first_token": None})
             entry["rows"] += rows
             entry["disagree"] += disagree

@@ -32,12 +32,22 @@ def register(monkeypatch: Any, name: str, **attrs: Any) -> ModuleType:
 
 def mqa_logits(
     q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor,
-    ks: torch.Tensor, ke: torch.Tensor,
+    ks: torch.Tensor, ke: torch.Tensor, logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # fmt: skip
     """DeepGEMM's logits [M, N] fp32 for q8 [M,H,D] e4m3 (scale folded into weights [M,H]),
-    k8 [N,D] e4m3 with k_scale [N]; -inf outside each row's [ks, ke)."""
+    k8 [N,D] e4m3 with k_scale [N]; -inf outside each row's [ks, ke). With bf16
+    `logits_dtype` (vLLM 0.34 on SM100 for DeepSeek-V3.2: "the MQA logits kernels also
+    reduce in BF16"), the sum over heads accumulates in bf16, head by head, and the logits
+    come out bf16 (returned as fp32 holding bf16 values)."""
     dots = torch.einsum("mhd,nd->mhn", q8.float(), k8.float()).clamp_min(0.0)
-    logits = torch.einsum("mhn,mh->mn", dots, weights.float()) * k_scale.float().reshape(1, -1)
+    terms = dots * weights.float()[:, :, None]
+    if logits_dtype == torch.bfloat16:
+        acc = torch.zeros(terms.shape[0], terms.shape[2], dtype=torch.bfloat16)
+        for h in range(terms.shape[1]):
+            acc = (acc.float() + terms[:, h]).to(torch.bfloat16)
+        logits = (acc.float() * k_scale.float().reshape(1, -1)).to(torch.bfloat16).float()
+    else:
+        logits = terms.sum(1) * k_scale.float().reshape(1, -1)
     j = torch.arange(k8.shape[0])[None, :]
     return logits.masked_fill((j < ks[:, None]) | (j >= ke[:, None]), float("-inf"))
 

@@ -81,10 +81,17 @@ def hf_config(
     return config
 
 
-def vllm_config(config: Any, force_mqa: bool = False, shardq: tuple[int, int] | None = None) -> Any:
+def vllm_config(
+    config: Any,
+    force_mqa: bool = False,
+    shardq: tuple[int, int] | None = None,
+    logits_dtype: str | None = None,
+) -> Any:
     """VllmConfig as the model code reads it. `shardq` (rank, world size): this process is
     one tensor-parallel rank of a 0.34 engine with ShardQ on (`sparse_mla_shard_q`, its
-    default, on a backend that supports it)."""
+    default, on a backend that supports it). `logits_dtype`: 0.34's resolved
+    `indexer_logits_dtype` ("bfloat16" for DeepSeek-V3.2 on SM100, else "float32"); None
+    for releases before it, whose indexer op has no logits dtype."""
     rank, world = shardq or (0, 1)
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=config, max_model_len=MAX_POSITION),
@@ -95,6 +102,7 @@ def vllm_config(config: Any, force_mqa: bool = False, shardq: tuple[int, int] | 
             sparse_mla_force_mqa=force_mqa,
             sparse_mla_shard_q=shardq is not None,
             sparse_mla_shard_q_min_tokens=1024,
+            indexer_logits_dtype=logits_dtype,
         ),
         parallel_config=SimpleNamespace(tensor_parallel_size=world, rank=rank),
     )
@@ -479,6 +487,7 @@ def sparse_attn_indexer(
     topk_indices_buffer: torch.Tensor, skip_k_cache_insert: bool, use_pcp: bool,
     dense_mha_metadata_layer_name: str, use_fp4_cache: bool = False, dcp_rank: int = 0,
     dcp_world_size: int = 1, cp_kv_cache_interleave_size: int = 1, skip_topk_buffer_clear: bool = False,
+    topk_backend: str = "auto", logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # fmt: skip
     forward_context = get_forward_context()
     attn_metadata = forward_context.attn_metadata
@@ -512,7 +521,9 @@ def sparse_attn_indexer(
                 rows = (ks == chunk.cu_seq_lens[r]).nonzero().flatten() + chunk.token_start
                 local = rows - chunk.token_start
                 starts = torch.zeros_like(local)  # the request's keys were gathered from 0
-                logits = mqa_logits(q_quant[rows], weights[rows], k8, k_scale, starts, ke[local] - ks[local])
+                logits = mqa_logits(
+                    q_quant[rows], weights[rows], k8, k_scale, starts, ke[local] - ks[local], logits_dtype
+                )
                 topk_indices_buffer[rows, :topk_tokens] = topk_positions(logits, starts, topk_tokens)
     if meta.decode is not None:
         row = 0
@@ -521,7 +532,9 @@ def sparse_attn_indexer(
             k8, k_scale = cache_gather(kv_cache, meta.decode.block_table[r], seq_len)
             zeros = torch.zeros(n, dtype=torch.long)
             ends = torch.arange(seq_len - n + 1, seq_len + 1)
-            logits = mqa_logits(q_quant[row : row + n], weights[row : row + n], k8, k_scale, zeros, ends)
+            logits = mqa_logits(
+                q_quant[row : row + n], weights[row : row + n], k8, k_scale, zeros, ends, logits_dtype
+            )
             topk_indices_buffer[row : row + n, :topk_tokens] = topk_positions(logits, zeros, topk_tokens)
             row += n
     PRODUCTION.append((k_cache_prefix, topk_indices_buffer[:num_tokens, :topk_tokens].clone()))
@@ -743,6 +756,10 @@ class DeepseekV32Indexer(nn.Module):
             self.k_cache, self.quant_block_size, self.scale_fmt, self.topk_tokens, self.head_dim,
             self.max_model_len, self.max_total_seq_len, self.topk_indices_buffer,
         )  # fmt: skip
+        dtype = vllm_config.attention_config.indexer_logits_dtype
+        if dtype is not None:  # 0.34: the op's logits dtype and decode top-k backend
+            self.indexer_op.logits_dtype = getattr(torch, dtype)
+            self.indexer_op.topk_backend = "auto"
 
 
 def fused_norm_rope(
@@ -859,6 +876,12 @@ class DeepseekV32Attention(nn.Module):
     ) -> None:  # fmt: skip
         indexer = self.indexer
         if indexer is not None and not self.skip_topk:
+            op = indexer.indexer_op  # 0.34 passes the op's top-k backend and logits dtype
+            newer = (
+                {"topk_backend": op.topk_backend, "logits_dtype": op.logits_dtype}
+                if hasattr(op, "logits_dtype")
+                else {}
+            )
             sparse_attn_indexer(
                 q_c, indexer.k_cache.prefix, indexer.k_cache.kv_cache, index_q_fp8, None, index_k,
                 index_weights_out, indexer.quant_block_size, indexer.scale_fmt, indexer.topk_tokens,
@@ -866,6 +889,7 @@ class DeepseekV32Attention(nn.Module):
                 skip_k_cache_insert=not self.use_pcp, use_pcp=self.use_pcp,
                 dense_mha_metadata_layer_name=self._dense_mha_metadata_layer_name,
                 skip_topk_buffer_clear=True,
+                **newer,
             )  # fmt: skip
         output.copy_(torch.tanh(q_c.float()).to(output.dtype))
 
@@ -1337,10 +1361,10 @@ class Engine:
 
     def __init__(
         self, fake: Fake, path: str = "deepseek_v32", config: Any = None, force_mqa: bool = False,
-        runner: str | None = None, shardq: tuple[int, int] | None = None,
+        runner: str | None = None, shardq: tuple[int, int] | None = None, logits_dtype: str | None = None,
     ) -> None:  # fmt: skip
         self.path, self.config = path, config or hf_config()
-        self.vllm_config = vllm_config(self.config, force_mqa, shardq)
+        self.vllm_config = vllm_config(self.config, force_mqa, shardq, logits_dtype)
         if path == "deepseek_v32":
             model_cls = fake[NVIDIA_MODULE].DeepseekV32ForCausalLM
         else:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import numerics, rope, session, shadow
+from shadowtrace_hooks import numerics, rope, selection, session, shadow
 from shadowtrace_hooks.rope import IndexerRope
 from shadowtrace_hooks.session import Run, Session
 
@@ -144,6 +144,8 @@ class IndexerCall:
     settings: dict[str, Any] = field(default_factory=dict)
     # the numerics conventions the engine ran this call with, beside the model's (`convention`)
     conventions: list[dict[str, Any]] = field(default_factory=list)
+    # the capture self-check's tolerance: wider where production ranked rounded scores
+    check_tolerance: float = selection.CHECK_TOLERANCE
 
 
 def raw_qkw(raw: RawInputs, rows: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -298,7 +300,7 @@ class EngineTracer:
             elif s.precision is not None:
                 run.count("shadow_skipped_rows_without_keys", req.rows)
             run.topk(call.layer, call.layer, call.k, positions, q_pos, call.prod_topk[rows], prod_scores,
-                     shadows, check=source)  # fmt: skip
+                     shadows, check=source, check_tolerance=call.check_tolerance)  # fmt: skip
             run.ship()
 
     def _raw(
@@ -402,6 +404,49 @@ def hadamard_convention(
     family = rope.family(config) if config is not None else None
     model, source = _MODEL_HADAMARD.get(family, (None, "model config not reached or not a DSA family"))
     return convention("indexer_hadamard", engine_rotates, model, engine_source, source, assumed=assumed)
+
+
+# The model family's reference for the dtype the indexer's logits are reduced and ranked in.
+_MODEL_LOGITS = {
+    "deepseek_v32": (
+        "fp32",
+        "DeepSeek-V3.2 reference inference/kernel.py fp8_index: logits accumulated and returned in fp32",
+    ),
+    "glm_moe_dsa": (None, "none: no reference FP8 indexer is published for glm_moe_dsa"),
+}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+# The capture self-check's tolerance where production ranks bf16 logits reduced in bf16
+# (vLLM 0.34, DeepSeek-V3.2 on SM100): the sum over heads may round at every head, so a
+# selected key's fp32 score can lie below the fp32 k-th score by a few bf16 ulps of the row's
+# largest score. 2^-5 is eight bf16 unit roundoffs (2^-8) of it. Calibrated on an emulation
+# that rounds at every one of 64 heads (DeepSeek-V3.2's index_n_heads), more pessimistic than
+# one rounding: its largest shortfall is 1.2e-2 to 1.6e-2, and 1e-3 flags a quarter of the
+# rows and more (hooks/tests/test_capture_check.py).
+BF16_LOGITS_CHECK_TOLERANCE = 2.0**-5
+
+
+def logits_dtype_convention(dtype: torch.dtype | None, engine_source: str, config: Any) -> dict:
+    """The dtype the engine reduces and ranks the indexer's logits in, beside the model
+    family's reference: bf16 logits tie and swap keys near the k-th score that fp32 keeps
+    apart."""
+    family = rope.family(config) if config is not None else None
+    model, source = _MODEL_LOGITS.get(family, (None, "model config not reached or not a DSA family"))
+    engine_value = None if dtype is None else _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return convention("indexer_logits_dtype", engine_value, model, engine_source, source)
+
+
+def topk_backend_convention(backend: str | None, engine_source: str) -> dict:
+    """The engine's top-k implementation for the indexer (its selection among tied scores,
+    and approximate backends, differ): the model defines none, so it is recorded, never
+    judged."""
+    return convention(
+        "indexer_topk_backend",
+        backend,
+        None,
+        engine_source,
+        "none: the model defines no top-k implementation",
+    )
 
 
 def folded_scale(indexer: Any, scale: str, heads: str | None = None) -> float | None:

@@ -72,9 +72,12 @@ scheduling with drafts makes optimistic). The published step is the marker.
 
 Not recorded, and counted as:
 - calls outside an engine step (profile, warm-up, CUDA-graph capture, drafter/MTP runs),
-  or with a runner layout that is not hooked: `indexer_calls_outside_engine_steps` (and
-  one line);
+  or with a runner layout that is not hooked (0.34's `StandaloneCPUModelRunner` on CPUs,
+  named in the line): `indexer_calls_outside_engine_steps` (and one line);
 - calls during CUDA-graph or torch.compile capture: `captures_skipped_cuda_graph`;
+- calls of a shared indexer layer (GLM-5.2's `indexer_types`, honoured from 0.34: the layer
+  reuses an earlier layer's selection and has no indexer of its own), per process:
+  `indexer_calls_shared_layer` (no loss: the selection is the earlier layer's);
 - micro-batched (DBO) calls, calls without indexer metadata, and calls whose metadata
   disagrees with the published step: `indexer_calls_microbatched`,
   `indexer_calls_without_metadata`, `indexer_calls_batch_mismatch`; steps under prefill
@@ -182,6 +185,9 @@ WQ_B_LAYOUT = "shadow_skipped_wq_b_scale_layout"
 NO_FP8 = "shadow_skipped_no_fp8_operands"
 REPLAY = "shadow_skipped_cudagraph_replay"
 OUTSIDE = "indexer_calls_outside_engine_steps"
+# vLLM 0.34's model runner on CPUs without mature Triton (v1/worker/cpu_worker.py): not hooked.
+CPU_RUNNER_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
+SHARED_LAYER = "indexer_calls_shared_layer"
 
 _HIDDEN = "_shadowtrace_hidden"  # DeepseekV32Attention: the layer input during its forward
 _OPERANDS = "_shadowtrace_operands"  # SparseAttnIndexer: the FP8 operands of its last call
@@ -366,7 +372,15 @@ def _requests(
     step = _published.step
     if step is None:
         sess.count(OUTSIDE)
-        if _hooked(RUNNER_V1_MODULE) or _hooked(RUNNER_V2_MODULE):
+        if CPU_RUNNER_MODULE in sys.modules:
+            # 0.34 on CPUs: StandaloneCPUModelRunner, no GPUModelRunner, though gpu/model_runner
+            # is imported (and hooked) all the same.
+            sess.warn_once(
+                "vllm:cpu_runner",
+                f"vLLM {_version()}: the standalone CPU model runner ({CPU_RUNNER_MODULE}) is not hooked: "
+                f"request ids are unknown and no indexer row is recorded (counted as {OUTSIDE})",
+            )
+        elif _hooked(RUNNER_V1_MODULE) or _hooked(RUNNER_V2_MODULE):
             sess.warn_once(
                 "vllm:outside_step",
                 "vLLM indexer calls outside an engine step (profile, warm-up, CUDA-graph capture, "
@@ -604,7 +618,10 @@ def _keep_hidden(attn: Any, args: tuple, kwargs: dict) -> bool:
 
 def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
     indexer = attn.indexer
-    if indexer is None:  # a layer that reuses the previous indexer layer's top-k
+    if indexer is None:
+        # A shared layer (GLM-5.2's `indexer_types`, honoured from 0.34) reuses an earlier
+        # layer's selection: nothing of its own to record, counted so it is never silent.
+        sess.count(SHARED_LAYER)
         return
     if _capturing():
         sess.count("captures_skipped_cuda_graph")
@@ -648,7 +665,20 @@ def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
             )  # fmt: skip
     interleave = bool(attn._index_rope_interleave)
     convention = _convention(not interleave, "DeepseekV32Attention._index_rope_interleave", config)
-    _annotate(call, V32_MODULE, step, _conventions(convention, config, _dtype(hidden), indexer), notes)
+    conventions = _conventions(convention, config, _dtype(hidden), indexer)
+    op = getattr(indexer, "indexer_op", None)
+    if hasattr(op, "logits_dtype"):  # 0.34: the op's logits dtype and decode top-k backend
+        conventions += [
+            engine.logits_dtype_convention(
+                op.logits_dtype, f"vllm {_version()} SparseAttnIndexer.logits_dtype", config
+            ),
+            engine.topk_backend_convention(
+                getattr(op, "topk_backend", None), f"vllm {_version()} SparseAttnIndexer.topk_backend"
+            ),
+        ]
+        if op.logits_dtype == torch.bfloat16:
+            call.check_tolerance = engine.BF16_LOGITS_CHECK_TOLERANCE
+    _annotate(call, V32_MODULE, step, conventions, notes)
     tracer.record(call)
 
 
