@@ -72,7 +72,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 12] = [
+const INFORMATIONAL: [&str; 14] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -93,6 +93,13 @@ const INFORMATIONAL: [&str; 12] = [
     "rows_skipped_dummy_requests",
     // A model the hooks refused runs untraced and writes no run of its own.
     "models_refused",
+    // Tokens of drafts that assisted or speculative decoding rejected: their
+    // rows are production forwards, recorded at their own step, and the hooks
+    // cut their keys out of the lists later steps score.
+    "cache_rollback_tokens",
+    // A shared indexer layer (GLM-5.2) reuses an earlier layer's selection: it
+    // has none of its own to record, and the earlier layer's rows are whole.
+    "indexer_calls_shared_layer",
     // A blocking put that timed out drops its rows, and those are counted
     // (`dropped_rows`); the timeout itself loses nothing more.
     "queue_wait_timeouts",

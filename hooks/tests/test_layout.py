@@ -41,5 +41,5 @@ def test_a_release_past_the_newest_checked_is_untested(version: str, untested: b
 def test_every_release_layout_of_the_adapters_names_its_newest_and_commit_layouts_none() -> None:
     layouts = [*hf.LAYOUTS, *sglang.LAYOUTS, *vllm.LAYOUTS]
     assert all(entry.newest is not None for entry in layouts), [e.source for e in layouts if e.newest is None]
-    assert {entry.newest for entry in hf.LAYOUTS} == {"5.23.0", "5.24.0"}
+    assert {entry.newest for entry in hf.LAYOUTS} == {"5.23.0", "5.25.0"}
     assert all(entry.newest is None for entry in trtllm.LAYOUTS)

@@ -12,8 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "schemas" / "v1"
 # What format v2 redefines (topk, the manifest); the rest is v1's.
 SCHEMAS_V2 = REPO / "schemas" / "v2"
-# The transformers releases the HF adapter is executed on: the virtualenv's and the newest.
-TRANSFORMERS = ["5.17.0", "5.24.0"]
+# The transformers releases the HF adapter is executed on: the virtualenv's, 5.24 (the last
+# without `kernels`) and the newest (with it: DeepSeek-V3.2's RoPE function is a hub-kernel
+# module there).
+TRANSFORMERS = ["5.17.0", "5.24.0", "5.25.0"]
 
 
 def transformers_path(version: str) -> dict[str, str]:

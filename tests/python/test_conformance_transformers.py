@@ -3,13 +3,23 @@ without importing): every symbol it hooks exists with the parameters it expects,
 layout the adapter picks for that release, and AutoModelForCausalLM routes GLM-5 and
 DeepSeek-V3.2 to the modules it hooks."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from conformance import mapping, selected
+from conftest import transformers_path
 from shadowtrace_hooks.adapters import TARGETS, hf
 from upstream import source
 
 # release -> the layout the adapter must pick there
-RELEASES = {"5.17.0": "past_key_values=", "5.23.0": "past_key_values=", "5.24.0": "cache="}
+RELEASES = {
+    "5.17.0": "past_key_values=",
+    "5.23.0": "past_key_values=",
+    "5.24.0": "cache=",
+    "5.25.0": "cache=",
+}
 
 
 @pytest.mark.parametrize("version", sorted(RELEASES))
@@ -31,3 +41,27 @@ def test_the_auto_registry_routes_glm5_and_deepseek_v32_to_the_hooked_modules(ve
         assert names[model_type] == f"{prefix}ForCausalLM"
         assert TARGETS[module] == "hf"
         assert source("transformers", version).definition(module, f"{prefix}ForCausalLM") is not None
+
+
+def test_deepseek_v32s_rope_function_is_read_through_the_kernels_wrapper_as_5_25_installs_it() -> None:
+    """The source read above ignores decorators. Imported as a user installs it (5.25 depends on
+    `kernels`), DeepSeek-V3.2's `apply_rotary_pos_emb` is a hub-kernel module whose call reads
+    (*args, **kwargs): the adapter refused the model there. Its layout check now reads the
+    function's own parameters through the wrapper, in a process of that release."""
+    probe = (
+        "import inspect, transformers.models.deepseek_v32.modeling_deepseek_v32 as m\n"
+        "from shadowtrace_hooks.adapters import hf, layout\n"
+        "fn = m.apply_rotary_pos_emb\n"
+        "print(inspect.signature(fn))\n"
+        "print(layout.hub_kernel_layer(fn), layout.parameters(fn))\n"
+        "print(layout.select(hf.layouts(m.__name__), {m.__name__: m}, 'probe').name)\n"
+    )
+    path = [transformers_path("5.25.0")["PYTHONPATH"], *sys.path]  # the hooks as this process has them
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "(*args, **kwargs)",
+        "rotary_pos_emb ['q', 'k', 'cos', 'sin', 'unsqueeze_dim']",
+        "cache=",
+    ]

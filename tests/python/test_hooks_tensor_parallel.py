@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU (gloo): a tiny GLM-5 checkpoint run with transformers'
 tp_plan="auto" under torchrun on two ranks, traced with SHADOWTRACE=1. Both ranks write
 their own run without collision, the analyzer reads them as one run, and its verdicts
-equal those of the same checkpoint and prompt on one rank."""
+equal those of the same checkpoint and prompt on one rank. On the virtualenv's transformers
+(5.17) the plan shards the routed experts (DTensor banks, upcast per rank for the shadow);
+5.25's plan leaves them replicated (only the shared experts and attention are sharded)."""
 
 import json
 import os
@@ -9,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, binary
+import pytest
+import transformers
+from conftest import REPO, binary, transformers_path
 
 SCRIPT = REPO / "tests" / "python" / "tp_tiny.py"
 LENGTH, NAN_LAYER, NAN_TOKEN = 2300, 1, 2100
@@ -18,10 +22,11 @@ LENGTH, NAN_LAYER, NAN_TOKEN = 2300, 1, 2100
 JACCARD_TOLERANCE = 0.02
 
 
-def trace(tmp: Path, model: Path, ranks: int) -> Path:
+def trace(tmp: Path, model: Path, ranks: int, version: str) -> Path:
     runs = tmp / f"runs-tp{ranks}"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
     env = {**clean, "SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs), "OMP_NUM_THREADS": "1"}
+    env.update(transformers_path(version))
     args = [SCRIPT, model, str(LENGTH), tmp / f"logits-{ranks}.pt", "--nan-layer", str(NAN_LAYER)]
     args += ["--nan-token", str(NAN_TOKEN)]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
@@ -46,10 +51,13 @@ def analyze(runs: Path) -> list[dict]:
     return json.loads(out.stdout)["runs"]
 
 
-def test_two_ranks_write_apart_and_read_as_one_run_with_the_single_rank_verdicts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [transformers.__version__, "5.25.0"])
+def test_two_ranks_write_apart_and_read_as_one_run_with_the_single_rank_verdicts(
+    tmp_path: Path, version: str
+) -> None:
     model = tmp_path / "model"
     subprocess.run([sys.executable, SCRIPT, model, "--save"], check=True, capture_output=True)
-    single, double = trace(tmp_path, model, 1), trace(tmp_path, model, 2)
+    single, double = trace(tmp_path, model, 1, version), trace(tmp_path, model, 2, version)
 
     dirs = sorted(p.name for p in double.iterdir())
     assert len(dirs) == 2
@@ -58,9 +66,11 @@ def test_two_ranks_write_apart_and_read_as_one_run_with_the_single_rank_verdicts
     assert [m["parallelism"]["rank"] for m in manifests] == [0, 1]
     assert all(m["parallelism"]["world_size"] == 2 and m["status"] == "complete" for m in manifests)
     assert manifests[0]["tags"]["request"] == manifests[1]["tags"]["request"]
-    # every shadow ran on both ranks; the sharded expert banks were upcast per rank, and said so
+    assert all(m["engine"]["version"] == version for m in manifests)
+    # every shadow ran on both ranks; sharded expert banks were upcast per rank, and said so
     assert all(m["settings"].get("disabled_sites") is None for m in manifests)
-    assert all(m["counters"].get("shadow_expert_bank_upcast") == 2 for m in manifests)  # 2 MoE layers
+    upcast = 2 if version < "5.25" else None  # 2 MoE layers; 5.25 replicates the routed experts
+    assert all(m["counters"].get("shadow_expert_bank_upcast") == upcast for m in manifests)
 
     (one,) = analyze(single)
     (merged,) = analyze(double)

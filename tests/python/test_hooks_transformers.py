@@ -172,6 +172,30 @@ def test_generate_is_one_run_with_a_step_per_decoded_token_and_the_untraced_toke
 
 
 @pytest.mark.parametrize("version", TRANSFORMERS)
+def test_drafts_rejected_by_assisted_decoding_are_cut_from_the_runs_keys_with_the_cache(
+    tmp_path: Path, version: str
+) -> None:
+    """Prompt-lookup decoding (assisted decoding without a second model) drafts tokens from
+    the repeated prompt; the random model rejects some, and generate crops the cache. The
+    run's indexer shadow keys are cut back with it: before, the next step's shadow scored
+    the rejected keys too, its width disagreed with production's, and the indexer capture
+    was disabled for the process. Past index_topk, every decode row is informative."""
+    args = ("--generate", "12", "--prompt-lookup", "4", "--repeat-prompt", "50")
+    untraced, _ = run_model(tmp_path, "glm", K + 52, *args, version=version)
+    traced, runs = run_model(tmp_path, "glm", K + 52, *args, version=version, SHADOWTRACE="1")
+    assert torch.equal(traced["ids"], untraced["ids"])
+    (manifest,) = manifests(runs)
+    assert manifest["status"] == "complete"
+    assert_nothing_disabled(manifest)
+    assert manifest["counters"]["cache_rollback_tokens"] > 0
+    check = manifest["settings"]["capture_check"]["layers"]
+    assert all(layer["disagree"] == 0 for layer in check.values()), check
+    (run,) = analyze(runs)["runs"]
+    assert run["topk_verdict"] is None
+    assert "cache_rollback_tokens" not in " ".join(n["why"] for n in run["not_measured"])
+
+
+@pytest.mark.parametrize("version", TRANSFORMERS)
 def test_a_nan_written_into_kv_slot_0_fails_the_sentinel_before_the_onset_it_explains(
     tmp_path: Path, version: str
 ) -> None:

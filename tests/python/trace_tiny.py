@@ -5,7 +5,8 @@ never imports shadowtrace). Which transformers runs is whatever the environment 
 (a release installed apart goes first on PYTHONPATH).
 
 usage: trace_tiny.py glm|deepseek LENGTH OUT.pt [--nan-layer L --nan-token T] [--generate N]
-                     [--count-hooks] [--forwards N] [--engine-sigterm]
+                     [--prompt-lookup N --repeat-prompt P] [--count-hooks] [--forwards N]
+                     [--engine-sigterm]
 
 With --forwards N the prefill runs N times (N requests), printing `done I` after each
 (for the fault tests, which kill the process between or during them); --engine-sigterm
@@ -46,6 +47,16 @@ def main() -> None:
     parser.add_argument("--nan-layer", type=int)
     parser.add_argument("--nan-token", type=int, default=0)
     parser.add_argument("--generate", type=int, default=0)
+    parser.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="generate with prompt-lookup drafts of N tokens (rejected drafts crop the cache)",
+    )
+    parser.add_argument(
+        "--repeat-prompt", type=int, metavar="P", help="the prompt: its first P tokens, repeated"
+    )
     parser.add_argument("--count-hooks", action="store_true")
     parser.add_argument("--forwards", type=int, default=1)
     parser.add_argument("--engine-sigterm", action="store_true")
@@ -89,11 +100,14 @@ def main() -> None:
 
                 getattr(layer, name).register_forward_hook(count)
     ids = tiny_models.prompt(args.length)
+    if args.repeat_prompt:
+        ids = ids[:, : args.repeat_prompt].repeat(1, -(-args.length // args.repeat_prompt))[:, : args.length]
     saved = {"version": transformers.__version__, "hook_calls": calls}
     with torch.no_grad():
         if args.generate:
+            drafts = {"prompt_lookup_num_tokens": args.prompt_lookup} if args.prompt_lookup else {}
             out = model.generate(ids, max_new_tokens=args.generate, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True)  # fmt: skip
+                                 return_dict_in_generate=True, **drafts)  # fmt: skip
             saved["logits"] = torch.stack(out.logits)
             saved["ids"] = out.sequences
         else:

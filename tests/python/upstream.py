@@ -40,14 +40,27 @@ def wheel(package: str, version: str) -> Path:
     return found[0]
 
 
+# What a release needs beside the virtualenv's packages, pinned: transformers 5.25 requires
+# huggingface_hub 2 (and its new HTTP stack) and depends on `kernels`, which wraps hub-kernel
+# functions as modules (the HF adapter must read through that wrapper).
+COMPANIONS = {
+    ("transformers", "5.25.0"): (
+        "kernels==0.19.1", "huggingface_hub==2.4.0", "httpx2==2.17.0", "httpcore2==2.17.0",
+        "truststore==0.10.5", "tomlkit==0.15.3",
+    ),
+}  # fmt: skip
+
+
 def site(package: str, version: str) -> Path:
-    """A directory holding `package==version` alone (no dependencies), installed once."""
+    """A directory holding `package==version` and its pinned `COMPANIONS` (no other
+    dependencies: the virtualenv's serve), installed once."""
     target = CACHE / "site" / f"{package}-{version}"
     if not (target / ".complete").exists():
         shutil.rmtree(target, ignore_errors=True)
+        companions = COMPANIONS.get((package, version), ())
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-             "--target", str(target), str(wheel(package, version))],
+             "--only-binary=:all:", "--target", str(target), str(wheel(package, version)), *companions],
             check=True,
         )  # fmt: skip
         (target / ".complete").touch()

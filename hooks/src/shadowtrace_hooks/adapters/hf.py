@@ -56,7 +56,7 @@ import torch
 
 from shadowtrace_hooks import dequant, numerics, session, shadow, stats
 from shadowtrace_hooks.adapters import engine, hf_prefix
-from shadowtrace_hooks.adapters.layout import Layout, Symbol, run_settings, select
+from shadowtrace_hooks.adapters.layout import Layout, Symbol, hub_kernel_layer, run_settings, select
 from shadowtrace_hooks.session import Run, Session
 
 log = logging.getLogger("shadowtrace")
@@ -67,7 +67,7 @@ MODULES = {
     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa": ("GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
     "transformers.models.deepseek_v32.modeling_deepseek_v32": ("DeepseekV32", "apply_rotary_pos_emb"),
 }
-_CACHE_NAMES = {"past_key_values": "5.17.0 to 5.23.0", "cache": "5.24.0"}
+_CACHE_NAMES = {"past_key_values": "5.17.0 to 5.23.0", "cache": "5.24.0 to 5.25.0"}
 _LOGITS_CHUNK = 1024
 
 
@@ -111,6 +111,56 @@ def install(module: Any) -> None:
     patch(cls, layout, _Tracer, getattr(module, rope_name))
     module._shadowtrace_layout = layout
     module._shadowtrace_scores = scores_source(getattr(module, f"{prefix}Indexer"))
+
+
+# Per-run lists of per-token tensors (one per step) that a cache crop must cut back: the
+# indexer's keys for production's recompute and the shadow, and glm5_next's k-pool states
+# (its shadow's as a [keys, gates] pair of such lists).
+_KEY_LISTS = {"indexer_keys", "indexer_shadow_keys", "kpool_packed", "kpool_shadow"}
+_PAIRED_KEY_LISTS = {"kpool_shadow"}
+
+
+def _drop_last_rows(steps: list[torch.Tensor], n: int) -> None:
+    """Removes the last `n` token rows from a list of per-step [tokens, ...] tensors."""
+    while n > 0 and steps:
+        last = steps[-1]
+        if last.shape[0] <= n:
+            n -= last.shape[0]
+            steps.pop()
+        else:
+            steps[-1] = last[: last.shape[0] - n]
+            n = 0
+
+
+def hub_rope_kernel(model: torch.nn.Module, rope: Any) -> dict | None:
+    """Where the `kernels` package wrapped the indexer's RoPE function (transformers 5.25
+    depends on it; DeepSeek-V3.2's `apply_rotary_pos_emb` is decorated
+    `use_kernel_forward_from_hub("rotary_pos_emb")`): the convention of which code runs it.
+    The wrapper calls transformers' own function unless a module of the model holds a copy
+    that `kernelize` replaced (`use_kernelized_func` with `use_kernels=True`): a hub kernel
+    then computes production's RoPE, chosen by the environment, not by the model. None where
+    the function is not wrapped."""
+    layer = hub_kernel_layer(rope)
+    if layer is None:
+        return None
+    repos = sorted({
+        str(f.__dict__["_kernel_repo"])
+        for m in model.modules()
+        for name, f in (getattr(m, "_kernel_funcs", None) or {}).items()
+        if name == layer or getattr(type(f), "kernel_layer_name", None) == layer
+        if "_kernel_repo" in getattr(f, "__dict__", {})
+    })  # fmt: skip
+    where = f"transformers {_version()}: {getattr(rope, '__module__', '?')}.{layer}, kernels hub wrapper"
+    engine_value = f"hub kernel {', '.join(repos)}" if repos else "transformers"
+    source = (
+        f"{where}, replaced by kernelize"
+        if repos
+        else f"{where}, not kernelized: calls transformers' function"
+    )
+    return engine.convention(
+        "indexer_rope_implementation", engine_value, "transformers", source,
+        "the model's reference: its transformers modeling code",
+    )  # fmt: skip
 
 
 def scores_source(indexer: type) -> str:
@@ -437,6 +487,8 @@ class _Tracer:
         elif position_ids.dim() == 3:  # multimodal RoPE (t, h, w, ...): the text positions lead
             position_ids = position_ids[0]
         hit = False
+        if self.runs and past_len > 0:
+            self._crop_to_cache(past_len)
         if not self.runs or past_len == 0:
             self.close_runs()
             # A request that starts on a cache holding a prefix is a prefix-cache hit: its run
@@ -457,6 +509,25 @@ class _Tracer:
         elif self.step.decode and self.settings.layer_modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
+
+    def _crop_to_cache(self, past_len: int) -> None:
+        """A cache shorter than the tokens a run has seen was cropped by `generate`: assisted
+        or speculative decoding rejected drafted tokens (transformers allows it on these
+        models; 5.25 on glm5_next too). Each run's per-token key lists are cut back to the
+        cache, so later steps score the kept keys only. The rows already written for the
+        rejected tokens stay (production computed them, at their own step) and the run
+        counts the tokens (`cache_rollback_tokens`)."""
+        for run in self.runs:
+            ids = run.state.get("ids")
+            if ids is None or len(ids) <= past_len:
+                continue
+            excess = len(ids) - past_len
+            del ids[past_len:]
+            for key, value in run.state.items():
+                if isinstance(key, tuple) and key[0] in _KEY_LISTS:
+                    for rows in value if key[0] in _PAIRED_KEY_LISTS else [value]:
+                        _drop_last_rows(rows, excess)
+            run.count("cache_rollback_tokens", excess)
 
     def _open(self, ids: list[int], device: torch.device) -> Run:
         # Read off the weights: an FP8 model's first parameter (the embedding) is bf16.
@@ -491,6 +562,9 @@ class _Tracer:
             name, dtype = weights_proj
             source = f"transformers {_version()}: {name}.dtype, read from the loaded model"
             writer.add_conventions([engine.weights_proj_convention(dtype, source)], engine.merge_conventions)
+        rope_kernel = hub_rope_kernel(self.model, self.rope)
+        if rope_kernel is not None:
+            writer.add_conventions([rope_kernel], engine.merge_conventions)
         if self.quant.fp8:
             if self._prod_kernel is None:  # the dispatch rule, once (it may look for nvcc)
                 self._prod_kernel = dequant.kernel(self.model, self.quant)

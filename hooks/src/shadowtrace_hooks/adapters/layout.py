@@ -114,13 +114,30 @@ def run_settings(layout: Layout, engine: str, version: str, more: str = "") -> d
 
 
 def parameters(obj: Any) -> list[str] | None:
-    """Parameter names of a function or method, None when it is not callable."""
+    """Parameter names of a function or method, None when it is not callable. A function a
+    decorator wrapped is read through the wrapper: `functools.wraps`' `__wrapped__`, and the
+    hub-kernel wrapper of the `kernels` package (a hard dependency of transformers from
+    5.25), which replaces a decorated function by an `nn.Module` instance whose call reads
+    `(*args, **kwargs)` and whose class's `forward` carries the function's own signature
+    after `self` (kernels 0.18 and 0.19: `_create_func_module`, `kernel_layer_name`)."""
     if obj is None or not callable(obj):
         return None
+    target, skip = obj, 0
+    if hub_kernel_layer(obj) is not None:
+        target, skip = type(obj).forward, 1
     try:
-        return list(inspect.signature(obj).parameters)
+        return list(inspect.signature(inspect.unwrap(target)).parameters)[skip:]
     except (TypeError, ValueError):
         return None
+
+
+def hub_kernel_layer(obj: Any) -> str | None:
+    """The hub-kernel layer name of a function the `kernels` package wrapped (an instance of
+    a module class carrying `kernel_layer_name`), or None for anything else."""
+    if inspect.isclass(obj) or not callable(getattr(type(obj), "forward", None)):
+        return None
+    name = getattr(type(obj), "kernel_layer_name", None)
+    return name if isinstance(name, str) else None
 
 
 def resolve(module: Any, qualname: str) -> Any:
