@@ -72,7 +72,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 14] = [
+const INFORMATIONAL: [&str; 16] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -97,9 +97,14 @@ const INFORMATIONAL: [&str; 14] = [
     // rows are production forwards, recorded at their own step, and the hooks
     // cut their keys out of the lists later steps score.
     "cache_rollback_tokens",
+    // Rows TensorRT-LLM's short-sequence skip filled with every visible key:
+    // dense rows (no request of the phase sees more than k keys), which carry
+    // no selection to judge.
+    "indexer_rows_dense_skip",
     // A shared indexer layer (GLM-5.2) reuses an earlier layer's selection: it
     // has none of its own to record, and the earlier layer's rows are whole.
     "indexer_calls_shared_layer",
+    "indexer_layers_shared",
     // A blocking put that timed out drops its rows, and those are counted
     // (`dropped_rows`); the timeout itself loses nothing more.
     "queue_wait_timeouts",

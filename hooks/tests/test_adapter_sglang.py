@@ -558,3 +558,41 @@ def test_a_layout_the_adapter_was_not_written_for_is_refused_with_the_difference
     engine.extend([(a, LONG)])  # the engine runs unhooked
     traced.stop()
     assert by_request(tmp_path) == {}
+
+
+@pytest.mark.parametrize("litetopk", ["1", None])
+def test_litetopk_indices_over_the_batchs_gathered_keys_are_counted_never_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, litetopk: str | None
+) -> None:
+    """SGLang main's LiteTopK (SGLANG_ENABLE_DSA_LITETOPK) selects for a whole extend batch
+    and returns positions in the batch's gathered keys: B's are offset by A's keys, past
+    B's own. Recorded as request positions they would be wrong for every request after the
+    first; they are counted instead. Without it, both requests' rows are recorded."""
+    if litetopk is None:
+        monkeypatch.delenv("SGLANG_ENABLE_DSA_LITETOPK", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_ENABLE_DSA_LITETOPK", litetopk)
+    environ(monkeypatch, SGLANG_DSA_FUSE_TOPK="0", SGLANG_NSA_FUSE_TOPK="0")
+    installed = sg.install(monkeypatch, "0.5.22", indexer=sg.IndexerLiteTopK)
+    traced.start(tmp_path, SHADOWTRACE_SHADOW="none")
+    config = sg.deepseek_v32_config()
+    engine = sg.Engine(installed, installed.models.DeepseekV32ForCausalLM(config))
+    a, b = engine.request("A", LONG, seed=1), engine.request("B", LONG, seed=2)
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        engine.extend([(a, LONG), (b, LONG)])
+        engine.decode([a, b])
+    traced.stop()
+    runs = {request: found for request, (found,) in by_request(tmp_path).items()}
+    layers = config.num_hidden_layers
+    for run in runs.values():
+        counters = run["manifest"]["counters"]
+        steps = {r["step"] for r in run["rows"]}
+        if litetopk:
+            assert counters["topk_litetopk_not_recorded"] == LONG * layers
+            assert steps == {1}, "only the decode rows, which do not take LiteTopK"
+        else:
+            assert "topk_litetopk_not_recorded" not in counters
+            assert steps == {0, 1}
+        assert all(0 <= i < r["visible"] for r in run["rows"] for i in r["prod_indices"])
+    lines = [r.message for r in caplog.records if "topk_litetopk_not_recorded" in r.message]
+    assert len(lines) == (1 if litetopk else 0)

@@ -25,6 +25,7 @@ import torch
 import traced
 from shadowtrace_hooks import session
 from shadowtrace_hooks.adapters import engine as core
+from standins import common
 from standins import trtllm as st
 
 A, B, C, D = 7001, 7002, 7003, 7004
@@ -218,7 +219,8 @@ def test_the_manifest_records_the_engines_indexer_rope_convention_next_to_the_mo
         assert "conventions" not in settings
         c = traced.conventions(run)
         assert list(c) == [
-            "indexer_rope", "indexer_hadamard", "indexer_head_weight_scale", "indexer_weights_proj_dtype"
+            "indexer_rope", "indexer_hadamard", "indexer_head_weight_scale", "indexer_weights_proj_dtype",
+            "indexer_short_seq_skip", "indexer_topk_backend",
         ]  # fmt: skip
         scale = c["indexer_head_weight_scale"]
         assert scale["engine"] == scale["model"] == st.D**-0.5 * st.H**-0.5
@@ -547,3 +549,86 @@ def test_a_cuda_graph_step_is_skipped_and_counted(monkeypatch: pytest.MonkeyPatc
     assert counters["captures_skipped_cuda_graph"] == 2
     (run,) = traced.runs(tmp_path)
     assert sorted({(r["step"], r["token"]) for r in run["rows"] if r["token"] >= 40}) == [(1, 41)]
+
+
+# --- issue 27, item 4: what ran instead of the indexer's own top-k ---------------------------
+
+
+def test_rows_the_short_sequence_skip_filled_are_counted_and_the_skip_is_a_convention(
+    served: SimpleNamespace,
+) -> None:
+    """skip_indexer_for_short_seqs (on by default): a phase whose requests all see at most k
+    keys gets every visible key copied in, and the indexer does not run. C's prompt (400)
+    and D's chunks (300, then 200: 500 keys) are such phases; A's and B's prompts and every
+    generation phase here see more than k keys in some request."""
+    runs = by_request(served.runs)
+    layers = 2
+    for rid, rows in ((C, PROMPTS[C]), (D, 500), (A, None), (B, None)):
+        counters = runs[f"trtllm-{rid}"]["manifest"]["counters"]
+        assert counters.get("indexer_rows_dense_skip") == (None if rows is None else rows * layers), rid
+    for run in served.runs:
+        conventions = {c["name"]: c for c in run["manifest"]["conventions"]}
+        skip = conventions["indexer_short_seq_skip"]
+        assert (skip["engine"], skip["model"]) == (True, None)
+        backend = conventions["indexer_topk_backend"]
+        assert backend["engine"] in ("cuda_radix", "prefill=cuda_radix,decode=cuda_radix")
+        assert "enable_heuristic_topk=False" in backend["engine_source"]
+
+
+def test_the_heuristic_top_k_is_recorded_as_the_top_k_backend(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """enable_heuristic_topk puts Guess-Verify-Refine in place of the radix top-k: the
+    engine's own selection from its own scores, recorded as such (a convention the model
+    defines no value of), never taken for the radix's."""
+    runs = one_prompt(monkeypatch, tmp_path, small(st.glm5_config(layers=1)), heuristic_topk=True)
+    (run,) = runs
+    backend = {c["name"]: c for c in run["manifest"]["conventions"]}["indexer_topk_backend"]
+    assert backend["engine"] == "cute_dsl_gvr"
+    assert "enable_heuristic_topk=True" in backend["engine_source"]
+    assert backend["model"] is None
+
+
+@pytest.mark.parametrize(
+    ("module", "cls", "model"),
+    [
+        ("tensorrt_llm._torch.models.modeling_glm5_next", "Glm5NextForCausalLM", "GLM-5.3-Flash"),
+        ("tensorrt_llm._torch.models.modeling_deepseekv4", "DeepseekV4ForCausalLM", "DeepSeek-V4"),
+    ],
+)
+def test_models_whose_attention_no_layout_hooks_say_so_once_when_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, module: str, cls: str,
+    model: str,
+) -> None:  # fmt: skip
+    """GLM-5.3-Flash runs the glm_kpool sparse attention, not the DSA indexer; DeepSeek-V4's
+    indexer subclasses the hooked one but calls neither hooked method: building either is
+    counted and said once."""
+    st.register(monkeypatch, st.NEW)
+    model_cls = type(cls, (torch.nn.Module,), {})
+    common.register(monkeypatch, module, **{cls: model_cls})
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        sess = traced.start(tmp_path)
+        try:
+            model_cls()
+            model_cls()
+            counters = dict(sess.counters)
+        finally:
+            traced.stop()
+    assert counters["models_refused"] == 2
+    lines = [r.getMessage() for r in caplog.records if f"{module}.{cls} is not traced" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert model in lines[0]
+
+
+def test_shared_indexer_layers_are_counted_and_the_full_ones_recorded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """GLM-5.2's shared layers (`index_topk_pattern` "S") are built without an indexer and
+    reuse the last full layer's top-k: no indexer hook runs there, so the model's
+    construction counts them, and the full layers are recorded as ever."""
+    config = small(st.glm5_config(layers=3))
+    config.index_topk_pattern = "FSF"
+    runs = one_prompt(monkeypatch, tmp_path, config)
+    (run,) = runs
+    assert run["manifest"]["counters"]["process.indexer_layers_shared"] == 1
+    assert {r["layer"] for r in run["rows"]} == {0, 2}

@@ -20,6 +20,7 @@ import traced
 from shadowtrace_hooks import selection
 from shadowtrace_hooks.adapters import engine
 from shadowtrace_hooks.adapters import vllm as vllm_adapter
+from standins import common
 from standins import vllm as sv
 
 V32, V2 = "deepseek_v32", "deepseek_v2"
@@ -734,3 +735,33 @@ def test_the_standalone_cpu_runner_of_0_34_is_named_in_the_line_it_causes(
     messages = [r.getMessage() for r in caplog.records]
     assert sum("standalone CPU model runner" in m for m in messages) == 1, messages
     assert not any("outside an engine step" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("module", "cls", "model"),
+    [
+        ("vllm.models.glm5next", "Glm5NextForCausalLM", "GLM-5.3-Flash"),
+        ("vllm.models.deepseek_v4", "DeepseekV4ForCausalLM", "DeepSeek-V4"),
+    ],
+)
+def test_models_whose_indexer_no_layout_hooks_say_so_once_when_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, module: str, cls: str,
+    model: str,
+) -> None:  # fmt: skip
+    """vLLM 0.34 builds GLM-5.3-Flash (its own indexer over pooled keys) and DeepSeek-V4 (an
+    op call without DSA keys, said only when eager) from packages no layout hooks: building
+    one is counted and said once, compiled or not."""
+    model_cls = type(cls, (torch.nn.Module,), {})
+    common.register(monkeypatch, module, **{cls: model_cls})
+
+    def scenario(eng: sv.Engine) -> None:
+        model_cls()
+        model_cls()
+
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        t = trace(monkeypatch, tmp_path, scenario, version="0.34.0", force_mqa=True)
+    assert t.counters["models_refused"] == 2
+    lines = [r.getMessage() for r in caplog.records if f"{module}.{cls} is not traced" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert model in lines[0]
+    assert "vLLM 0.34.0" in lines[0]

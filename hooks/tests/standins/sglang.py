@@ -817,6 +817,44 @@ class Indexer0523(Indexer0522):
         return self._forward(x, q_lora, positions, forward_batch, layer_id, return_indices)
 
 
+class IndexerLiteTopK(Indexer0522):
+    """main after 0.5.23 (dsa_indexer.py @3f53245f), LiteTopK path A: with
+    SGLANG_ENABLE_DSA_LITETOPK (and SM100 there; any device here), an extend batch's top-k
+    comes from `_get_topk_ragged_litetopk` over the whole batch: "gathered-KV absolute
+    positions, padded with -1", request i's positions offset by the keys of the requests
+    before it, and no top-k transform (so whatever SGLANG_DSA_FUSE_TOPK says)."""
+
+    def _build(self, *args: Any) -> None:
+        super()._build(*args)
+        self.use_dsa_litetopk = os.environ.get("SGLANG_ENABLE_DSA_LITETOPK") == "1"
+
+    def _topk(self, batch: Any, layer_id: int, q_fp8: torch.Tensor, weights: torch.Tensor, metadata: Any):
+        if self.use_dsa_litetopk and batch.extend_seq_lens_cpu is not None:
+            return self._get_topk_ragged_litetopk(
+                forward_batch=batch, q_fp8=q_fp8, weights=weights, layer_id=layer_id
+            )
+        return super()._topk(batch, layer_id, q_fp8, weights, metadata)
+
+    def _get_topk_ragged_litetopk(
+        self, *, forward_batch: Any, q_fp8: torch.Tensor, weights: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        pool = self.pools.kv(forward_batch)
+        req_to_token = self.pools.req_to_token(forward_batch)
+        out, row, kv0 = [], 0, 0
+        for pool_row, prefix, new in _row_blocks(forward_batch):
+            rows = slice(row, row + new)
+            slots = req_to_token[pool_row, : prefix + new].long()
+            k8, k_scale = pool.k[layer_id, slots], pool.scale[layer_id, slots]
+            q_pos = torch.arange(prefix, prefix + new)
+            zero = torch.zeros(new, dtype=torch.long)
+            positions = topk_positions(
+                mqa_logits(q_fp8[rows], weights[rows], k8, k_scale, zero, q_pos + 1), zero, self.index_topk
+            )
+            out.append(torch.where(positions >= 0, positions + kv0, -1).to(torch.int32))
+            row, kv0 = row + new, kv0 + prefix + new
+        return torch.cat(out)
+
+
 _INDEXERS = {"0.5.8": Indexer058, "0.5.15": Indexer0515, "0.5.22": Indexer0522, "0.5.23": Indexer0523}
 
 

@@ -33,6 +33,7 @@ Register the stand-in before tracing starts (`register`, then `traced.start`): i
 go straight into sys.modules, as if the engine had imported them.
 """
 
+import enum
 import math
 import os
 import sys
@@ -561,10 +562,29 @@ class IndexerOld(IndexerBase):
         return self._sparse_attn_indexer(metadata, hidden_states, q_fp8, weights, is_generation)
 
 
+class TopKImplementation(enum.StrEnum):
+    """dsa/indexer.py @0b228a79: the top-k kernels `TopK` dispatches to."""
+
+    CUDA_RADIX = "cuda_radix"
+    CUTE_DSL_GVR = "cute_dsl_gvr"
+
+
 class IndexerNew(IndexerBase):
-    """attention/backends/sparse/dsa/indexer.py @0b228a79."""
+    """attention/backends/sparse/dsa/indexer.py @0b228a79: with `Indexer.top_k`, whose decode
+    and (with self-sampling) prefill implementation is Guess-Verify-Refine when
+    `enable_heuristic_topk` is on (SM100 there; any device here), radix otherwise. The
+    stand-in's selection is exact either way."""
 
     bf16_switch = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        sparse_params = kwargs["sparse_params"] if "sparse_params" in kwargs else args[4]
+        self._enable_heuristic_topk = bool(getattr(sparse_params, "enable_heuristic_topk", False))
+        impl = (
+            TopKImplementation.CUTE_DSL_GVR if self._enable_heuristic_topk else TopKImplementation.CUDA_RADIX
+        )
+        self.top_k = SimpleNamespace(prefill_implementation=impl, decode_implementation=impl)
 
     def sparse_attn_indexer(
         self, metadata: DSAtrtllmAttentionMetadata, hidden_states: torch.Tensor, q_fp8: torch.Tensor,
@@ -578,19 +598,27 @@ class IndexerNew(IndexerBase):
 
 
 class DSATrtllmAttention(nn.Module):
+    """dsa/backend.py @29c0516a: a shared layer (`is_full_indexer_layer` False, GLM-5.2's
+    `index_topk_pattern` "S") has no indexer and takes the top-k the last full layer left in
+    the metadata (`shared_topk_indices`)."""
+
     def __init__(self, indexer: IndexerBase | None) -> None:
         super().__init__()
         self.indexer = indexer
+        self.is_full_indexer_layer = indexer is not None
 
     def sparse_attn_predict(
         self, q: torch.Tensor, k: torch.Tensor | None, metadata: DSAtrtllmAttentionMetadata,
         forward_args: SimpleNamespace,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         is_generation = forward_args.attention_input_type == "generation_only"
-        assert self.indexer is not None
+        shared = metadata.__dict__.setdefault("shared_topk_indices", {})
+        if self.indexer is None:
+            return shared[is_generation], None
         topk = self.indexer.forward_from_projected(
             metadata, q, forward_args.indexer_intermediates, is_generation=is_generation
         )
+        shared[is_generation] = topk
         return topk, None
 
 
@@ -609,11 +637,19 @@ class MLA(nn.Module):
         )
         mla_params = SimpleNamespace(hidden_size=cfg.hidden_size, q_lora_rank=cfg.q_lora_rank,
                                      qk_rope_head_dim=cfg.qk_rope_head_dim)  # fmt: skip
-        indexer = indexer_cls(
-            model_config.quant_config, SimpleNamespace(rope=RopeParams.from_config(cfg)), mla_params, False,
-            sparse, torch.bfloat16, layer_idx=layer_idx,
-        )  # fmt: skip
-        indexer.post_load_weights()
+        indexer = None
+        if getattr(cfg, "index_topk_pattern", "F" * (layer_idx + 1))[layer_idx] != "S":
+            rope = SimpleNamespace(rope=RopeParams.from_config(cfg))
+            indexer = indexer_cls(
+                model_config.quant_config,
+                rope,
+                mla_params,
+                False,
+                sparse,
+                torch.bfloat16,
+                layer_idx=layer_idx,
+            )
+            indexer.post_load_weights()
         self.mqa = DSATrtllmAttention(indexer)
         self.proj_replayed = False  # Op 1 replayed from a captured graph: no Python hook runs
 
@@ -636,7 +672,8 @@ def forward_dsa_proj(
     x = F.linear(hidden_states, mla.q_a).float()
     qr = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     indexer = mla.mqa.indexer
-    assert indexer is not None
+    if indexer is None:  # module.py @2d7f402e: a DSA "shared" layer projects no indexer q or k
+        return [q, q, q, q]
     project = IndexerBase.pre_indexer_proj if mla.proj_replayed else indexer.pre_indexer_proj
     if mla.proj_replayed:
         intermediates = project(indexer, qr, hidden_states, position_ids)
@@ -654,10 +691,9 @@ def _forward_dsa_attn(
     contexts, gens = attn_metadata.num_contexts, attn_metadata.num_generations
     ctx_tokens, tokens = attn_metadata.num_ctx_tokens, attn_metadata.num_tokens
     q = q[:tokens]
-    q_fp8, k_fp8, k_scale, weights, q_scale = (t[:tokens] for t in indexer_intermediates)
-    intermediates = [q_fp8, k_fp8, k_scale, weights, q_scale]
-    assert mla.mqa.indexer is not None
-    mla.mqa.indexer._update_k_cache(k_fp8, k_scale, attn_metadata)
+    intermediates = [t[:tokens] for t in indexer_intermediates]
+    if mla.mqa.indexer is not None:  # a shared layer writes no index K
+        mla.mqa.indexer._update_k_cache(intermediates[1], intermediates[2], attn_metadata)
     outputs = []
     for phase, rows, present in (("context_only", q[:ctx_tokens], contexts > 0),
                                  ("generation_only", q[ctx_tokens:], gens > 0)):  # fmt: skip
@@ -702,15 +738,16 @@ class DSAVanillaIndexer(IndexerNew):
 
 
 def model_config(
-    config: SimpleNamespace, *, interleave: bool | None = None, indexer_cls: type | None = None
-) -> SimpleNamespace:
+    config: SimpleNamespace, *, interleave: bool | None = None, indexer_cls: type | None = None,
+    heuristic_topk: bool = False,
+) -> SimpleNamespace:  # fmt: skip
     """ModelConfig.from_pretrained: DeepSeekSparseAttentionConfig takes indexer_rope_interleave
     from config.json; `interleave` stands for an engine that gets it wrong."""
     rope_interleave = getattr(config, "indexer_rope_interleave", False) if interleave is None else interleave
     sparse = SimpleNamespace(
         index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
         index_topk=config.index_topk, indexer_rope_interleave=rope_interleave, indexer_k_dtype="fp8",
-        skip_indexer_for_short_seqs=True, mtp_index_share=False,
+        skip_indexer_for_short_seqs=True, mtp_index_share=False, enable_heuristic_topk=heuristic_topk,
     )  # fmt: skip
     return SimpleNamespace(
         pretrained_config=config, sparse_attention_config=sparse,

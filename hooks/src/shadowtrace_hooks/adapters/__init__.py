@@ -25,6 +25,8 @@ TARGETS = {
     "tensorrt_llm._torch.attention_backend.sparse.dsa.indexer": "trtllm",
     "tensorrt_llm._torch.attention.backends.sparse.dsa.indexer": "trtllm",
     "tensorrt_llm._torch.models.modeling_deepseekv3": "trtllm",
+    "tensorrt_llm._torch.models.modeling_glm5_next": "trtllm",
+    "tensorrt_llm._torch.models.modeling_deepseekv4": "trtllm",
     "sglang.srt.layers.attention.dsa.dsa_indexer": "sglang",
     "sglang.srt.layers.attention.nsa.nsa_indexer": "sglang",
     "sglang.srt.model_executor.forward_batch_info": "sglang",
@@ -35,6 +37,8 @@ TARGETS = {
     "vllm.models.deepseek_v32.nvidia.model": "vllm",
     "vllm.v1.worker.gpu_model_runner": "vllm",
     "vllm.v1.worker.gpu.model_runner": "vllm",
+    "vllm.models.glm5next": "vllm",
+    "vllm.models.deepseek_v4": "vllm",
 }
 ADAPTERS = ("hf", "hf_glm5_next", "hf_deepseek_v4", "hf_generic", "trtllm", "sglang", "vllm")
 # any other `transformers.models.<name>.modeling_<name>`: the generic decoder adapter

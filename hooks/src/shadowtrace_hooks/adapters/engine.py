@@ -497,6 +497,30 @@ def reached(sess: Session, engine: str) -> None:
     sess.hook_calls[engine] = sess.hook_calls.get(engine, 0) + 1
 
 
+def watch_untraced(module: Any, classes: tuple[str, ...], key: str, why: str) -> None:
+    """Wraps `__init__` of each model class `module` holds among `classes`, an engine path no
+    adapter hooks (a model whose indexer runs code of its own): building one counts it
+    (`models_refused`) and says once, under `key`, that it is not traced and `why`. On
+    construction, not import: an engine's registry inspects modules it never builds."""
+    for name in classes:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and not getattr(cls.__init__, "_shadowtrace_untraced", False):
+            cls.__init__ = _said_untraced(cls.__init__, f"{module.__name__}.{name} is not traced: {why}", key)
+
+
+def _said_untraced(init: Callable, line: str, key: str) -> Callable:
+    @functools.wraps(init)
+    def watched(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        sess = session.current()
+        if sess is not None:
+            sess.count("models_refused")
+            sess.warn_once(key, line)
+
+    watched._shadowtrace_untraced = True  # type: ignore[attr-defined]
+    return watched
+
+
 def watch_forward(cls: type, method: str, engine: str, real: Callable[[], bool]) -> None:
     """Wraps `cls.method`, the model's forward, so that after the process's first real
     forward (`real()` is true: not a profiling or warm-up run) one line says so if no

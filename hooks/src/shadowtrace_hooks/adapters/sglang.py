@@ -47,6 +47,13 @@ Not recorded, and counted (in the request's run, else in the session with one li
 - fused top-k (`envs.SGLANG_DSA_FUSE_TOPK`, `SGLANG_NSA_FUSE_TOPK` up to 0.5.10, true by
   default, unless the backend forces unfused top-k for the call): the indices are KV-pool
   slots, `topk_fused_not_recorded`; run with the variable set to 0;
+- LiteTopK (main after 0.5.23, `SGLANG_ENABLE_DSA_LITETOPK`, SM100 extend batches: the hooked
+  `Indexer._get_topk_ragged_litetopk` ran in the call): its indices are positions in the
+  batch's gathered keys (request i's offset by the keys of the requests before it), not the
+  request's own, whatever `SGLANG_DSA_FUSE_TOPK` says, `topk_litetopk_not_recorded`; the
+  single-request `SGLANG_LITETOPK` path returns request positions and is recorded; the CP-v2
+  fused prepare runs only under context parallelism, already
+  `context_parallel_rows_not_recorded`;
 - calls that return no top-k (dense MHA prefill, K-cache writes), `indexer_rows_without_topk`;
   speculative verify / draft-extend batches, `speculative_rows_not_recorded`; context-parallel
   prefill (key rows are not query rows), `context_parallel_rows_not_recorded`; NextN draft
@@ -168,6 +175,7 @@ ARCHITECTURES = {
 _STASH = "_shadowtrace_operands"  # this forward_cuda call's q, k and head gates
 _IN_FORWARD = "_shadowtrace_in_forward_cuda"
 _ORIGIN = "_shadowtrace_origin"
+_LITETOPK = "_shadowtrace_litetopk"  # this forward_cuda call's top-k went through LiteTopK
 _RIDS = "_shadowtrace_rids"  # request ids attached by ForwardBatch.init_new (0.5.8)
 
 # HF configs of the DeepseekV2ForCausalLM instances being built (their indexers keep theirs).
@@ -311,6 +319,7 @@ def _install_indexer(module: ModuleType, cls: type, layout: Layout) -> None:
         engine.reached(sess, NAME)
         state = self.__dict__
         state.pop(_STASH, None)
+        state.pop(_LITETOPK, None)
         state[_IN_FORWARD] = state.get(_IN_FORWARD, 0) + 1
         try:
             out = forward_cuda(self, *args, **kwargs)
@@ -359,6 +368,15 @@ def _install_indexer(module: ModuleType, cls: type, layout: Layout) -> None:
             return out
 
         cls._fused_q_prepare_and_store = traced_fused  # type: ignore[attr-defined]
+    litetopk = getattr(cls, "_get_topk_ragged_litetopk", None)
+    if litetopk is not None:
+
+        @functools.wraps(litetopk)
+        def traced_litetopk(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.__dict__[_LITETOPK] = True
+            return litetopk(self, *args, **kwargs)
+
+        cls._get_topk_ragged_litetopk = traced_litetopk  # type: ignore[attr-defined]
     cls._shadowtrace_patched = True  # type: ignore[attr-defined]
 
 
@@ -511,6 +529,7 @@ def _capture(
 ) -> None:
     indexer = args[0]
     stash = indexer.__dict__.pop(_STASH, None)
+    litetopk = bool(indexer.__dict__.pop(_LITETOPK, False))
     bound = engine.bind(forward_cuda, args, kwargs)
     batch, layer = bound["forward_batch"], int(bound["layer_id"])
     x, q_lora, positions = bound["x"], bound["q_lora"], bound["positions"]
@@ -550,7 +569,7 @@ def _capture(
     rows = sum(r.rows for r in requests)
     _step(tracer, batch, requests)
     k = int(indexer.index_topk)
-    reason = _unrecordable(sess, module, indexer, batch, layer, out)
+    reason = _unrecordable(sess, module, indexer, batch, layer, out, litetopk)
     if reason is not None:
         for req in requests:
             req.skipped[reason] = req.rows
@@ -597,12 +616,22 @@ def _capture(
 
 
 def _unrecordable(
-    sess: Session, module: ModuleType, indexer: Any, batch: Any, layer: int, out: torch.Tensor | None
-) -> str | None:
+    sess: Session, module: ModuleType, indexer: Any, batch: Any, layer: int, out: torch.Tensor | None,
+    litetopk: bool = False,
+) -> str | None:  # fmt: skip
     """Why none of the call's rows can be recorded, or None."""
     mode = batch.forward_mode
     if out is None:
         return "indexer_rows_without_topk"
+    if litetopk:
+        sess.warn_once(
+            "sglang:litetopk",
+            f"sglang {_version()}: the indexer's top-k ran through LiteTopK (SGLANG_ENABLE_DSA_LITETOPK), "
+            "whose indices are positions in the batch's gathered keys, not each request's own: its rows "
+            "are not recorded (counted as topk_litetopk_not_recorded): set SGLANG_ENABLE_DSA_LITETOPK=0 "
+            "to record them",
+        )
+        return "topk_litetopk_not_recorded"
     if _mode(mode, "is_target_verify") or _mode(mode, "is_draft_extend") or _mode(mode, "is_draft_extend_v2"):
         return "speculative_rows_not_recorded"
     if (

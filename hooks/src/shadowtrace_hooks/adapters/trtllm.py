@@ -62,7 +62,20 @@ What it cannot record (counted, under these names):
   scales, NVFP4), or for a model the reference definitions do not settle
   (`shadow_skipped_unknown_model`);
 - the `dequant` shadow of the FP4 indexer (`indexer_k_dtype="fp4"`):
-  `shadow_skipped_fp4_indexer`.
+  `shadow_skipped_fp4_indexer`;
+- GLM-5.2's shared layers (`index_topk_pattern` "S": built without an indexer, they reuse
+  the last full layer's top-k and run no hook of ours): counted when the model is built,
+  `indexer_layers_shared` (session);
+- GLM-5.3-Flash (`modeling_glm5_next`: the glm_kpool sparse attention, not this indexer) and
+  DeepSeek-V4 (`modeling_deepseekv4`: `DeepseekV4Indexer.forward` calls neither hooked
+  method): building one says so once, `models_refused` (session).
+
+What ran instead of the indexer's own top-k is recorded, not hidden: rows the short-sequence
+skip (`skip_indexer_for_short_seqs`, on by default) filled with every visible key are
+counted `indexer_rows_dense_skip` (they are dense rows, kept) and the skip is the convention
+`indexer_short_seq_skip`; the top-k implementation of the call's phase (`Indexer.top_k`:
+radix, or Guess-Verify-Refine with `enable_heuristic_topk`) is the convention
+`indexer_topk_backend` (the model defines none: recorded, never judged).
 
 The engine does not tell the indexer when a request finishes: a run closes after
 `engine.IDLE_STEPS` steps without its request, or at exit. Engine warm-up requests are traced
@@ -82,6 +95,10 @@ from shadowtrace_hooks.session import Session
 
 NAME = "tensorrt_llm"
 VARIANT = "trtllm"
+# Rows the engine's short-sequence skip filled with every visible key (its indexer did not run).
+DENSE_SKIP = "indexer_rows_dense_skip"
+# Layers built without an indexer of their own (shared: they reuse an earlier layer's top-k).
+SHARED_LAYERS = "indexer_layers_shared"
 OLD = "tensorrt_llm._torch.attention_backend.sparse.dsa.indexer"
 NEW = "tensorrt_llm._torch.attention.backends.sparse.dsa.indexer"
 MODELING = "tensorrt_llm._torch.models.modeling_deepseekv3"
@@ -164,8 +181,29 @@ class _State:
 _state = _State()
 
 
+# Model modules whose attention no layout hooks: building one says so once.
+UNTRACED = {
+    "tensorrt_llm._torch.models.modeling_glm5_next": (
+        ("Glm5NextForCausalLM",),
+        f"{NAME}:glm5next",
+        "GLM-5.3-Flash's sparse attention (the glm_kpool backend: pooled keys) is not the DSA indexer; "
+        "no indexer row is recorded",
+    ),
+    "tensorrt_llm._torch.models.modeling_deepseekv4": (
+        ("DeepseekV4ForCausalLM",),
+        f"{NAME}:v4",
+        "DeepSeek-V4's indexer (DeepseekV4Indexer.forward, compressed keys) calls neither hooked method; "
+        "no indexer row is recorded",
+    ),
+}
+
+
 def install(module: Any) -> None:
     """Patches the indexer class of either module path, or the model class."""
+    if module.__name__ in UNTRACED:
+        classes, key, why = UNTRACED[module.__name__]
+        engine.watch_untraced(module, classes, key, f"{NAME} {_version()}: {why}")
+        return
     if module.__name__ == MODELING:
         _install_model(module)
     else:
@@ -257,6 +295,12 @@ def _keep_config(model: torch.nn.Module, init: Any, args: tuple, kwargs: dict) -
     # The engine rewrites this config's model_type (glm_moe_dsa -> deepseek_v32) in place;
     # `architectures`, which rope.indexer_rope reads first, stays the checkpoint's.
     model.__dict__[_CONFIG] = model_config.pretrained_config
+    # GLM-5.2's shared layers (DeepSeekSparseAttentionConfig._is_full_indexer_layer False:
+    # `index_topk_pattern` "S") build their DSATrtllmAttention without an indexer and reuse
+    # an earlier layer's selection: no hook of ours runs there, so they are counted here.
+    shared = sum(1 for m in model.modules() if getattr(m, "is_full_indexer_layer", True) is False)
+    if shared:
+        session.current().count(SHARED_LAYERS, shared)  # type: ignore[union-attr]
 
 
 def _enter(model: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> _Forward:
@@ -340,6 +384,14 @@ def _record(
     if getattr(metadata, "in_mtp_draft_loop", False):
         for req in requests:
             req.skipped["rows_skipped_mtp_draft"] = req.rows
+    # skip_indexer_for_short_seqs (on by default): a phase whose every request sees at most
+    # k keys gets every visible key copied in, and its indexer does not run. The rows are
+    # right as a set (dense rows), but not the indexer's: counted, and a convention.
+    dense_ctx = bool(getattr(metadata, "skip_indexer_for_ctx_reqs", False))
+    dense_gen = bool(getattr(metadata, "skip_indexer_for_gen_reqs", False))
+    for i, req in enumerate(requests):
+        if not req.skipped and (dense_gen if first + i >= contexts else dense_ctx):
+            req.counts[DENSE_SKIP] = req.rows
 
     if out.shape[0] < r1 - r0:
         raise ValueError(f"{NAME}: the indexer returned {out.shape[0]} rows for {r1 - r0} tokens")
@@ -402,9 +454,36 @@ def _record(
                 _weight_dtype(indexer.weights_proj),
                 f"{type(indexer).__module__}.Indexer.weights_proj.weight.dtype (TRTLLM_DSA_INDEXER_BF16)",
             ),
+            engine.convention(
+                "indexer_short_seq_skip",
+                getattr(metadata, "enable_indexer_skip", None),
+                None,
+                "DSAtrtllmAttentionMetadata.enable_indexer_skip (skip_indexer_for_short_seqs)",
+                "none: the model defines no skip",
+            ),
+            engine.topk_backend_convention(*_topk_backend(indexer, phase)),
         ],
     )
     engine.tracer_for(sess, NAME, VARIANT, int(indexer.index_topk), config).record(call)
+
+
+def _topk_backend(indexer: Any, phase: bool | None) -> tuple[str | None, str]:
+    """The indexer's top-k implementation for the call's phase (`Indexer.top_k`, main after
+    PR #17968: radix, or the Guess-Verify-Refine heuristic with `enable_heuristic_topk` on
+    SM100), as the engine names it; None before `top_k` existed."""
+    top_k = getattr(indexer, "top_k", None)
+    heuristic = getattr(indexer, "_enable_heuristic_topk", None)
+    source = f"{type(indexer).__module__}.Indexer.top_k (enable_heuristic_topk={heuristic})"
+    if top_k is None:
+        return None, f"not read: {source} absent"
+
+    def name(which: str) -> str:
+        value = getattr(top_k, f"{which}_implementation", None)
+        return str(getattr(value, "value", value))
+
+    if phase is None:
+        return f"prefill={name('prefill')},decode={name('decode')}", source
+    return name("decode" if phase else "prefill"), source
 
 
 def _weight_dtype(linear: Any) -> torch.dtype | None:

@@ -218,8 +218,29 @@ class _Published:
 _published = _Published()
 
 
+# Model packages whose indexer no layout hooks (0.34): building one says so once.
+UNTRACED = {
+    "vllm.models.glm5next": (
+        ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"),
+        "vllm:glm5next",
+        "GLM-5.3-Flash's indexer (glm5next Indexer, SparseAttnIndexerKpool: pooled keys) is not hooked; "
+        "no indexer row is recorded",
+    ),
+    "vllm.models.deepseek_v4": (
+        ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "DeepseekV4ForConditionalGeneration"),
+        "vllm:v4",
+        "DeepSeek-V4's indexer (compressed keys, FP4 queries) is not a DSA-V3.2 indexer; no indexer row "
+        "is recorded",
+    ),
+}
+
+
 def install(module: Any) -> None:
     """Patches one vLLM module, at the layout it matches, or raises UnsupportedVersion."""
+    if module.__name__ in UNTRACED:
+        classes, key, why = UNTRACED[module.__name__]
+        engine.watch_untraced(module, classes, key, f"vLLM {_version()}: {why}")
+        return
     layouts = tuple(layout for layout in LAYOUTS if module.__name__ in layout.modules)
     if not layouts or getattr(module, "_shadowtrace_layout", None) is not None:
         return
