@@ -26,18 +26,21 @@ LENGTH = 160
 UNITS = {"glm5_next": ("kpool", 16, 64 // 16, [3]), "deepseek_v4": ("compressed", 4, 16, [1, 3])}
 
 
-def run_family(tmp: Path, model: str, length: int, *extra: str, **env: str) -> tuple[dict, Path]:
-    """Runs trace_family.py on transformers 5.24 with the given SHADOWTRACE* environment."""
+def run_family(
+    tmp: Path, model: str, length: int, *extra: str, version: str = VERSION, **env: str
+) -> tuple[dict, Path]:
+    """Runs trace_family.py on transformers `version` (5.24 by default) with the given
+    SHADOWTRACE* environment."""
     runs = tmp / "runs"
     out = tmp / f"out-{len(list(tmp.glob('out-*')))}.pt"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE") and k != "PYTHONPATH"}
-    environ = {**clean, "SHADOWTRACE_DIR": str(runs), **transformers_path(VERSION), **env}
+    environ = {**clean, "SHADOWTRACE_DIR": str(runs), **transformers_path(version), **env}
     done = subprocess.run(
         [sys.executable, TRACE, model, str(length), out, *extra], capture_output=True, text=True, env=environ
     )
     assert done.returncode == 0, done.stderr[-4000:]
     saved = torch.load(out)
-    assert saved["version"] == VERSION
+    assert saved["version"] == version
     return saved, runs
 
 

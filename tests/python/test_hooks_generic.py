@@ -152,3 +152,30 @@ def test_quantized_decoder_weights_refuse_the_shadow_naming_the_weight(
     assert tracer.dtype is None
     assert "layers.1.mlp.shared_expert.down_proj.weight" in tracer.shadow_refused
     assert "cannot upcast quantized codes" in tracer.shadow_refused
+
+
+def test_a_rotary_that_takes_no_text_positions_refuses_the_shadow_up_front_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """transformers 5.17's Qwen3.5 rotary wants multimodal positions [3, batch, tokens]: the
+    shadow re-run, which builds cos/sin from the text positions, raised in every layer (each
+    counted, each capture disabled). The adapter now asks the rotary once, up front, refuses
+    the shadow with one line, and traces production alone, whole."""
+    import transformers
+
+    untraced, _ = run_family(tmp_path, "qwen3_5_moe", LENGTH, version=transformers.__version__)
+    traced, runs = run_family(
+        tmp_path, "qwen3_5_moe", LENGTH, version=transformers.__version__, SHADOWTRACE="1",
+        SHADOWTRACE_MODE="local,free",
+    )  # fmt: skip
+    assert bitwise(traced["logits"], untraced["logits"])
+    (manifest,) = manifests(runs)
+    assert manifest["status"] == "complete"
+    assert_nothing_disabled(manifest)
+    assert manifest["counters"]["shadow_refused"] == 1
+    refused = manifest["settings"]["shadow_refused"]
+    assert "rotary embedding" in refused
+    assert "takes no text positions" in refused
+    assert "production is traced alone" in refused
+    # production's rows are whole: layer_in, attn_out, mlp_out and layer_out of 4 layers
+    assert manifest["tables"]["hidden"]["rows"] == 4 * 4 * LENGTH

@@ -92,7 +92,8 @@ def main() -> None:
         elif args.prefix is None:
             out = model(ids, use_cache=True)
             saved["logits"] = out.logits
-            saved["cache"] = cache_tensors(out.cache)
+            # `cache` from transformers 5.24, `past_key_values` before
+            saved["cache"] = cache_tensors(out.cache if hasattr(out, "cache") else out.past_key_values)
             if args.generate:
                 gen = generate(model, ids, args.generate)
                 saved["gen_logits"], saved["ids"] = torch.stack(gen.logits), gen.sequences

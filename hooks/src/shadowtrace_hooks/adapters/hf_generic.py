@@ -39,6 +39,7 @@ from shadowtrace_hooks.adapters import hf
 from shadowtrace_hooks.adapters.layout import Layout, Symbol
 from shadowtrace_hooks.session import Session
 from shadowtrace_hooks.shadow import dtype_name
+from shadowtrace_hooks.shadow import hooks_suspended as shadow_hooks_suspended
 
 NAME = hf.NAME
 LAYOUTS: tuple[Layout, ...] = ()  # the structure is found at the first call, not declared
@@ -154,6 +155,29 @@ class GenericTracer(hf._Tracer):
             return (
                 f"{kind}: production runs in {dtype_name(prod)}, above the shadow's "
                 f"{self.settings.precision}; production is traced alone"
+            )
+        return self._rotary_refuses_text_positions(kind)
+
+    def _rotary_refuses_text_positions(self, kind: str) -> str | None:
+        """The shadow re-run builds cos/sin from the step's text positions [batch, tokens]
+        (`hf._Tracer._shadow_pe`); a rotary module that takes only its own layout of them
+        (transformers 5.17's Qwen3.5 wants multimodal [3, batch, tokens]) would raise in every
+        layer's shadow, each counted and disabled. Asked once, up front, on one position."""
+        rotary = self.rotary
+        if rotary is None:
+            return None
+        buffer = next(rotary.buffers(), None)
+        device = buffer.device if buffer is not None else torch.device("cpu")
+        try:
+            with torch.no_grad(), shadow_hooks_suspended(rotary):
+                rotary.forward(
+                    torch.empty(0, device=device), torch.zeros(1, 1, dtype=torch.long, device=device)
+                )
+        except Exception as e:
+            return (
+                f"{kind}: its rotary embedding ({type(rotary).__name__}) takes no text positions "
+                f"[batch, tokens] on transformers {hf._version()} ({type(e).__name__}: {e}): the shadow "
+                "re-run cannot build its cos/sin; production is traced alone"
             )
         return None
 
