@@ -22,7 +22,7 @@ use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::selection_unit::{self, SelectionUnit};
 use crate::metrics::topk_check::{self, SummaryCheck};
-use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap};
+use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap, SkippedRow};
 use crate::metrics::topk_v2;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
@@ -118,6 +118,14 @@ pub struct RunAnalysis {
     /// Per-row overlaps, for heatmaps and the metrics Parquet.
     #[serde(skip)]
     pub topk_rows: Vec<RowOverlap>,
+    /// Per-row overlaps against the dequantized operands.
+    #[serde(skip)]
+    pub topk_dequant_rows: Vec<RowOverlap>,
+    /// The top-k rows left out of the averages (dense, or without a
+    /// shadow), by key: ranks that scored different rows of one request
+    /// are united from these and `topk_rows` ([`crate::ranks`]).
+    #[serde(skip)]
+    pub topk_skipped: Vec<SkippedRow>,
     /// Per-token error at the hidden verdict's site, for heatmaps.
     #[serde(skip)]
     pub hidden_tokens: Vec<hidden_error::TokenError>,
@@ -260,7 +268,7 @@ pub fn analyze(
         runs.push(analyze_run(run, t, floors.get(&model))?);
         progress("analysing", i + 1, dataset.runs.len());
     }
-    let runs = ranks::merge(runs);
+    let runs = ranks::merge(runs, t, &floors);
     let group_by: Vec<String> = if options.group_by.is_empty() {
         DEFAULT_GROUP_BY.iter().map(|s| (*s).to_owned()).collect()
     } else {
@@ -420,6 +428,8 @@ pub fn analyze_run(
         rules: vec![hidden_rule.text, topk_rule.text, CONVENTION_RULE.to_owned()],
         ranks: None,
         topk_rows,
+        topk_dequant_rows: dequant_rows,
+        topk_skipped: skipped_rows.rows,
         hidden_tokens,
         prod_top_n,
         first_position,

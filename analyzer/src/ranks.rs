@@ -8,6 +8,14 @@
 //! that disagree are themselves a finding (DeepSeek's reference asserts that
 //! every rank selects the same top-k).
 //!
+//! vLLM 0.34's ShardQ breaks the replication of the indexer's rows: each rank
+//! scores its own zigzag share of a prefill's tokens, and records those rows
+//! (counting the rest as `topk_rows_on_other_ranks`). When every rank's count
+//! of the rows it did not score equals the rows the other ranks recorded, the
+//! ranks' top-k rows are united, each row once, and the request's top-k
+//! layers and verdict are computed from the union; otherwise they stay not
+//! judged. Ranks are then compared on the rows they all recorded.
+//!
 //! What every rank holds is kept: counters are summed over the ranks (each
 //! rank is its own process, so nothing is counted twice; a note says so),
 //! every rank's notes are kept with its rank, failed sentinel checks are
@@ -21,6 +29,11 @@ use serde::Serialize;
 
 use crate::analysis::{RunAnalysis, identity_tag};
 use crate::judged::NotMeasured;
+use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap, Skipped, SkippedRow};
+use crate::verdict::{NoiseFloor, Thresholds, topk_verdict};
+
+/// The hooks' count of a rank's rows another rank scored (vLLM ShardQ).
+pub const OTHER_RANKS: &str = "topk_rows_on_other_ranks";
 
 /// How the ranks of one request compare with its lowest rank.
 #[derive(Debug, Clone, Serialize)]
@@ -51,10 +64,16 @@ pub struct UnevenLayer {
 
 /// Merges the ranks of each multi-rank request into one run (the lowest
 /// rank's metrics with a [`RankAgreement`], and every rank's counters,
-/// notes, failed sentinels and completeness), where its first rank was in
-/// the input order; other runs pass unchanged.
+/// notes, failed sentinels and completeness; top-k rows the ranks scored
+/// apart united, judged with `t` and the model's noise floor from
+/// `floors`), where its first rank was in the input order; other runs pass
+/// unchanged.
 #[must_use]
-pub fn merge(runs: Vec<RunAnalysis>) -> Vec<RunAnalysis> {
+pub fn merge(
+    runs: Vec<RunAnalysis>,
+    t: &Thresholds,
+    floors: &BTreeMap<String, NoiseFloor>,
+) -> Vec<RunAnalysis> {
     // Each output slot holds one run, or the ranks of one request.
     let mut slots: Vec<Vec<RunAnalysis>> = Vec::with_capacity(runs.len());
     let mut slot_of: BTreeMap<(String, String), usize> = BTreeMap::new();
@@ -83,8 +102,13 @@ pub fn merge(runs: Vec<RunAnalysis>) -> Vec<RunAnalysis> {
             }
             ranks.sort_by_key(rank_of);
             let mut first = ranks.remove(0);
-            first.ranks = Some(agreement(&first, &ranks));
+            let united = unite_sharded(&first, &ranks);
+            first.ranks = Some(agreement(&first, &ranks, united.is_some()));
             fold_ranks(&mut first, &ranks);
+            if let Some(united) = united {
+                let floor = identity_tag(&first.tags, "model").and_then(|m| floors.get(m));
+                apply_united(&mut first, united, t, floor);
+            }
             Some(first)
         })
         .collect()
@@ -138,15 +162,157 @@ fn rank_of(run: &RunAnalysis) -> u32 {
         .unwrap_or(0)
 }
 
-fn agreement(first: &RunAnalysis, others: &[RunAnalysis]) -> RankAgreement {
+/// A request's top-k rows as its ranks recorded them together.
+struct United {
+    rows: Vec<RowOverlap>,
+    skipped: Vec<SkippedRow>,
+    /// Whether every rank's count of the rows it did not score equals the
+    /// rows the others recorded.
+    whole: bool,
+    ranks: Vec<u32>,
+}
+
+type RowKey = (i32, i32, i32, bool);
+
+fn row_keys(r: &RunAnalysis) -> BTreeSet<RowKey> {
+    r.topk_rows
+        .iter()
+        .chain(&r.topk_dequant_rows)
+        .map(|o| (o.step, o.layer, o.token, o.dequant))
+        .chain(
+            r.topk_skipped
+                .iter()
+                .map(|s| (s.step, s.layer, s.token, s.dequant)),
+        )
+        .collect()
+}
+
+/// The union of the ranks' top-k rows, where some rank counted rows
+/// another scored (ShardQ); None for replicated ranks. Each row once: a
+/// row several ranks recorded (decode rows, replicated) from the lowest.
+fn unite_sharded(first: &RunAnalysis, others: &[RunAnalysis]) -> Option<United> {
+    let all = || std::iter::once(first).chain(others);
+    if !all().any(|r| r.counters.get(OTHER_RANKS).is_some_and(|&n| n > 0)) {
+        return None;
+    }
+    let mut rows: BTreeMap<RowKey, RowOverlap> = BTreeMap::new();
+    let mut skipped: BTreeMap<RowKey, SkippedRow> = BTreeMap::new();
+    for run in all() {
+        for r in run.topk_rows.iter().chain(&run.topk_dequant_rows) {
+            rows.entry((r.step, r.layer, r.token, r.dequant))
+                .or_insert(*r);
+        }
+        for s in &run.topk_skipped {
+            skipped
+                .entry((s.step, s.layer, s.token, s.dequant))
+                .or_insert(*s);
+        }
+    }
+    skipped.retain(|k, _| !rows.contains_key(k));
+    // The hooks count a missing row once per call, whatever the shadows:
+    // compare the rows of the reference input (or none).
+    let united: usize = rows.keys().chain(skipped.keys()).filter(|k| !k.3).count();
+    let whole = all().all(|r| {
+        let own = row_keys(r).iter().filter(|k| !k.3).count();
+        r.counters.get(OTHER_RANKS).copied().unwrap_or(0) == (united - own) as u64
+    });
+    Some(United {
+        rows: rows.into_values().collect(),
+        skipped: skipped.into_values().collect(),
+        whole,
+        ranks: all().map(rank_of).collect(),
+    })
+}
+
+/// The request's top-k from its ranks' united rows, where they make it
+/// whole: layers, verdict and rule recomputed, the ranks' "rows on other
+/// ranks" no longer a loss. Where they do not, a note says so and the
+/// top-k stays not judged.
+fn apply_united(
+    first: &mut RunAnalysis,
+    united: United,
+    t: &Thresholds,
+    floor: Option<&NoiseFloor>,
+) {
+    let ranks: Vec<String> = united.ranks.iter().map(ToString::to_string).collect();
+    if !united.whole {
+        first.notes.push(format!(
+            "ranks {} scored different rows of this request (vLLM ShardQ), and their rows do not make it whole: \
+             each rank's {OTHER_RANKS} differs from the rows the others recorded, so the top-k stays not judged",
+            ranks.join(", ")
+        ));
+        return;
+    }
+    let units: BTreeMap<i32, _> = first
+        .topk
+        .iter()
+        .chain(&first.topk_dequant)
+        .filter_map(|l| l.unit.clone().map(|u| (l.layer, u)))
+        .collect();
+    let skipped = Skipped::of(united.skipped);
+    let (dequant, reference): (Vec<RowOverlap>, Vec<RowOverlap>) =
+        united.rows.into_iter().partition(|r| r.dequant);
+    let layers = |rows: &[RowOverlap], uninformative| -> Vec<LayerOverlap> {
+        let mut out = topk_overlap::by_layer(rows, uninformative, t.topk_jaccard);
+        for layer in &mut out {
+            layer.unit = units.get(&layer.layer).cloned();
+        }
+        out
+    };
+    first.topk = layers(&reference, &skipped.reference);
+    first.topk_dequant = layers(&dequant, &skipped.dequant);
+    let (verdict, rule) = topk_verdict(&first.topk, t, floor);
+    first.topk_verdict = verdict;
+    if let Some(slot) = first.rules.get_mut(1) {
+        *slot = rule.text;
+    }
+    first.topk_rows = reference;
+    first.topk_dequant_rows = dequant;
+    first.topk_skipped = skipped.rows;
+    let loss = format!("counted {OTHER_RANKS} = ");
+    first.not_measured.retain(|n| !n.why.contains(&loss));
+    first.notes.push(format!(
+        "top-k rows of ranks {} united: each scored its own rows of this request's prefill (vLLM ShardQ), \
+         and every rank's {OTHER_RANKS} equals the rows the others recorded",
+        ranks.join(", ")
+    ));
+}
+
+fn agreement(first: &RunAnalysis, others: &[RunAnalysis], sharded: bool) -> RankAgreement {
     let mut max_jaccard_diff: f64 = 0.0;
     let mut max_hidden_p95_diff: f64 = 0.0;
     let mut same_verdicts = true;
+    // Ranks that scored different rows are compared on the rows all of them
+    // recorded (the replicated ones), never on their own shares.
+    let common: Option<BTreeSet<RowKey>> = sharded.then(|| {
+        others.iter().fold(row_keys(first), |acc, r| {
+            acc.intersection(&row_keys(r)).copied().collect()
+        })
+    });
     let layer_j = |r: &RunAnalysis| -> BTreeMap<i32, f64> {
-        r.topk
-            .iter()
-            .filter_map(|l| l.jaccard_no_churn.as_ref().map(|j| (l.layer, j.mean)))
-            .collect()
+        match &common {
+            None => r
+                .topk
+                .iter()
+                .filter_map(|l| l.jaccard_no_churn.as_ref().map(|j| (l.layer, j.mean)))
+                .collect(),
+            Some(keys) => {
+                let mut sums: BTreeMap<i32, (f64, usize)> = BTreeMap::new();
+                for o in r
+                    .topk_rows
+                    .iter()
+                    .filter(|o| keys.contains(&(o.step, o.layer, o.token, o.dequant)))
+                {
+                    let e = sums.entry(o.layer).or_default();
+                    e.0 += o.jaccard_no_churn;
+                    e.1 += 1;
+                }
+                #[allow(clippy::cast_precision_loss)] // row counts far below 2^52
+                sums.into_iter()
+                    .map(|(l, (s, n))| (l, s / n as f64))
+                    .collect()
+            }
+        }
     };
     let site_p95 = |r: &RunAnalysis| -> BTreeMap<(i32, String, String), f64> {
         r.hidden
@@ -171,10 +337,15 @@ fn agreement(first: &RunAnalysis, others: &[RunAnalysis]) -> RankAgreement {
                 max_hidden_p95_diff = max_hidden_p95_diff.max((p95 - base).abs());
             }
         }
+        // Ranks that scored different rows reach their own top-k verdicts on
+        // their own shares: only the united rows give the request's.
         let verdict_layers = |r: &RunAnalysis| {
             (
                 r.hidden_verdict.as_ref().map(|v| v.layer),
-                r.topk_verdict.as_ref().map(|v| v.layer),
+                r.topk_verdict
+                    .as_ref()
+                    .map(|v| v.layer)
+                    .filter(|_| !sharded),
                 r.onset
                     .as_ref()
                     .map(|o| (o.step, o.layer, o.site.clone(), o.token)),

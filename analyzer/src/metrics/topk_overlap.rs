@@ -88,11 +88,51 @@ pub struct Skipped {
     pub reference: Uninformative,
     /// Rows whose shadow scored the dequantized FP8 operands.
     pub dequant: Uninformative,
+    /// The same rows by key, so that ranks whose rows together make one
+    /// request (vLLM's ShardQ) count each row once ([`crate::ranks`]).
+    pub rows: Vec<SkippedRow>,
+}
+
+/// A row left out of the averages, by key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SkippedRow {
+    /// Forward step.
+    pub step: i32,
+    /// Layer.
+    pub layer: i32,
+    /// Query token.
+    pub token: i32,
+    /// The shadow input is dequant.
+    pub dequant: bool,
+    /// Dense (at most k visible keys); otherwise without a shadow.
+    pub dense: bool,
 }
 
 impl Skipped {
+    /// The counts of `rows`, by shadow input and layer.
+    #[must_use]
+    pub fn of(rows: Vec<SkippedRow>) -> Skipped {
+        let mut out = Skipped::default();
+        for row in &rows {
+            let counts = if row.dequant {
+                &mut out.dequant
+            } else {
+                &mut out.reference
+            };
+            let entry = counts.entry(row.layer).or_default();
+            if row.dense {
+                entry.0 += 1;
+            } else {
+                entry.1 += 1;
+            }
+        }
+        out.rows = rows;
+        out
+    }
+
     /// Adds another chunk's counts.
     pub fn add(&mut self, other: &Skipped) {
+        self.rows.extend_from_slice(&other.rows);
         for (mine, theirs) in [
             (&mut self.reference, &other.reference),
             (&mut self.dequant, &other.dequant),
@@ -215,20 +255,20 @@ fn row_overlaps_v1(
         .map(|s| s.as_deref() == Some("dequant"))
         .collect();
 
-    let mut skipped = Skipped::default();
+    let mut left_out = Vec::new();
     for i in 0..frame.height() {
-        let counts = if dequant[i] {
-            &mut skipped.dequant
-        } else {
-            &mut skipped.reference
-        };
-        let entry = counts.entry(layer[i]).or_default();
-        if visible[i] <= k[i] {
-            entry.0 += 1;
-        } else if shadow.get(i).is_none() {
-            entry.1 += 1;
+        let dense = visible[i] <= k[i];
+        if dense || shadow.get(i).is_none() {
+            left_out.push(SkippedRow {
+                step: step[i],
+                layer: layer[i],
+                token: token[i],
+                dequant: dequant[i],
+                dense,
+            });
         }
     }
+    let skipped = Skipped::of(left_out);
     // One scratch buffer per worker thread for the row's churn keys: no
     // allocation per row.
     let rows: Vec<RowOverlap> = (0..frame.height())

@@ -19,7 +19,7 @@ use shadowtrace_schemas::selection::{
     BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
-use super::topk_overlap::{RowOverlap, Skipped};
+use super::topk_overlap::{RowOverlap, Skipped, SkippedRow};
 use crate::AnalyzeError;
 use crate::frame::{BoolListView, ListView, bool_list, i32s, list, opt_f32s, opt_i32s, opt_strs};
 
@@ -230,22 +230,23 @@ pub fn row_overlaps(
     } else {
         None
     };
-    let mut skipped = Skipped::default();
+    let mut left_out = Vec::new();
     let mut rows = Vec::new();
     let mut scratch = Scratch::default();
     for i in 0..frame.height() {
-        let counts = if s.dequant[i] {
-            &mut skipped.dequant
-        } else {
-            &mut skipped.reference
+        let skip = |dense: bool| SkippedRow {
+            step: s.step[i],
+            layer: s.layer[i],
+            token: s.token[i],
+            dequant: s.dequant[i],
+            dense,
         };
-        let entry = counts.entry(s.layer[i]).or_default();
         if s.visible[i] <= s.k[i] {
-            entry.0 += 1;
+            left_out.push(skip(true));
             continue;
         }
         let (Some(shadow_selected), Some(shared)) = (s.shadow_selected[i], s.shared[i]) else {
-            entry.1 += 1;
+            left_out.push(skip(false));
             continue;
         };
         let (churn, churn_unknown) = match (s.band[i], s.needs_lists(i, churn_margin), &lists) {
@@ -286,5 +287,5 @@ pub fn row_overlaps(
             churn_unknown,
         });
     }
-    Ok((rows, skipped))
+    Ok((rows, Skipped::of(left_out)))
 }
