@@ -136,6 +136,39 @@ mod tests {
     }
 
     #[test]
+    fn the_tensor_ue8m0_rule_is_the_scalar_rule_bit_for_bit_on_every_edge() {
+        // Two definitions of one number (issue 28, item 7): the device rule is
+        // pinned to the scalar one on the edges of the fp32 bit layout.
+        let mut edges = vec![
+            0.0_f32,
+            f32::from_bits(1),           // the smallest subnormal
+            f32::from_bits(0x007F_FFFF), // the largest subnormal
+            f32::MIN_POSITIVE,
+            f32::from_bits(f32::MIN_POSITIVE.to_bits() + 1),
+            0.5,
+            1.0,
+            f32::from_bits(1.0_f32.to_bits() + 1),
+            f32::from_bits(2.0_f32.to_bits() - 1),
+            3.0 / 448.0,
+            1.0 / 448.0,
+            1e-4 / 448.0,
+            f32::from_bits(f32::MAX.to_bits() - 1),
+            f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        edges.extend((0..200).map(|i| 1.37_f32.powi(i - 100)));
+        let scalar: Vec<u32> = edges
+            .iter()
+            .map(|&x| super::super::round_up_pow2(x).to_bits())
+            .collect();
+        let tensor = round_up_pow2(&Tensor::from_slice(&edges)).unwrap();
+        let got: Vec<f32> = Vec::<f32>::try_from(&tensor).unwrap();
+        let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(got, scalar);
+    }
+
+    #[test]
     fn a_block_max_lands_on_the_format_max_with_fp32_scales() {
         let x = Tensor::from_slice(&[1.0_f32, -3.0, 0.5, 2.0])
             .f_view([1, 4])

@@ -164,7 +164,9 @@ class GenericTracer(hf._Tracer):
         (transformers 5.17's Qwen3.5 wants multimodal [3, batch, tokens]) would raise in every
         layer's shadow, each counted and disabled. Asked once, up front, on one position."""
         rotary = self.rotary
-        if rotary is None:
+        # A model adapter that builds its own cos/sin (DeepSeek-V4's per-layer-type rotary)
+        # is not asked: its `_shadow_pe` is not the one probed here.
+        if rotary is None or type(self)._shadow_pe is not GenericTracer._shadow_pe:
             return None
         buffer = next(rotary.buffers(), None)
         device = buffer.device if buffer is not None else torch.device("cpu")
