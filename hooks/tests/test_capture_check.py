@@ -103,6 +103,18 @@ def test_a_row_pointing_past_every_key_is_counted_never_gathered() -> None:
     assert contradicting(chosen, scores, q_pos, 2) == [1, 0]
 
 
+def test_an_appended_tail_key_is_productions_own_and_left_alone_only_where_the_model_appends_it() -> None:
+    """GLM-5.3-Flash appends each query's incomplete tail pool (index `visible`, unscored) to
+    its top-k: with `check_tail` it is left alone, without it it is a key the query cannot
+    see. A key past the tail still counts either way."""
+    q_pos = [9, 9]
+    scores = causal_scores(2, 11, q_pos, seed=7)  # keys 0..9 scored, key 10 the tail
+    best = scores[:, :10].topk(4, dim=-1).indices
+    chosen = torch.cat([best, torch.tensor([[10], [11]])], dim=1)
+    assert contradicting(chosen, scores, q_pos, 4, check_tail=True) == [0, 1]
+    assert contradicting(chosen, scores, q_pos, 4) == [1, 1]
+
+
 def test_nan_scores_count_no_key_below_them() -> None:
     q_pos = [7]
     scores = torch.full((1, 8), math.nan)

@@ -95,6 +95,7 @@ class Compared:
     band: float | None
     check: bool = False  # whether the chunks carry the capture self-check
     check_tolerance: float = CHECK_TOLERANCE
+    check_tail: bool = False
     chunks: list[_Chunk] = field(default_factory=list)
 
     @property
@@ -156,6 +157,7 @@ def compare(
     prod_top_values: torch.Tensor | None = None,
     check: bool = False,
     check_tolerance: float = CHECK_TOLERANCE,
+    check_tail: bool = False,
 ) -> Compared:
     """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
     with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
@@ -165,8 +167,10 @@ def compare(
     with `prod_topk`, when `prod_scores` are that call's input (captured, not recomputed);
     its k-th score is then read from them instead of a second top-k. With `check`, and
     `prod_scores` production's own, the capture self-check runs too (`check_counts`), with
-    `check_tolerance` (relative; `CHECK_TOLERANCE` unless production ranked rounded scores).
-    The results go into `packet`; `columns` reads them back."""
+    `check_tolerance` (relative; `CHECK_TOLERANCE` unless production ranked rounded scores);
+    `check_tail`: production appends the query's incomplete tail key (index `visible`,
+    unscored: GLM-5.3-Flash's k-pool tail), which the check then leaves alone. The results
+    go into `packet`; `columns` reads them back."""
     for name, scores in (("prod_scores", prod_scores), ("shadow_scores", shadow_scores)):
         if scores is not None and tuple(scores.shape) != (prod_topk.shape[0], keys):
             raise ValueError(
@@ -185,7 +189,13 @@ def compare(
         lists += ["prod_boundary"] if prod_scores is not None else []
         lists += ["shadow_boundary"] if shadow_scores is not None else []
     out = Compared(
-        tuple(lists), prod_scores is not None, shadow_scores is not None, band, check, check_tolerance
+        tuple(lists),
+        prod_scores is not None,
+        shadow_scores is not None,
+        band,
+        check,
+        check_tolerance,
+        check_tail,
     )
     if check and prod_scores is None:
         raise ValueError("compare: the capture check needs production's own scores (prod_scores)")
@@ -240,7 +250,9 @@ def _compare_chunk(
         assert prod_scores is not None
         assert prod_kth is not None
         check = packet.add(
-            _contradicting(prod_topk, prod_scores, prod_kth, visible, sparse, k, spec.check_tolerance)
+            _contradicting(
+                prod_topk, prod_scores, prod_kth, visible, sparse, k, spec.check_tolerance, spec.check_tail
+            )
         )
     shadow = shadow_kth = None
     if shadow_scores is not None:
@@ -335,14 +347,17 @@ def _contradicting(
     sparse: torch.Tensor,
     k: int,
     tolerance: float,
+    tail: bool = False,
 ) -> torch.Tensor:
     """[rows] int32: the keys of production's selection that its own scores contradict, and
     its empty slots (the module's capture self-check), 0 on dense rows. Reads only the
     selected keys' scores, a [rows, n] gather, never the whole [rows, keys] matrix again."""
     idx = prod_topk.long()
     beyond = idx >= visible[:, None]  # never gathered: a misread row may point past the keys
+    if tail:  # the appended tail key is production's by definition, never scored
+        beyond = beyond & (idx != visible[:, None])
     unseen = beyond & sparse[:, None]
-    valid = (idx >= 0) & ~beyond
+    valid = (idx >= 0) & (idx < visible[:, None])
     got = prod_scores.gather(1, torch.where(valid, idx, 0)).float()
     finite = valid & torch.isfinite(got)
     scale = torch.where(finite, got.abs(), 0.0).amax(-1)

@@ -311,6 +311,7 @@ class Run:
         prod_top_values: torch.Tensor | None = None,
         check: str | None = None,
         check_tolerance: float = selection.CHECK_TOLERANCE,
+        check_tail: bool = False,
     ) -> None:
         """Rows of one indexer call: production's selection `prod_topk` [T, n] (with its
         recomputed scores when known) against each shadow input's scores [T, keys] (raw,
@@ -345,7 +346,7 @@ class Run:
             specs[shadow_input] = selection.compare(
                 self._packet, prod_topk, q_key, keys, k, prod_scores=prod_scores, shadow_scores=scores,
                 band=band, sampled=on_device, prod_top_values=prod_top_values, check=checked and i == 0,
-                check_tolerance=check_tolerance,
+                check_tolerance=check_tolerance, check_tail=check_tail,
             )  # fmt: skip
         fixed = {"step": self.step, "layer": layer, "token": np.asarray(positions, dtype=np.int32),
                  "indexer_layer": indexer_layer, "unit": unit, "unit_tokens": unit_tokens, "k": k,

@@ -53,6 +53,9 @@ LAYOUTS = (
     ),
 )  # fmt: skip
 UNIT = "kpool"
+# Where the capture self-check's production scores come from: the pools' keys production
+# packed, scored as its indexer scores them (fp32, HF's order of operations).
+SCORES_SOURCE = "recomputed: production's packed k-pool states and queries, in HF's order of operations"
 
 
 def install(module: Any) -> None:
@@ -118,7 +121,9 @@ class Glm5NextTracer(GenericTracer):
                     run.indexer_events(layer, scores, visible - 1, positions)
             row_shadows = {"raw": shadows[b]} if b in shadows else {}
             run.topk(layer, layer, k, positions, q_pos, pools, scores, row_shadows,
-                     unit=UNIT, unit_tokens=pool, visible=(positions + 1) // pool)  # fmt: skip
+                     unit=UNIT, unit_tokens=pool, visible=(positions + 1) // pool,
+                     check=SCORES_SOURCE,
+                     check_tail=bool(getattr(module, "index_kpool_always_select_tail", False)))  # fmt: skip
 
     def _shadow(
         self,
