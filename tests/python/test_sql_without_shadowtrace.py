@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -114,3 +115,38 @@ def test_readme_spark_sql_churn_free_jaccard_and_onset_equal_the_analyzer(
     }
     assert expected_onset, "the demo plants a non-finite value"
     assert {r["run_id"]: (r["seq"], r["layer"], r["site"]) for r in onset} == expected_onset
+
+
+@pytest.fixture(scope="module")
+def serving_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs the vLLM stand-in's hooks wrote (hooks/tests/standins/vllm.py): production's
+    boundary from the dequant scores, so churn is known, as the serving engines record it."""
+    sys.path.insert(0, str(REPO / "hooks" / "tests"))
+    from test_adapter_vllm import _trace_rank
+
+    runs = tmp_path_factory.mktemp("vllm")
+    with pytest.MonkeyPatch.context() as mp:
+        _trace_rank(mp, runs, None)
+    return runs
+
+
+@pytest.mark.parametrize("tool", ["duckdb", "polars"])
+def test_readme_snippets_equal_the_analyzer_on_a_serving_engines_run(serving_run: Path, tool: str) -> None:
+    """The same snippets over runs the Python hooks wrote for a serving engine (issue 28,
+    item 4): their churn columns, and the analyzer's recount from the boundary lists, agree."""
+    a = analysis(serving_run)
+    known = [layer for run in a["runs"] for layer in run["topk"] if layer["informative_rows"] > 0]
+    assert known, "the serving run has informative rows"
+    assert all(layer["churn_unknown_rows"] == 0 for layer in known), "churn is known on the serving rows"
+    if tool == "duckdb":
+        sql = snippet("duckdb-jaccard").replace("runs/*/topk", f"{serving_run}/*/topk")
+        rows = duckdb.sql(sql).fetchall()
+        got = {m: {(r[0], r[1]): r[c] for r in rows} for c, m in [(2, "jaccard"), (3, "jaccard_no_churn")]}
+    else:
+        scope: dict = {}
+        exec(snippet("polars-jaccard").replace("runs/*/topk", f"{serving_run}/*/topk"), scope)
+        frame: pl.DataFrame = scope["per_layer"]
+        got = {m: {(r["run_id"], r["layer"]): r[m] for r in frame.iter_rows(named=True)}
+               for m in ("jaccard", "jaccard_no_churn")}  # fmt: skip
+    for metric, values in got.items():
+        assert_layers_equal(values, analyzer_layers(a, metric))
