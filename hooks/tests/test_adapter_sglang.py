@@ -596,3 +596,19 @@ def test_litetopk_indices_over_the_batchs_gathered_keys_are_counted_never_record
         assert all(0 <= i < r["visible"] for r in run["rows"] for i in r["prod_indices"])
     lines = [r.message for r in caplog.records if "topk_litetopk_not_recorded" in r.message]
     assert len(lines) == (1 if litetopk else 0)
+
+
+def test_the_capture_self_check_finds_every_informative_row_consistent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Production's scores recomputed from its own FP8 operands (the dequant shadow): the
+    engine's recorded selection is their top-k on every informative row."""
+    installed = start(monkeypatch, tmp_path, "0.5.22")
+    engine = sg.Engine(installed, installed.models.DeepseekV32ForCausalLM(sg.deepseek_v32_config()))
+    a, b = engine.request("A", LONG, seed=1), engine.request("B", LONG, seed=2)
+    engine.extend([(a, LONG), (b, LONG)])
+    traced.stop()
+    for (run,) in by_request(tmp_path).values():
+        check = run["manifest"]["settings"]["capture_check"]
+        assert all(layer["rows"] == LONG - sg.TOPK for layer in check["layers"].values()), check
+        assert all(layer["disagree"] == 0 for layer in check["layers"].values()), check

@@ -632,3 +632,17 @@ def test_shared_indexer_layers_are_counted_and_the_full_ones_recorded(
     (run,) = runs
     assert run["manifest"]["counters"]["process.indexer_layers_shared"] == 1
     assert {r["layer"] for r in run["rows"]} == {0, 2}
+
+
+def test_the_capture_self_check_finds_every_informative_row_consistent(served: SimpleNamespace) -> None:
+    """Production's scores recomputed from its own FP8 operands (the dequant shadow): the
+    engine's recorded selection is their top-k on every informative row of every request."""
+    checked = 0
+    for run in served.runs:
+        check = run["manifest"]["settings"].get("capture_check")
+        if check is None:  # no row of this request had its keys in the call
+            continue
+        assert check["sources"] == [core.DEQUANT_SOURCE]
+        assert all(layer["disagree"] == 0 for layer in check["layers"].values()), check
+        checked += sum(layer["rows"] for layer in check["layers"].values())
+    assert checked > 0
