@@ -11,7 +11,11 @@ An adapter turns one indexer call into an `IndexerCall`:
 - `raw`: the pre-quantization inputs (hidden states, q LoRA, positions) and the indexer's
   weights, from which `raw_qkw` recomputes q, k and w in fp32 with the model's RoPE;
 - `fp8`: the engine's own FP8 operands, scored in fp32 for the `dequant` shadow (the fp32
-  recompute of exactly what the production kernel multiplied).
+  recompute of what the production kernel multiplied; an engine that reduces and ranks its
+  logits in bf16, vLLM 0.34 for DeepSeek-V3.2 on SM100, rounds them, which its
+  `indexer_logits_dtype` convention says). These scores are also production's own: they give
+  its k-th score, margin and boundary (so churn is known) and the capture self-check, which
+  holds the recorded selection to their top-k (`session.Run.topk`'s `check`).
 
 Production rows are recorded whatever happens to the shadows: each shadow runs in a guard
 of its own. Rows of a request whose earlier keys are not in this call (decode steps, later
