@@ -765,3 +765,33 @@ def test_models_whose_indexer_no_layout_hooks_say_so_once_when_built(
     assert len(lines) == 1, lines
     assert model in lines[0]
     assert "vLLM 0.34.0" in lines[0]
+
+
+def test_unsharding_puts_each_packed_row_on_its_token_and_cuts_requests_to_the_rows_this_rank_scored() -> (
+    None
+):
+    """By hand: 2 decode rows, then requests A (rows 2..9) and B (10..13); this rank scored
+    A's rows 2, 3, 8, 9 and B's 10, 13, packed after the decode rows."""
+    gather = torch.tensor([0, 1, 2, 3, 8, 9, 10, 13], dtype=torch.int32)
+    packed = torch.full((14, 2), -1, dtype=torch.int32)
+    packed[: len(gather), 0] = gather  # each packed row names the token it belongs to
+    requests = [
+        engine.Request(key="d0", start=0, rows=1, prefix=40, prefill=False),
+        engine.Request(key="d1", start=1, rows=1, prefix=50, prefill=False),
+        engine.Request(key="A", start=2, rows=8, prefix=0, skipped={"some_reason": 8}),
+        engine.Request(key="B", start=10, rows=4, prefix=100),
+    ]
+    rows, pieces = vllm_adapter._unshard_rows(packed, gather, requests)
+    assert rows[:, 0].tolist() == [0, 1, 2, 3, -1, -1, -1, -1, 8, 9, 10, -1, -1, 13]
+    got = [(p.key, p.start, p.rows, p.prefix, p.first_row, p.skipped, p.counts) for p in pieces]
+    assert got == [
+        ("d0", 0, 1, 40, None, {}, {}),
+        ("d1", 1, 1, 50, None, {}, {}),
+        ("A", 2, 2, 0, 2, {"some_reason": 2}, {"topk_rows_on_other_ranks": 4}),
+        ("A", 8, 2, 6, 2, {"some_reason": 2}, {}),
+        ("B", 10, 1, 100, 10, {}, {"topk_rows_on_other_ranks": 2}),
+        ("B", 13, 1, 103, 10, {}, {}),
+    ]
+    # A's second piece sees A's keys from its first row: the shadows score from position 0.
+    assert pieces[3].key_rows() == slice(2, 10)
+    assert pieces[5].key_rows() is None  # B's rows started at position 100: earlier keys not here

@@ -735,15 +735,16 @@ def _unshard_rows(
         if len(spans) == 1 and spans[0] == (0, req.rows):
             out.append(req)
             continue
+        # A skip reason counts the rows it covers: each piece its own.
         pieces = [
             Request(key=req.key, start=req.start + lo, rows=hi - lo, prefix=req.prefix + lo,
-                    prefill=req.prefill, skipped=dict(req.skipped), first_row=req.start)
+                    prefill=req.prefill, skipped=dict.fromkeys(req.skipped, hi - lo), first_row=req.start)
             for lo, hi in spans
         ]  # fmt: skip
         other = req.rows - sum(p.rows for p in pieces)
         if not pieces:  # every row on other ranks: the run still learns of the step
             pieces = [Request(key=req.key, start=req.start, rows=0, prefix=req.prefix, prefill=req.prefill,
-                              skipped=dict(req.skipped), first_row=req.start)]  # fmt: skip
+                              skipped=dict.fromkeys(req.skipped, 0), first_row=req.start)]  # fmt: skip
         pieces[0].counts["topk_rows_on_other_ranks"] = other
         out += pieces
     return rows, out
