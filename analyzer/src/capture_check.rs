@@ -128,9 +128,20 @@ impl CaptureCheck {
         self.inconsistent().map(|c| c.line(&self.engine)).collect()
     }
 
-    /// One line for a check that found every layer consistent.
+    /// What the reports print: whether a layer disagrees, with its verdict
+    /// lines, or else the one line of a consistent check.
     #[must_use]
-    pub fn consistent_line(&self) -> String {
+    pub fn report_lines(&self) -> (bool, Vec<String>) {
+        let lines = self.verdict_lines();
+        if lines.is_empty() {
+            (false, vec![self.consistent_line()])
+        } else {
+            (true, lines)
+        }
+    }
+
+    /// One line for a check that found every layer consistent.
+    fn consistent_line(&self) -> String {
         let rows: u64 = self.layers.iter().map(|c| c.rows).sum();
         format!(
             "capture self-check: {} layer{}, {rows} informative rows, every selection production's own scores' top-k (tolerance {:e}; scores {})",

@@ -227,12 +227,10 @@ pub fn render_run(run: &Run) -> String {
     );
     match crate::capture_check::CaptureCheck::of(m) {
         Ok(Some(check)) => {
-            let lines = check.verdict_lines();
-            if lines.is_empty() {
-                let _ = writeln!(out, "{:<11}{}", "capture", check.consistent_line());
-            }
+            let (inconsistent, lines) = check.report_lines();
+            let label = if inconsistent { "CAPTURE" } else { "capture" };
             for (i, line) in lines.iter().enumerate() {
-                let _ = writeln!(out, "{:<11}{line}", if i == 0 { "CAPTURE" } else { "" });
+                let _ = writeln!(out, "{:<11}{line}", if i == 0 { label } else { "" });
             }
         }
         Ok(None) => {}

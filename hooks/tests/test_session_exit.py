@@ -41,16 +41,26 @@ def exit_at(monkeypatch: pytest.MonkeyPatch, run: session.Run, point: str) -> No
         monkeypatch.setattr(RunWriter, "close", once(RunWriter.close))
 
 
-@pytest.mark.parametrize("point", ["ship", "counters", "writer close"])
-def test_an_exit_inside_close_run_leaves_the_run_to_the_exit_flush_interrupted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
-) -> None:
+def run_with_logits(tmp_path: Path) -> tuple[session.Session, session.Run]:
+    """A session into `tmp_path` and one run holding three rows of logits, not yet shipped."""
     settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
     sess = session.start(settings)
     try:
         run = sess.open_run(token_ids=[1, 2, 3], model=MODEL, engine=ENGINE, device=DEVICE, dtypes=DTYPES)
         run.step = 0
         run.logits(torch.randn(3, 5), None, np.arange(3))
+    except BaseException:
+        session.stop()  # no session outlives a test that failed to set it up
+        raise
+    return sess, run
+
+
+@pytest.mark.parametrize("point", ["ship", "counters", "writer close"])
+def test_an_exit_inside_close_run_leaves_the_run_to_the_exit_flush_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    sess, run = run_with_logits(tmp_path)
+    try:
         exit_at(monkeypatch, run, point)
         with pytest.raises(SystemExit):
             sess.close_run(run)
@@ -67,12 +77,8 @@ def test_an_exit_inside_close_run_leaves_the_run_to_the_exit_flush_interrupted(
 
 
 def test_a_run_closed_whole_leaves_the_open_runs_and_is_not_cut(tmp_path: Path) -> None:
-    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
-    sess = session.start(settings)
+    sess, run = run_with_logits(tmp_path)
     try:
-        run = sess.open_run(token_ids=[1, 2, 3], model=MODEL, engine=ENGINE, device=DEVICE, dtypes=DTYPES)
-        run.step = 0
-        run.logits(torch.randn(3, 5), None, np.arange(3))
         sess.close_run(run)
         assert run not in sess.open_runs
         assert not run.cut

@@ -129,12 +129,13 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             }
         );
         if let Some(check) = &run.capture_check {
-            let lines = check.verdict_lines();
-            if lines.is_empty() {
-                let _ = writeln!(out, "- {}", check.consistent_line());
-            }
+            let (inconsistent, lines) = check.report_lines();
             for line in lines {
-                let _ = writeln!(out, "- **{line}**");
+                let _ = if inconsistent {
+                    writeln!(out, "- **{line}**")
+                } else {
+                    writeln!(out, "- {line}")
+                };
             }
         }
         for m in &run.convention_mismatches {

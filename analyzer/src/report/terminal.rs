@@ -133,11 +133,7 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
     }
     // A capture the adapter misread makes every top-k metric below meaningless: first of all.
     if let Some(check) = &run.capture_check {
-        let lines = check.verdict_lines();
-        if lines.is_empty() {
-            let _ = writeln!(out, "  {}", check.consistent_line());
-        }
-        for line in lines {
+        for line in check.report_lines().1 {
             let _ = writeln!(out, "  {line}");
         }
     }

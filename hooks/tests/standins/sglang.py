@@ -673,9 +673,20 @@ class _IndexerImpl:
     def _topk(self, batch: Any, layer_id: int, q_fp8: torch.Tensor, weights: torch.Tensor, metadata: Any):
         """DeepGEMM's ragged (extend) or paged (decode) logits over each request's keys in the
         index-K cache, then the top-k transform."""
+        out = [
+            metadata.topk_transform(positions, torch.full((new,), pool_row))
+            for pool_row, _, new, positions in self._request_positions(batch, layer_id, q_fp8, weights)
+        ]
+        return torch.cat(out)
+
+    def _request_positions(
+        self, batch: Any, layer_id: int, q_fp8: torch.Tensor, weights: torch.Tensor
+    ) -> Any:
+        """Per request of the batch (pool row, prefix, new rows): its rows' top-k positions
+        over its own keys in the index-K cache, request-local, -1 padded."""
         pool = self.pools.kv(batch)
         req_to_token = self.pools.req_to_token(batch)
-        out, row = [], 0
+        row = 0
         for pool_row, prefix, new in _row_blocks(batch):
             rows = slice(row, row + new)
             slots = req_to_token[pool_row, : prefix + new].long()
@@ -683,10 +694,8 @@ class _IndexerImpl:
             q_pos = torch.arange(prefix, prefix + new)
             zero = torch.zeros(new, dtype=torch.long)
             logits = mqa_logits(q_fp8[rows], weights[rows], k8, k_scale, zero, q_pos + 1)
-            positions = topk_positions(logits, zero, self.index_topk)
-            out.append(metadata.topk_transform(positions, torch.full((new,), pool_row)))
+            yield pool_row, prefix, new, topk_positions(logits, zero, self.index_topk)
             row += new
-        return torch.cat(out)
 
 
 def _row_blocks(batch: Any) -> list[tuple[int, int, int]]:
@@ -838,20 +847,10 @@ class IndexerLiteTopK(Indexer0522):
     def _get_topk_ragged_litetopk(
         self, *, forward_batch: Any, q_fp8: torch.Tensor, weights: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
-        pool = self.pools.kv(forward_batch)
-        req_to_token = self.pools.req_to_token(forward_batch)
-        out, row, kv0 = [], 0, 0
-        for pool_row, prefix, new in _row_blocks(forward_batch):
-            rows = slice(row, row + new)
-            slots = req_to_token[pool_row, : prefix + new].long()
-            k8, k_scale = pool.k[layer_id, slots], pool.scale[layer_id, slots]
-            q_pos = torch.arange(prefix, prefix + new)
-            zero = torch.zeros(new, dtype=torch.long)
-            positions = topk_positions(
-                mqa_logits(q_fp8[rows], weights[rows], k8, k_scale, zero, q_pos + 1), zero, self.index_topk
-            )
+        out, kv0 = [], 0
+        for _, prefix, new, positions in self._request_positions(forward_batch, layer_id, q_fp8, weights):
             out.append(torch.where(positions >= 0, positions + kv0, -1).to(torch.int32))
-            row, kv0 = row + new, kv0 + prefix + new
+            kv0 += prefix + new
         return torch.cat(out)
 
 
