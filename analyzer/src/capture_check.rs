@@ -140,9 +140,17 @@ impl CaptureCheck {
         }
     }
 
-    /// One line for a check that found every layer consistent.
+    /// One line for a check that found every layer consistent, or that had
+    /// no informative row to check (dense rows only): never read as clean.
     fn consistent_line(&self) -> String {
         let rows: u64 = self.layers.iter().map(|c| c.rows).sum();
+        if rows == 0 {
+            return format!(
+                "capture self-check: not judged: no informative row (every row saw at most k keys) in {} layer{}",
+                self.layers.len(),
+                if self.layers.len() == 1 { "" } else { "s" },
+            );
+        }
         format!(
             "capture self-check: {} layer{}, {rows} informative rows, every selection production's own scores' top-k (tolerance {:e}; scores {})",
             self.layers.len(),
@@ -198,6 +206,20 @@ mod tests {
         assert_eq!(
             bad[0].line("vllm 0.34.0"),
             "CAPTURE INCONSISTENT at layer 2: 2 of 8 informative rows (25.0%) select keys production's own scores rank outside its top-k (first at token 5); the adapter may not match vllm 0.34.0, so this layer's top-k rows are not judged as numerics"
+        );
+    }
+
+    #[test]
+    fn a_check_with_no_informative_row_says_not_judged_never_consistent() {
+        let c = check(serde_json::json!({"0": {"rows": 0, "disagree": 0, "first_token": null}}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            c.report_lines(),
+            (
+                false,
+                vec!["capture self-check: not judged: no informative row (every row saw at most k keys) in 1 layer".to_owned()]
+            )
         );
     }
 
