@@ -2,7 +2,8 @@
 DeepSeek-V3.2 configs with identical weights (written here as safetensors), fp32 on CPU,
 per-layer hidden states, logits and indexer top-k. The prompt is longer than index_topk,
 so the sparse regime is exercised; GLM has a shared (GLM-5.2) indexer layer and DeepSeek
-YaRN RoPE, so both RoPE pairings and both scalings are covered."""
+YaRN RoPE, so both RoPE pairings and both scalings are covered. The trained checkpoints of
+models/ are compared the same way, on held-out text."""
 
 import json
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
+import trained
 from conftest import binary
 from safetensors.torch import load_file
 
@@ -22,28 +24,38 @@ HIDDEN_REL_TOL = 1e-4
 TIE_REL_TOL = 1e-5
 
 CASES = {
-    "glm": lambda: tiny_models.glm(dtype=torch.float32, indexer_types=["full", "shared", "full"]),
-    "deepseek": lambda: tiny_models.deepseek(
-        dtype=torch.float32,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "original_max_position_embeddings": 512,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
+    "glm": (
+        lambda: tiny_models.glm(dtype=torch.float32, indexer_types=["full", "shared", "full"]),
+        tiny_models.prompt,
     ),
+    "deepseek": (
+        lambda: tiny_models.deepseek(
+            dtype=torch.float32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+        tiny_models.prompt,
+    ),
+    # The trained checkpoints (models/), on held-out text.
+    "glm5-tiny": (lambda: trained.load("glm"), trained.prompt),
+    "dsv32-tiny": (lambda: trained.load("deepseek"), trained.prompt),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_rust_fp32_path_matches_transformers(tmp_path: Path, name: str) -> None:
-    model = CASES[name]()
+    build, prompt = CASES[name]
+    model = build()
     model.save_pretrained(tmp_path / "model")
-    ids = tiny_models.prompt(LENGTH)
+    ids = prompt(LENGTH)
     captured: dict[int, torch.Tensor] = {}
     # transformers' hidden_states end with the final norm's output: the layers' own
     # outputs are taken from the layers.

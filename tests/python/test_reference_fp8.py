@@ -14,9 +14,12 @@ every weight re-quantized in its own blocks with ue8m0 scales) must fail that bo
 test can tell a wrong FP8 implementation from a right one.
 """
 
+import contextlib
+import copy
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -24,8 +27,12 @@ import pytest
 import tiny_fp8
 import tiny_models
 import torch
+import trained
 from conftest import binary
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(trained.MODELS / "train"))
+import quantize_fp8
 
 T = 256  # below index_topk: every key selected, the layers' outputs do not hang on top-k ties
 # Rust against transformers may be at most this many times the control's departure (median
@@ -34,6 +41,15 @@ T = 256  # below index_topk: every key selected, the layers' outputs do not hang
 # control 0 to 2.7e-2; the re-quantizing path 3.3e-2 to 8.3e-2 (median).
 ACCUMULATION_FACTOR = 2.0
 FLOOR = 1e-6
+# On the trained checkpoints the control is exactly 0 through layer 1 (fp64 and fp32
+# accumulation round to the same bf16 everywhere there), while the engine's own summation
+# order (of the experts, in attention) rounds a token differently now and then (trained GLM,
+# token 190 of layer 0: 157 of 256 elements one ulp apart after o_proj's FP8 activation
+# quantization), which attention and routing carry into later tokens: p90 2.3e-3 at layer 1,
+# 1.7e-2 at layer 2, against FP8's own departure from bf16 of 3.4e-2 to 7e-2. There the
+# bound is: the median token bit-identical, and the 90th percentile under TRAINED_SHARE of
+# what FP8 itself changes (transformers' FP8 model against its bf16 one).
+TRAINED_SHARE = 0.5
 # Greedy ids from the last logits: the engine's agreement with transformers may fall short of
 # the control's by at most this share of tokens.
 ARGMAX_SLACK = 0.02
@@ -41,7 +57,16 @@ ARGMAX_SLACK = 0.02
 
 def fp8_checkpoint(tmp: Path, family: str, scale_fmt: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """transformers' FP8 model of `family`, saved to tmp/fp8 by its own save_pretrained, and
-    the bf16 model it was converted from."""
+    the bf16 model it was converted from. `family` "trained-glm" / "trained-deepseek": the
+    committed trained checkpoint, converted by its recipe (models/train/quantize_fp8.py) and
+    saved with transformers' squeezed expert scales (its down_proj [256, 128] scales are
+    written [2], not [2, 1]: the engine reads both)."""
+    if family.startswith("trained-"):
+        name = trained.NAMES[family.removeprefix("trained-")]
+        bf16 = trained.load(family.removeprefix("trained-"), torch.bfloat16)
+        model, _ = tiny_fp8.convert(copy.deepcopy(bf16), scale_fmt, quantize_fp8.RECIPES[name][1])
+        model.save_pretrained(tmp / "fp8")
+        return bf16, model
     bf16, model, _ = tiny_fp8.fp8_model(family, scale_fmt=scale_fmt)
     model.save_pretrained(tmp / "fp8")
     return tiny_fp8.fp32_rope(bf16, family), tiny_fp8.fp32_rope(model, family)
@@ -76,21 +101,34 @@ def within(got: tuple[float, float], control: tuple[float, float]) -> bool:
     return all(g <= ACCUMULATION_FACTOR * c + FLOOR for g, c in zip(got, control, strict=True))
 
 
-@pytest.mark.parametrize("family", ["glm", "deepseek"])
-@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+@pytest.mark.parametrize(
+    ("family", "scale_fmt"),
+    [
+        *((f, s) for f in ("glm", "deepseek") for s in ("float", "ue8m0")),
+        ("trained-glm", "float"),
+        ("trained-deepseek", "ue8m0"),
+    ],
+)
 def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_accumulation_order(
     tmp_path: Path, family: str, scale_fmt: str
 ) -> None:
-    _, model = fp8_checkpoint(tmp_path, family, scale_fmt)
-    ids = tiny_models.prompt(T)
+    bf16, model = fp8_checkpoint(tmp_path, family, scale_fmt)
+    is_trained = family.startswith("trained-")
+    ids = trained.prompt(T) if is_trained else tiny_models.prompt(T)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
     hf, hf_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel_emulated())
     control, control_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel(tiny_fp8.emu_matmul_fp64))
+    own = tiny_fp8.layer_outputs(bf16, ids, contextlib.nullcontext())[0] if is_trained else {}
     rust = engine(tmp_path, "fp8-checkpoint")
 
     for i, want in hf.items():
         floor = departure(control[i], want)
         got = departure(rust[f"layer_out.{i}"], want)
+        if is_trained and not within(got, floor):
+            fp8_own = departure(own[i], want)
+            assert got[0] == 0.0, (i, "engine median", got, "control", floor)
+            assert got[1] <= TRAINED_SHARE * fp8_own[1], (i, "engine", got, "fp8 itself", fp8_own)
+            continue
         assert within(got, floor), (i, "engine", got, "control", floor)
     agree = float((rust["logits"].argmax(-1) == hf_logits.argmax(-1)).float().mean())
     control_agree = float((control_logits.argmax(-1) == hf_logits.argmax(-1)).float().mean())

@@ -252,9 +252,11 @@ fn ue8m0(byte: u8) -> f32 {
 }
 
 /// The scales of FP8 codes `[R, C]` as one fp32 scale per 128x128 block,
-/// `[ceil(R/128), ceil(C/128)]`: a grid as stored, or one scale for every
-/// block (a per-tensor scale, or a 1x1 grid saved squeezed, as transformers
-/// 5.17's `save_pretrained` writes each expert's of a small bank).
+/// `[ceil(R/128), ceil(C/128)]`: a grid as stored, the grid with its size-1
+/// dimensions squeezed (transformers 5.17's `save_pretrained` writes each
+/// expert's scales of a bank so: `SplitModulelist` squeezes every chunk, a
+/// `[256, 128]` down_proj's `[2, 1]` becoming `[2]`), or one scale for every
+/// block (a per-tensor scale).
 fn scale_grid(name: &str, codes: &Tensor, scale: &Tensor) -> Result<Tensor, ModelError> {
     let size = codes.size();
     let grid = [(size[0] + 127) / 128, (size[1] + 127) / 128];
@@ -262,11 +264,16 @@ fn scale_grid(name: &str, codes: &Tensor, scale: &Tensor) -> Result<Tensor, Mode
     if scale.numel() == 1 {
         return Ok(scale.reshape([1, 1]).expand(grid, false).contiguous());
     }
+    let squeezed: Vec<i64> = grid.iter().copied().filter(|&d| d != 1).collect();
+    if scale.size() == squeezed {
+        return Ok(scale.reshape(grid));
+    }
     if scale.size() != grid {
         return Err(ModelError::Weights {
             path: PathBuf::from(name),
             what: format!(
-                "shape {:?}, expected {grid:?} (one scale per 128x128 block of {size:?}) or one scale",
+                "shape {:?}, expected {grid:?} (one scale per 128x128 block of {size:?}), \
+                 {squeezed:?} (the same squeezed) or one scale",
                 scale.size()
             ),
         });
