@@ -45,7 +45,17 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # 1k and 3k tokens: below and above index_topk, the cells the tests read. The suspects
         # section is left out (minutes of sweeps no test here reads; its text is pinned by
         # tracer/tests/suspects_demo_section.rs, the sweep by tracer/tests/suspects_sweep.rs).
-        [binary("shadowtrace"), "demo", "--out", root, "--lengths", "1024,3072", "--no-suspects"],
+        [
+            binary("shadowtrace"),
+            "demo",
+            "--out",
+            root,
+            "--models",
+            REPO / "models",
+            "--lengths",
+            "1024,3072",
+            "--no-suspects",
+        ],
         check=True,
         capture_output=True,
         env={**os.environ, "PATH": f"{binary('shadowtrace').parent}:{os.environ['PATH']}"},

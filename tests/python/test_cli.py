@@ -60,7 +60,7 @@ def test_analyze_names_the_planted_faults_with_their_rules(demo_runs: Path) -> N
     out = shadowtrace("analyze", demo_runs)
     assert out.returncode == 0, out.stderr
     assert "top-k: first layer whose mean Jaccard" in out.stdout
-    assert "non-finite onset:  step 0, layer 3, mlp_out, token 2500: nan (shadow finite there)" in out.stdout
+    assert "non-finite onset:  step 0, layer 2, mlp_out, token 2500: nan (shadow finite there)" in out.stdout
     assert "top-k divergence:  layer 1: mean Jaccard" in out.stdout
 
 
@@ -84,7 +84,7 @@ def test_analyze_json_carries_every_verdict_and_threshold(demo_runs: Path) -> No
     doc = json.loads(out.stdout)
     assert doc["thresholds"]["topk_jaccard"] == 0.5
     runs = {r["run_id"]: r for r in doc["runs"]}
-    assert runs["glm-tool-3k"]["onset"]["layer"] == 3
+    assert runs["glm-tool-3k"]["onset"]["layer"] == 2
     assert runs["glm-tool-3k"]["topk_verdict"] is None, "the perturbed layer keeps more than half its keys"
     assert all(r["hidden_verdict"] is None for r in runs.values())
 
@@ -209,11 +209,12 @@ def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
         assert runs[0] == runs[1]
 
 
-def test_demo_refuses_suspects_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: Path) -> None:
+def test_demo_refuses_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: Path) -> None:
     """The suspects section runs after the grid: its arguments are checked before, not minutes
-    into the demo."""
-    for extra, needle in ((["--suspects-layers", "0"], "--suspects-layers 0"),
-                          (["--suspects-lengths", "0"], "--suspects-lengths 0")):  # fmt: skip
+    into the demo; so is the folder of trained checkpoints."""
+    for extra, needle in ((["--suspects-lengths", "0"], "--suspects-lengths 0"),
+                          (["--models", str(tmp_path / "none")],
+                           f"no trained checkpoint at {tmp_path / 'none' / 'glm5-tiny'}")):  # fmt: skip
         out = tmp_path / extra[0].strip("-")
         done = shadowtrace("demo", "--out", out, *extra)
         assert done.returncode != 0

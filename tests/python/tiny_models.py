@@ -3,6 +3,15 @@
 Small widths, the real structure: MLA with q/kv LoRA, the DSA indexer (index_head_dim 128
 and index_topk 2048 as in the real models, so prompts above 2048 tokens reach the sparse
 regime), dense first layer then MoE with shared experts, each model's RoPE flavour.
+
+Why random weights here, where the trained checkpoints of models/ exist (tests/python/trained.py):
+these tests need structure the trained models do not have, and build it per test: shared
+("GLM-5.2") indexer layers, YaRN at a small original context, an FP8 lm_head, per-tensor
+scales, planted outliers, 3 transformers versions at a few seconds each. What they check
+(production bit-identical under the hooks, a planted NaN located, a shadow equal to the
+test's own recompute) holds by construction for any weights. The layer-by-layer agreement of
+the reference engine with transformers, FP8 included, runs on both: test_reference_engine.py
+and test_reference_fp8.py.
 """
 
 import torch

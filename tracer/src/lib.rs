@@ -20,9 +20,11 @@
 
 mod error;
 pub mod fp8;
+pub mod host_memory;
 pub mod identity;
 pub mod indexer;
 pub mod model;
+pub mod progress;
 pub mod record;
 pub mod suspects;
 pub mod synth;

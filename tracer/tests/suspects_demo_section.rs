@@ -68,7 +68,7 @@ fn model_sweep(
     effects: &[Effect],
     not_run: &[(&str, &str)],
 ) -> ModelSweep {
-    let kinds = if variant == "as drawn" {
+    let kinds = if variant == "as drawn" || variant == "as trained" {
         vec!["tool", "no_tool"]
     } else {
         vec!["tool"]
@@ -222,4 +222,43 @@ fn the_demo_section_says_which_deviations_move_topk_and_logits_per_model_and_ass
         side.contains("| none (J 0.93, argmax 0.98) | top-k (J 0.71, argmax 0.99) | top-k + logits (J 0.62, argmax 0.85) |"),
         "{side}"
     );
+}
+
+#[test]
+fn on_trained_checkpoints_the_section_says_trained_and_has_no_assumptions_table() {
+    let sweeps = vec![
+        model_sweep(
+            "glm-5.1-shaped",
+            "as trained",
+            &[
+                effect("clean", 1.0, 1.0),
+                effect("indexer_rope_neox", 0.75, 0.96),
+            ],
+            &[],
+        ),
+        model_sweep(
+            "deepseek-v3.2-shaped",
+            "as trained",
+            &[
+                effect("clean", 1.0, 1.0),
+                effect("indexer_rope_interleaved", 0.85, 0.97),
+            ],
+            &[],
+        ),
+    ];
+    assert!(sweeps.iter().all(|s| s.report.synthetic_params.is_none()));
+    let md = render_markdown(&sweeps);
+    insta::assert_snapshot!("demo_section_trained_markdown", md);
+    let terminal = render_terminal(&sweeps);
+    insta::assert_snapshot!("demo_section_trained_terminal", terminal);
+    assert!(md.starts_with("## Suspects (trained weights)"), "{md}");
+    assert!(
+        terminal.starts_with("suspects (trained weights)"),
+        "{terminal}"
+    );
+    assert!(!md.contains("synthetic assumptions"), "{md}");
+    assert!(!terminal.contains("synthetic assumptions"), "{terminal}");
+    // J 0.75 < 0.8 moves top-k; 0.85 does not.
+    assert!(md.contains("top-k (J 0.75, argmax 0.96)"), "{md}");
+    assert!(md.contains("none (J 0.85, argmax 0.97)"), "{md}");
 }

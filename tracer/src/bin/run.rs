@@ -125,6 +125,7 @@ impl Args {
 }
 
 fn main() -> ExitCode {
+    shadowtrace_tracer::host_memory::keep_freed_memory();
     match run(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

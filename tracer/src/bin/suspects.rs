@@ -151,6 +151,7 @@ struct SweepArgs {
 }
 
 fn main() -> ExitCode {
+    shadowtrace_tracer::host_memory::keep_freed_memory();
     let cli = Cli::parse();
     let result = match &cli.command {
         Some(Command::Checkpoint(args)) => checkpoint(args),

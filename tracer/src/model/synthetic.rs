@@ -2,6 +2,13 @@
 //! DeepSeek-V3.2 at small width, written as `config.json` and BF16
 //! safetensors like a real checkpoint, so the same loader reads them.
 //!
+//! The demo runs the trained checkpoints of `models/` instead; these stay
+//! where a property must hold by construction or a width must be had without
+//! weights: `shadowtrace suspects checkpoint` (any depth, and the published
+//! widths in FP8 for the GPU sweep), the Rust tests that plant a deviation at
+//! a chosen layer of a 4-layer model, and the assumption sweeps
+//! ([`SyntheticParams`]).
+//!
 //! What stays real: index_topk 2048 and index_head_dim 128 (so the sparse
 //! regime starts above 2048 visible keys and FP8 blocks are one head), MLA
 //! with q/kv LoRA, dense first layer then MoE with shared experts, each

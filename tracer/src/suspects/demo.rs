@@ -1,13 +1,12 @@
 //! The demo's suspects section: which deviations move the indexer's top-k
-//! and the logits, for which model, and how each verdict depends on the
-//! synthetic checkpoint's assumptions ([`SyntheticParams`]).
+//! and the logits, for which model, and, on synthetic checkpoints, how each
+//! verdict depends on their assumptions ([`SyntheticParams`]).
 //!
-//! Synthetic weights decide how strongly a deviation shows, so the section
-//! does not stop at one checkpoint: it sweeps each model as the demo draws
-//! it, then again with each assumption switched (the same seed, so every
-//! other weight is the same draw), and puts the verdicts side by side. The
-//! assumptions are not tuned to make a story; the table says which verdicts
-//! they carry.
+//! The demo runs it on the trained checkpoints (`models/`), one sweep per
+//! model. On synthetic weights, which decide how strongly a deviation shows,
+//! a model is swept as drawn and again with each assumption switched (the
+//! same seed, so every other weight is the same draw), and the verdicts are
+//! set side by side; the assumptions are not tuned to make a story.
 //!
 //! A verdict is read against the clean production path, so it is what the
 //! deviation itself changes (the clean FP8 path's own distance to the fp32
@@ -276,11 +275,27 @@ fn variant_lines(sweeps: &[ModelSweep]) -> Vec<String> {
         .collect()
 }
 
+/// "trained" where no sweep's checkpoint records synthetic assumptions, else
+/// "synthetic".
+fn weights(sweeps: &[ModelSweep]) -> &'static str {
+    if sweeps.iter().all(|s| s.report.synthetic_params.is_none()) {
+        "trained"
+    } else {
+        "synthetic"
+    }
+}
+
+/// More than one variant was swept: the assumptions table has something to
+/// set side by side.
+fn has_variants(sweeps: &[ModelSweep]) -> bool {
+    sweeps.iter().any(|s| s.variant != sweeps[0].variant)
+}
+
 /// The section as Markdown, for the demo's report.
 #[must_use]
 pub fn render_markdown(sweeps: &[ModelSweep]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "## Suspects (synthetic weights)\n");
+    let _ = writeln!(out, "## Suspects ({} weights)\n", weights(sweeps));
     let _ = writeln!(
         out,
         "Every deviation (`shadowtrace suspects --list`) run beside the clean production path on the demo's models; a verdict is what the deviation changes against the clean path.\n"
@@ -291,6 +306,9 @@ pub fn render_markdown(sweeps: &[ModelSweep]) -> String {
     let _ = writeln!(out, "\n### Which deviations move top-k and logits\n");
     let (h, rows) = moves_table(sweeps);
     md_table(&mut out, &h, &rows);
+    if !has_variants(sweeps) {
+        return out;
+    }
     let _ = writeln!(
         out,
         "### How the verdicts depend on the synthetic assumptions\n"
@@ -314,7 +332,8 @@ pub fn render_terminal(sweeps: &[ModelSweep]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "suspects (synthetic weights): each deviation against the clean production path"
+        "suspects ({} weights): each deviation against the clean production path",
+        weights(sweeps)
     );
     for rule in rules(sweeps) {
         let _ = writeln!(out, "  {rule}");
@@ -322,6 +341,9 @@ pub fn render_terminal(sweeps: &[ModelSweep]) -> String {
     let _ = writeln!(out);
     let (h, rows) = moves_table(sweeps);
     text_table(&mut out, &h, &rows);
+    if !has_variants(sweeps) {
+        return out;
+    }
     let _ = writeln!(
         out,
         "\nhow the verdicts depend on the synthetic assumptions (tool prompt)"
