@@ -2,7 +2,9 @@
 following the DSA recipe of DeepSeek-V3.2's report, on the byte-level corpus of `corpus.py`.
 
 Stages (each one's step count is fixed by `--steps`, or calibrated once from `--budget-s`
-and then fixed; the record keeps the counts, so `--steps` from a record reruns it):
+and then fixed; the record keeps the counts, so `--steps` from a record reruns it; the
+calibration's 7 timed steps run at learning rate 0, though the routers' balancing bias
+moves in them):
 
 1. dense: language modelling at 2048 tokens, where the indexer's top-2048 holds every visible
    key, so attention is dense by construction (transformers' forward on SDPA, the indexer's
@@ -177,7 +179,9 @@ class Taps:
         return hook
 
     def clear(self) -> None:
-        self.inputs.clear(), self.probs.clear(), self.routes.clear()
+        self.inputs.clear()
+        self.probs.clear()
+        self.routes.clear()
 
 
 def causal_bias(length: int, device) -> torch.Tensor:
