@@ -22,8 +22,9 @@ import quantize_fp8
 FAMILIES = list(trained.NAMES)
 # The record's loss was measured on the H100 in fp32 without TF32; here on the CPU. Both
 # sum the same products in other orders, and a key tied at the k-th indexer score may fall
-# either side: measured 1e-5 relative; this allows 20x that.
-LOSS_REL_TOL = 2e-4
+# either side: measured 1.9e-4 (GLM) and 3.1e-5 (DeepSeek) relative; this allows 5x the
+# larger. A checkpoint other than the recorded one is off by far more.
+LOSS_REL_TOL = 1e-3
 MAX_BF16_BYTES = 8 * 2**20
 
 
