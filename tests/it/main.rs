@@ -10,6 +10,7 @@ mod deviations;
 mod encodings;
 mod export_lists;
 mod fuzzed_inputs;
+mod grafts;
 mod indexer_nonfinite;
 mod inspect_output;
 mod killed_writer;

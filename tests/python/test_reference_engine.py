@@ -229,3 +229,37 @@ def test_a_nan_in_a_padding_kv_slot_poisons_the_layer_with_the_shadow_finite(tmp
         next(h for h in analysis["hidden"] if h["layer"] == 2 and h["site"] == "attn_out")["nonfinite_tokens"]
         == 300
     )
+
+
+def test_a_graft_is_tagged_and_announced_and_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    """`shadowtrace run --graft`: the run's tags say graft and one line says the output changes
+    on purpose; a spec written wrong, a layer past the last, or an untraced pass is refused
+    with what was expected (the graft's numerics: tests/it/grafts.rs)."""
+    model = trained.folder("glm")
+    (tmp_path / "ids.json").write_text(json.dumps(trained.prompt(300)[0].tolist()))
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [binary("shadowtrace-run"), "--model", model, tmp_path / "ids.json", *extra],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+
+    done = run("--out", str(tmp_path / "runs"), "--graft", "indexer@1,layer_out@2")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("graft ")]
+    assert lines == [
+        "graft indexer@1,layer_out@2: production takes the local shadow's value there, "
+        "so its output changes on purpose (tags.graft)"
+    ]
+    (manifest,) = (tmp_path / "runs").glob("*/manifest.json")
+    assert json.loads(manifest.read_text())["tags"]["graft"] == "indexer@1,layer_out@2"
+    for extra, needle in (
+        (["--out", str(tmp_path / "a"), "--graft", "kv@1"],
+         'graft "kv@1": expected a site among indexer, attn_out, mlp_out, layer_out'),
+        (["--out", str(tmp_path / "b"), "--graft", "indexer@3"],
+         "graft indexer@3: the model has 3 layers (0 to 2)"),
+        (["--graft", "indexer@1"], "--graft runs in traced passes only"),
+    ):  # fmt: skip
+        refused = run(*extra)
+        assert refused.returncode != 0
+        assert needle in refused.stderr, refused.stderr

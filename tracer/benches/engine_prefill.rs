@@ -190,6 +190,7 @@ fn main() {
                     faults: &[],
                     deviations: &[],
                     fallbacks: None,
+                    graft: None,
                 };
                 // One warm-up pass, then the median of three timed passes.
                 let _ = layer.forward(&x, &rope, None);

@@ -19,6 +19,7 @@ use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::deviation::{Deviation, Effect};
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::glm5_next::{Glm5Next, is_glm5_next};
+use shadowtrace_tracer::model::graft::{self, Graft};
 use shadowtrace_tracer::model::{Model, Numerics};
 use shadowtrace_tracer::suspects::prompts::read_prompt;
 use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace, trace_glm5_next};
@@ -101,6 +102,13 @@ struct Args {
     /// passes only. Every index it carries is checked against the model and each prompt.
     #[arg(long)]
     fault: Vec<String>,
+    /// Production takes the local shadow's value at SITE (indexer: attends over the
+    /// shadow's top-k; attn_out, mlp_out, layer_out: continues from the shadow's tensor) in
+    /// LAYERS (N or N-M; every layer without @), comma-separated. The output changes on
+    /// purpose: the manifest's tags say graft, and one line says so. Traced passes with the
+    /// local shadow only; not for glm5_next.
+    #[arg(long, value_name = "SITE[@LAYERS][,...]")]
+    graft: Option<String>,
     /// Numerics of an untraced pass.
     #[arg(long, value_enum, default_value = "fp8")]
     path: Path,
@@ -200,6 +208,20 @@ fn run(args: &Args) -> Result<()> {
     if out.is_none() && !args.deviation.is_empty() {
         bail!("--deviation runs in traced passes only: set SHADOWTRACE=1 or give --out");
     }
+    if let Some(spec) = &args.graft {
+        if out.is_none() {
+            bail!("--graft runs in traced passes only: set SHADOWTRACE=1 or give --out");
+        }
+        opts.grafts = Graft::parse_all(spec).context("--graft")?;
+        for g in &opts.grafts {
+            g.check(model.config.num_hidden_layers).context("--graft")?;
+        }
+        eprintln!(
+            "graft {}: production takes the local shadow's value there, so its output changes on \
+             purpose (tags.graft)",
+            graft::spec(&opts.grafts)
+        );
+    }
     if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
         bail!("--dump takes one prompt and an untraced pass (unset SHADOWTRACE, no --out)");
     }
@@ -266,6 +288,9 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     let model = Glm5Next::open(&args.model, device)?;
     if !args.deviation.is_empty() {
         bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
+    }
+    if args.graft.is_some() {
+        bail!("--graft is not implemented for glm5_next (GLM-5.3-Flash)");
     }
     if args.fp8_checkpoint() {
         bail!(

@@ -12,6 +12,7 @@ use tch::{Kind, Tensor};
 use super::config::{Architecture, ModelConfig};
 use super::deviation::{self, AtLayer, Deviation, IndexerQuant};
 use super::fault::Fault;
+use super::graft::{GraftSites, Grafted};
 use super::rope::Rope;
 use super::router::Router;
 use crate::fp8::{ScaleFormat, gemm};
@@ -109,6 +110,9 @@ pub struct Layer<'a> {
     pub deviations: &'a [Deviation],
     /// Where production's fallbacks are counted (`None`: not counted).
     pub fallbacks: Option<&'a Fallbacks>,
+    /// What production takes from the shadow at this layer (`None`: nothing;
+    /// [`super::graft`]).
+    pub graft: Option<Grafted<'a>>,
 }
 
 /// What production computed instead of what it was asked to, per linear or
@@ -343,6 +347,20 @@ impl Layer<'_> {
         self.numerics.kind()
     }
 
+    /// `own`, or the shadow's `pick` where this layer grafts the site `on`
+    /// selects (after any planted fault: a graft replaces what production had).
+    fn take(
+        &self,
+        on: fn(&GraftSites) -> bool,
+        own: Tensor,
+        pick: fn(&LayerOutput) -> &Tensor,
+    ) -> Tensor {
+        match &self.graft {
+            Some(g) => g.take(on(&g.sites), own, pick),
+            None => own,
+        }
+    }
+
     /// The layer on the residual stream `x` `[S, hidden]` at `positions`.
     /// `prev_topk` is the previous full layer's selection, for shared layers.
     #[must_use]
@@ -362,6 +380,7 @@ impl Layer<'_> {
         let normed = self.rms_norm(&h, "input_layernorm", c.rms_norm_eps);
         let (attn_out, topk, index_scores, kv_latent) = self.attention(&normed, rope, prev_topk);
         let attn_out = self.plant("attn_out", attn_out);
+        let attn_out = self.take(|g| g.attn_out, attn_out, |o| &o.attn_out);
         let h = &h + &attn_out;
         let normed = self.rms_norm(&h, "post_attention_layernorm", c.rms_norm_eps);
         let (mlp_out, experts) = if c.is_moe(self.index) {
@@ -371,7 +390,9 @@ impl Layer<'_> {
             (self.mlp(&normed, "mlp"), None)
         };
         let mlp_out = self.plant("mlp_out", mlp_out);
+        let mlp_out = self.take(|g| g.mlp_out, mlp_out, |o| &o.mlp_out);
         let layer_out = self.plant("layer_out", &h + &mlp_out);
+        let layer_out = self.take(|g| g.layer_out, layer_out, |o| &o.layer_out);
         LayerOutput {
             attn_out,
             mlp_out,
@@ -466,6 +487,12 @@ impl Layer<'_> {
                 Tensor::shallow_clone,
             );
             (shared, None)
+        };
+        // An indexer graft: production attends over the shadow's selection,
+        // its own scores kept for the capture.
+        let topk = match &self.graft {
+            Some(g) if g.sites.indexer => g.source.topk.shallow_clone(),
+            _ => topk,
         };
         let kind = query.kind();
         let positions = Tensor::arange(s, (Kind::Int64, x.device()));

@@ -17,6 +17,7 @@ pub mod deviation;
 pub mod fault;
 pub mod fp8_checkpoint;
 pub mod glm5_next;
+pub mod graft;
 pub mod layer;
 pub mod rope;
 pub(crate) mod router;
@@ -254,6 +255,7 @@ impl Model {
                 faults: &[],
                 deviations: &[],
                 fallbacks: None,
+                graft: None,
             };
             let prev = layers.last().map(|l| &l.topk);
             let out = layer.forward(&h, &rope, prev);

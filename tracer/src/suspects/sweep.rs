@@ -388,6 +388,7 @@ pub fn sweep(
             faults: &[],
             deviations,
             fallbacks: None,
+            graft: None,
         };
         let reference = layer(Numerics::Plain(Kind::Float), &[]);
         for state in &mut states {

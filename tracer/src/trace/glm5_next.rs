@@ -45,6 +45,12 @@ pub fn trace_glm5_next(
     run_dir: &Path,
     opts: &TraceOptions,
 ) -> Result<Manifest, TraceRunError> {
+    if !opts.grafts.is_empty() {
+        return Err(TraceRunError::GraftNotImplemented {
+            spec: crate::model::graft::spec(&opts.grafts),
+            model_type: "glm5_next",
+        });
+    }
     let writer = RunWriter::create(
         run_dir,
         identity(model, ids, run_id, &runs_dir_salt(run_dir), opts),

@@ -28,6 +28,7 @@ use shadowtrace_schemas::Convention;
 use crate::identity::{config_hash, default_device, directory_salt, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
+use crate::model::graft::{self, GraftError, GraftSites, Grafted};
 use crate::model::layer::Fallbacks;
 use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, SelectionUnit, TopkRow};
@@ -43,6 +44,26 @@ pub enum TraceRunError {
     /// The run could not be written.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// A graft the model or the options cannot run; refused before the run
+    /// is created.
+    #[error(transparent)]
+    Graft(#[from] GraftError),
+    /// A model whose trace has no grafts.
+    #[error("graft {spec}: not implemented for {model_type}")]
+    GraftNotImplemented {
+        /// The grafts, as written.
+        spec: String,
+        /// The model's type.
+        model_type: &'static str,
+    },
+    /// A graft without the local shadow it takes its values from.
+    #[error(
+        "graft {spec}: production takes the local shadow's values, and this trace runs no local shadow"
+    )]
+    GraftWithoutLocalShadow {
+        /// The grafts, as written.
+        spec: String,
+    },
     /// Stopped before `layer` ([`TraceOptions::stop`]); the run was closed
     /// `incomplete`, with `counters.interrupted`.
     #[error(
@@ -67,6 +88,14 @@ pub fn trace(
     run_dir: &Path,
     opts: &TraceOptions,
 ) -> Result<Manifest, TraceRunError> {
+    if !opts.grafts.is_empty() && !opts.modes.contains(&Mode::Local) {
+        return Err(TraceRunError::GraftWithoutLocalShadow {
+            spec: graft::spec(&opts.grafts),
+        });
+    }
+    for g in &opts.grafts {
+        g.check(model.config.num_hidden_layers)?;
+    }
     let writer = RunWriter::create(
         run_dir,
         identity(model, ids, run_id, &runs_dir_salt(run_dir), opts),
@@ -95,7 +124,7 @@ pub fn trace(
             return Err(TraceRunError::Interrupted { layer: i });
         }
         let weights = model.load(&format!("model.layers.{i}."))?;
-        let layer = |numerics, faults, deviations, fallbacks| Layer {
+        let layer = |numerics, faults, deviations, fallbacks, graft| Layer {
             config: c,
             arch: model.arch,
             index: i,
@@ -105,18 +134,33 @@ pub fn trace(
             faults,
             deviations,
             fallbacks,
+            graft,
         };
-        let prod = layer(opts.prod, &opts.faults, &opts.deviations, Some(&fallbacks)).forward(
-            &h_prod,
-            &rope,
-            prev_prod.as_ref(),
-        );
         let shadow = Numerics::Plain(kind);
+        // The local shadow first: a graft hands its values to production.
         let local = (opts.modes.contains(&Mode::Local)).then(|| {
-            layer(shadow, &[], &[], None).forward(&h_prod.to_kind(kind), &rope, prev_prod.as_ref())
+            layer(shadow, &[], &[], None, None).forward(
+                &h_prod.to_kind(kind),
+                &rope,
+                prev_prod.as_ref(),
+            )
         });
-        let free = (opts.modes.contains(&Mode::Free))
-            .then(|| layer(shadow, &[], &[], None).forward(&h_free, &rope, prev_free.as_ref()));
+        let sites = GraftSites::at(&opts.grafts, i);
+        let graft = local
+            .as_ref()
+            .filter(|_| sites.any())
+            .map(|source| Grafted { source, sites });
+        let prod = layer(
+            opts.prod,
+            &opts.faults,
+            &opts.deviations,
+            Some(&fallbacks),
+            graft,
+        )
+        .forward(&h_prod, &rope, prev_prod.as_ref());
+        let free = (opts.modes.contains(&Mode::Free)).then(|| {
+            layer(shadow, &[], &[], None, None).forward(&h_free, &rope, prev_free.as_ref())
+        });
         if opts.layer(i) {
             // layer_in has no shadow: it is the local shadow's own input.
             type Pick = Option<fn(&LayerOutput) -> &Tensor>;
@@ -532,7 +576,13 @@ fn reference_identity(
             salt_id: Some(salt_id(salt)),
         },
         settings,
-        tags: opts.tags.clone(),
+        tags: {
+            let mut tags = opts.tags.clone();
+            if !opts.grafts.is_empty() {
+                tags.insert("graft".to_owned(), graft::spec(&opts.grafts));
+            }
+            tags
+        },
         injections: opts
             .faults
             .iter()

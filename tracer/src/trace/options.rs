@@ -14,6 +14,7 @@ use crate::indexer::Fp8Indexer;
 use crate::model::Numerics;
 use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
+use crate::model::graft::Graft;
 use crate::writer::TopkLists;
 use crate::{QueueMode, WriterOptions};
 
@@ -69,6 +70,9 @@ pub struct TraceOptions {
     pub faults: Vec<Fault>,
     /// Engine behaviours production runs on purpose.
     pub deviations: Vec<Deviation>,
+    /// Where production takes the local shadow's value (`tags.graft`;
+    /// [`crate::model::graft`]).
+    pub grafts: Vec<Graft>,
     /// Run tags.
     pub tags: BTreeMap<String, String>,
     /// `tool`, `no_tool` or a user word.
@@ -100,6 +104,7 @@ impl TraceOptions {
             fp8_indexer_name: "trtllm".to_owned(),
             faults: Vec::new(),
             deviations: Vec::new(),
+            grafts: Vec::new(),
             tags: BTreeMap::new(),
             prompt_kind: None,
             model_name: model_name.to_owned(),

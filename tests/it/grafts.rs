@@ -1,0 +1,178 @@
+//! Grafts in the reference engine (issue 30): production takes the local
+//! shadow's value at one site of one layer. Traced and read back by the
+//! analyzer: every layer before the graft measures as the ungrafted run's,
+//! and at the grafted site production's recorded value is the shadow's, but
+//! for its rounding to production's bf16.
+//!
+//! A synthetic 3-layer checkpoint with index_topk 64, as the deviations'
+//! tests use: the graft's mechanics hold for any weights, and a 64-key top-k
+//! reaches the sparse regime in a 256-token prompt (the trained models'
+//! 2048 would need prompts past 2048 tokens).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
+use shadowtrace_tracer::model::graft::Graft;
+use shadowtrace_tracer::model::{Model, synthetic};
+use shadowtrace_tracer::trace::{Mode, TraceOptions, TraceRunError, trace};
+use tch::Device;
+
+const GRAFTED: i64 = 1;
+const TOKENS: i64 = 256;
+/// A shadow's value rounded to bf16 departs from it by at most bf16's unit
+/// roundoff, 2^-8, of each element, so by at most that in relative L2 norm.
+const BF16_ROUNDING: f64 = 1.0 / 256.0;
+
+fn ids() -> Vec<i64> {
+    (0..TOKENS).map(|i| (i * 37 + 11) % 256).collect()
+}
+
+fn checkpoint(dir: &Path) -> Model {
+    let mut config = synthetic::glm51_config(3);
+    config["index_topk"] = 64.into();
+    synthetic::write(dir, &config, 13).unwrap();
+    Model::open(dir, Device::Cpu).unwrap()
+}
+
+fn options(grafts: &str) -> TraceOptions {
+    let mut opts = TraceOptions::new("synthetic");
+    if !grafts.is_empty() {
+        opts.grafts = Graft::parse_all(grafts).unwrap();
+    }
+    opts
+}
+
+fn traced(model: &Model, runs: &Path, name: &str, grafts: &str) -> PathBuf {
+    let dir = runs.join(name);
+    tch::no_grad(|| trace(model, &ids(), name, &dir, &options(grafts))).unwrap();
+    dir
+}
+
+fn run<'a>(a: &'a Analysis, id: &str) -> &'a RunAnalysis {
+    a.runs.iter().find(|r| r.run_id == id).unwrap()
+}
+
+/// Everything the analyzer measured in `layer`, as its JSON output holds it.
+fn layer_metrics(r: &RunAnalysis, layer: i64) -> Value {
+    let of = |rows: Value| -> Vec<Value> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .filter(|row| row["layer"].as_i64() == Some(layer))
+            .cloned()
+            .collect()
+    };
+    serde_json::json!({
+        "topk": of(serde_json::to_value(&r.topk).unwrap()),
+        "hidden": of(serde_json::to_value(&r.hidden).unwrap()),
+    })
+}
+
+/// The largest per-token relative L2 error of production against the local
+/// shadow at `site` of `layer`.
+fn max_error(r: &RunAnalysis, layer: i64, site: &str) -> f64 {
+    let hidden = serde_json::to_value(&r.hidden).unwrap();
+    let row = hidden
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| {
+            h["layer"].as_i64() == Some(layer) && h["site"] == site && h["shadow_mode"] == "local"
+        })
+        .unwrap_or_else(|| panic!("no local {site} row at layer {layer}"))
+        .clone();
+    row["rel_l2_err"]["max"].as_f64().unwrap()
+}
+
+fn mean_jaccard(r: &RunAnalysis, layer: i64) -> f64 {
+    let topk = serde_json::to_value(&r.topk).unwrap();
+    topk.as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["layer"].as_i64() == Some(layer))
+        .unwrap()["jaccard"]["mean"]
+        .as_f64()
+        .unwrap()
+}
+
+#[test]
+fn a_graft_leaves_production_before_its_layer_bit_identical_and_takes_the_shadows_value_there() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let runs = tmp.path().join("runs");
+    let sites = ["attn_out", "mlp_out", "layer_out", "indexer"];
+    let mut dirs = vec![traced(&model, &runs, "clean", "")];
+    for site in sites {
+        dirs.push(traced(&model, &runs, site, &format!("{site}@{GRAFTED}")));
+    }
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let clean = run(&a, "clean");
+    assert!(!clean.tags.contains_key("graft"), "{:?}", clean.tags);
+    for site in sites {
+        let r = run(&a, site);
+        assert_eq!(
+            r.tags.get("graft").map(String::as_str),
+            Some(format!("{site}@{GRAFTED}").as_str())
+        );
+        for layer in 0..GRAFTED {
+            assert_eq!(
+                layer_metrics(r, layer),
+                layer_metrics(clean, layer),
+                "{site}: layer {layer}, before the graft"
+            );
+        }
+        if site == "indexer" {
+            // Production attends over the shadow's selection: what it
+            // records is the shadow's, and the clean run's is not.
+            assert!((mean_jaccard(r, GRAFTED) - 1.0).abs() < f64::EPSILON);
+            assert!(mean_jaccard(clean, GRAFTED) < 1.0);
+        } else {
+            let grafted = max_error(r, GRAFTED, site);
+            let own = max_error(clean, GRAFTED, site);
+            assert!(grafted <= BF16_ROUNDING, "{site}: {grafted}");
+            // The check can fail: ungrafted, FP8 production departs further
+            // (measured: grafted 1.9e-3 at each site; clean 0.47 at attn_out,
+            // 0.40 at mlp_out, 6e-3 to 8e-3 at layer_out, whose residual
+            // stream dilutes the error).
+            assert!(
+                own > 2.0 * grafted,
+                "{site}: clean {own}, grafted {grafted}"
+            );
+        }
+    }
+    // After the graft production goes on from the shadow's value: the last
+    // layer's output differs from the clean run's.
+    let last = model.config.num_hidden_layers - 1;
+    assert_ne!(
+        layer_metrics(run(&a, "layer_out"), last),
+        layer_metrics(clean, last)
+    );
+}
+
+#[test]
+fn a_graft_without_the_local_shadow_or_past_the_last_layer_is_refused_before_a_run_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let mut free_only = options("layer_out@1");
+    free_only.modes = vec![Mode::Free];
+    let dir = tmp.path().join("runs").join("free");
+    let err = tch::no_grad(|| trace(&model, &ids(), "free", &dir, &free_only)).unwrap_err();
+    assert!(
+        matches!(err, TraceRunError::GraftWithoutLocalShadow { .. }),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "graft layer_out@1: production takes the local shadow's values, and this trace runs no local shadow"
+    );
+    assert!(!dir.exists());
+    let dir = tmp.path().join("runs").join("past");
+    let err =
+        tch::no_grad(|| trace(&model, &ids(), "past", &dir, &options("indexer@2-3"))).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "graft indexer@2-3: the model has 3 layers (0 to 2)"
+    );
+    assert!(!dir.exists());
+}
