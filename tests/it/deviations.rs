@@ -9,8 +9,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::support::{layer_metrics, run};
+
 use serde_json::Value;
-use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
+use shadowtrace_analyzer::{Analysis, Options, analyze};
 use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind, Effect};
 use shadowtrace_tracer::model::{Model, synthetic};
 use shadowtrace_tracer::trace::{TraceOptions, trace};
@@ -51,27 +53,6 @@ fn traced(model: &Model, runs: &Path, name: &str, deviations: &[Deviation]) -> P
 
 fn analysis(dirs: &[PathBuf]) -> Analysis {
     analyze(dirs, &[], &Options::default(), |_, _, _| {}).unwrap()
-}
-
-fn run<'a>(a: &'a Analysis, id: &str) -> &'a RunAnalysis {
-    a.runs.iter().find(|r| r.run_id == id).unwrap()
-}
-
-/// Everything the analyzer measured in layer `layer`: top-k overlap and
-/// hidden-state error at every site, as its JSON output holds them.
-fn layer_metrics(r: &RunAnalysis, layer: i64) -> Value {
-    let of = |rows: Value| -> Vec<Value> {
-        rows.as_array()
-            .unwrap()
-            .iter()
-            .filter(|row| row["layer"].as_i64() == Some(layer))
-            .cloned()
-            .collect()
-    };
-    serde_json::json!({
-        "topk": of(serde_json::to_value(&r.topk).unwrap()),
-        "hidden": of(serde_json::to_value(&r.hidden).unwrap()),
-    })
 }
 
 /// One planted deviation and what it was compared with.

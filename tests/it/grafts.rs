@@ -11,8 +11,9 @@
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-use shadowtrace_analyzer::{Analysis, Options, RunAnalysis, analyze};
+use crate::support::{layer_metrics, run};
+
+use shadowtrace_analyzer::{Options, RunAnalysis, analyze};
 use shadowtrace_tracer::model::graft::Graft;
 use shadowtrace_tracer::model::{Model, synthetic};
 use shadowtrace_tracer::trace::{Mode, TraceOptions, TraceRunError, trace};
@@ -47,26 +48,6 @@ fn traced(model: &Model, runs: &Path, name: &str, grafts: &str) -> PathBuf {
     let dir = runs.join(name);
     tch::no_grad(|| trace(model, &ids(), name, &dir, &options(grafts))).unwrap();
     dir
-}
-
-fn run<'a>(a: &'a Analysis, id: &str) -> &'a RunAnalysis {
-    a.runs.iter().find(|r| r.run_id == id).unwrap()
-}
-
-/// Everything the analyzer measured in `layer`, as its JSON output holds it.
-fn layer_metrics(r: &RunAnalysis, layer: i64) -> Value {
-    let of = |rows: Value| -> Vec<Value> {
-        rows.as_array()
-            .unwrap()
-            .iter()
-            .filter(|row| row["layer"].as_i64() == Some(layer))
-            .cloned()
-            .collect()
-    };
-    serde_json::json!({
-        "topk": of(serde_json::to_value(&r.topk).unwrap()),
-        "hidden": of(serde_json::to_value(&r.hidden).unwrap()),
-    })
 }
 
 /// The largest per-token relative L2 error of production against the local

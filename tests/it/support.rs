@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use serde_json::Value;
+use shadowtrace_analyzer::{Analysis, RunAnalysis};
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::record::{
     Comparison, EventRow, HiddenRow, HiddenShadow, LogitsRow, Record, Selection, SelectionUnit,
@@ -204,4 +206,26 @@ pub(crate) fn edge_rows() -> (Vec<HiddenRow>, Vec<TopkRow>, Vec<EventRow>, Vec<L
         },
     ];
     (hidden, topk, events, logits)
+}
+
+/// The analysis of run `id` in `a`.
+pub(crate) fn run<'a>(a: &'a Analysis, id: &str) -> &'a RunAnalysis {
+    a.runs.iter().find(|r| r.run_id == id).unwrap()
+}
+
+/// Everything the analyzer measured in layer `layer`: top-k overlap and
+/// hidden-state error at every site, as its JSON output holds them.
+pub(crate) fn layer_metrics(r: &RunAnalysis, layer: i64) -> Value {
+    let of = |rows: Value| -> Vec<Value> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .filter(|row| row["layer"].as_i64() == Some(layer))
+            .cloned()
+            .collect()
+    };
+    serde_json::json!({
+        "topk": of(serde_json::to_value(&r.topk).unwrap()),
+        "hidden": of(serde_json::to_value(&r.hidden).unwrap()),
+    })
 }
