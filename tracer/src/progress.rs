@@ -12,7 +12,6 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 pub struct Progress {
     bar: ProgressBar,
     label: String,
-    len: u64,
     plain: bool,
     step_started: Instant,
 }
@@ -40,7 +39,6 @@ pub fn bar(len: u64, label: &str) -> Progress {
     Progress {
         bar,
         label: label.to_owned(),
-        len,
         plain,
         step_started: Instant::now(),
     }
@@ -62,7 +60,7 @@ impl Progress {
                     "  {} [{}/{}] {} {:.1} s",
                     self.label,
                     self.bar.position(),
-                    self.len,
+                    self.bar.length().unwrap_or(0),
                     self.bar.message(),
                     self.step_started.elapsed().as_secs_f64()
                 );

@@ -230,7 +230,6 @@ fn suspects_section(
     args: &Args,
     models: &[(&str, &str, Model)],
 ) -> anyhow::Result<Vec<ModelSweep>> {
-    check_suspects_args(args)?;
     let mut sweeps = Vec::new();
     for (name, short, model) in models {
         let model_name = name.trim_start_matches("trained/").to_owned();

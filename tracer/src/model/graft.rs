@@ -16,8 +16,6 @@
 
 use std::fmt;
 
-use tch::Tensor;
-
 use super::layer::LayerOutput;
 
 /// A site production can take from the shadow.
@@ -210,17 +208,6 @@ pub struct Grafted<'a> {
     pub source: &'a LayerOutput,
     /// The sites taken.
     pub sites: GraftSites,
-}
-
-impl Grafted<'_> {
-    /// `own` replaced by the shadow's `pick` in `own`'s kind where `on`.
-    pub fn take(&self, on: bool, own: Tensor, pick: fn(&LayerOutput) -> &Tensor) -> Tensor {
-        if on {
-            pick(self.source).to_kind(own.kind())
-        } else {
-            own
-        }
-    }
 }
 
 #[cfg(test)]

@@ -356,8 +356,8 @@ impl Layer<'_> {
         pick: fn(&LayerOutput) -> &Tensor,
     ) -> Tensor {
         match &self.graft {
-            Some(g) => g.take(on(&g.sites), own, pick),
-            None => own,
+            Some(g) if on(&g.sites) => pick(g.source).to_kind(own.kind()),
+            _ => own,
         }
     }
 
