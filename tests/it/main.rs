@@ -5,6 +5,7 @@
 
 mod analyze_verdicts;
 mod bad_input;
+mod bisection;
 mod cache_pairs;
 mod deviations;
 mod encodings;

@@ -11,6 +11,7 @@
 //! - [`indexer`]: the DSA indexer score in fp32, bf16 and engine FP8 variants, top-k with margins;
 //! - [`model`]: the reference GLM-5 / DeepSeek-V3.2 engine, its deviations
 //!   and conventions;
+//! - [`bisect`]: which layers' shadow value, grafted into production, restores its output;
 //! - [`suspects`]: the clean path and every deviation side by side, ranked
 //!   against observed runs;
 //! - [`synth`]: synthetic runs with known contents, for the demo, tests and
@@ -18,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bisect;
 mod error;
 pub mod fp8;
 pub mod host_memory;

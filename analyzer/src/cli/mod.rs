@@ -30,7 +30,7 @@ pub(crate) fn exit_error() -> ExitCode {
     name = "shadowtrace",
     version,
     propagate_version = true,
-    after_help = "More commands come from programs named shadowtrace-NAME beside this one or on PATH:\n  demo     Write a synthetic grid of runs, analyse it and report (shadowtrace-demo)\n  run      The reference engine on a checkpoint, traced, with --fault and --deviation (shadowtrace-run)\n  suspects The clean production path and every deviation side by side, ranked against observed runs (shadowtrace-suspects)"
+    after_help = "More commands come from programs named shadowtrace-NAME beside this one or on PATH:\n  demo     Write a synthetic grid of runs, analyse it and report (shadowtrace-demo)\n  run      The reference engine on a checkpoint, traced, with --fault and --deviation (shadowtrace-run)\n  bisect   Which layers' shadow value, grafted into production, restores its output (shadowtrace-bisect)\n  suspects The clean production path and every deviation side by side, ranked against observed runs (shadowtrace-suspects)"
 )]
 pub(crate) struct Args {
     #[command(subcommand)]

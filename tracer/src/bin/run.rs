@@ -14,14 +14,12 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
-use shadowtrace_tracer::fp8::ScaleFormat;
-use shadowtrace_tracer::indexer::Fp8Indexer;
-use shadowtrace_tracer::model::deviation::{Deviation, Effect};
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::glm5_next::{Glm5Next, is_glm5_next};
 use shadowtrace_tracer::model::graft::{self, Graft};
 use shadowtrace_tracer::model::{Model, Numerics};
 use shadowtrace_tracer::suspects::prompts::read_prompt;
+use shadowtrace_tracer::trace::production_args::{Prod, ProductionArgs, fp8_checkpoint_numerics};
 use shadowtrace_tracer::trace::{TraceOptions, TraceRunError, trace, trace_glm5_next};
 use tch::{Device, Kind, Tensor};
 
@@ -41,15 +39,6 @@ enum Path {
     /// As fp8-checkpoint, with fp32 activations and every other linear in fp32: transformers'
     /// FP8 modules in a model held in fp32, where the FP8 GEMMs are all that is low precision.
     Fp8CheckpointFp32,
-}
-
-/// Production's numerics in a traced pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Prod {
-    /// As `--path fp8`.
-    Fp8,
-    /// As `--path fp8-checkpoint`.
-    Fp8Checkpoint,
 }
 
 /// Run the reference GLM-5 / DeepSeek-V3.2 / GLM-5.3-Flash engine on prompts, traced or not.
@@ -85,23 +74,8 @@ struct Args {
     /// The model's name in the manifests (default: the directory name).
     #[arg(long)]
     name: Option<String>,
-    /// Production FP8 indexer: trtllm (the default), sglang, vllm, deepseek_reference, or none
-    /// (no FP8 in the indexer: q and k in bf16, scores in fp32, as transformers computes it).
-    /// glm5_next (GLM-5.3-Flash) has no FP8 indexer variant: none is its default and the only
-    /// value it takes.
-    #[arg(long, value_name = "NAME")]
-    fp8_indexer: Option<String>,
-    /// Engine behaviours production runs on purpose, comma-separated; NAME@LAYER acts in that
-    /// layer alone. Repeatable; traced passes only. Each is listed in the manifest's
-    /// deviations with its source; `shadowtrace suspects --list` describes them.
-    #[arg(long, value_delimiter = ',', value_name = "NAME[,NAME]")]
-    deviation: Vec<String>,
-    /// A fault planted in production, as JSON, for example
-    /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'
-    /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable; traced
-    /// passes only. Every index it carries is checked against the model and each prompt.
-    #[arg(long)]
-    fault: Vec<String>,
+    #[command(flatten)]
+    production: ProductionArgs,
     /// Production takes the local shadow's value at SITE (indexer: attends over the
     /// shadow's top-k; attn_out, mlp_out, layer_out: continues from the shadow's tensor) in
     /// LAYERS (N or N-M; every layer without @), comma-separated. The output changes on
@@ -112,12 +86,6 @@ struct Args {
     /// Numerics of an untraced pass.
     #[arg(long, value_enum, default_value = "fp8")]
     path: Path,
-    /// Production's numerics in a traced pass: fp8 (every linear re-quantized in 128x128
-    /// blocks with ue8m0 scales, the engines' re-quantizing FP8 path) or fp8-checkpoint (an FP8
-    /// checkpoint's linears on their stored codes and block scales, the rest in bf16, as
-    /// transformers runs it; the checkpoint must store FP8 weights). GLM-5.3-Flash takes fp8.
-    #[arg(long, value_enum, default_value = "fp8")]
-    prod: Prod,
     /// Write every layer's hidden states (attn_out.L, mlp_out.L, layer_out.L), indexer top-k
     /// and scores, and the logits of an untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
@@ -127,7 +95,7 @@ struct Args {
 impl Args {
     /// Whether production (traced or not) runs as the FP8 checkpoint stores it.
     fn fp8_checkpoint(&self) -> bool {
-        self.prod == Prod::Fp8Checkpoint
+        self.production.prod == Prod::Fp8Checkpoint
             || matches!(self.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
     }
 }
@@ -164,48 +132,17 @@ fn run(args: &Args) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    let fp8_indexer = args.fp8_indexer.as_deref().unwrap_or("trtllm");
-    opts.fp8_indexer = match fp8_indexer {
-        "none" => None,
-        name => Some(Fp8Indexer::named(name).with_context(|| {
-            format!(
-                "--fp8-indexer {name}: expected trtllm, sglang, vllm, deepseek_reference or none"
-            )
-        })?),
-    };
-    fp8_indexer.clone_into(&mut opts.fp8_indexer_name);
-    if args.fp8_checkpoint() {
+    if matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32) {
         model
             .check_fp8_checkpoint()
             .context("production as the FP8 checkpoint stores it")?;
     }
-    if args.prod == Prod::Fp8Checkpoint {
-        opts.prod = numerics(Path::Fp8Checkpoint);
-    }
-    for text in &args.deviation {
-        let deviation = Deviation::parse(text).with_context(|| format!("--deviation {text}"))?;
-        deviation
-            .check(model.config.num_hidden_layers)
-            .with_context(|| format!("--deviation {text}"))?;
-        opts.deviations.push(deviation);
-    }
-    for d in &opts.deviations {
-        if let Effect::None(why) = d.effect(&model.config, opts.fp8_indexer, &opts.deviations) {
-            eprintln!("deviation {d}: changes nothing on this model: {why}");
-        }
-    }
-    for f in &args.fault {
-        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
-        fault
-            .check(&model, None)
-            .with_context(|| format!("--fault {f}"))?;
-        opts.faults.push(fault);
-    }
+    args.production.apply(&model, &mut opts)?;
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
-    if out.is_none() && !args.fault.is_empty() {
+    if out.is_none() && !args.production.fault.is_empty() {
         bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
     }
-    if out.is_none() && !args.deviation.is_empty() {
+    if out.is_none() && !args.production.deviation.is_empty() {
         bail!("--deviation runs in traced passes only: set SHADOWTRACE=1 or give --out");
     }
     if let Some(spec) = &args.graft {
@@ -227,11 +164,8 @@ fn run(args: &Args) -> Result<()> {
     }
     for (i, path) in args.prompts.iter().enumerate() {
         let ids = read_prompt(path, model.config.vocab_size)?;
-        for (fault, f) in opts.faults.iter().zip(&args.fault) {
-            fault
-                .check(&model, Some(ids.len() as i64))
-                .with_context(|| format!("--fault {f} on {}", path.display()))?;
-        }
+        args.production
+            .check_prompt(&model, &opts, ids.len(), &path.display().to_string())?;
         let started = std::time::Instant::now();
         let Some(out) = &out else {
             let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;
@@ -286,7 +220,7 @@ fn run(args: &Args) -> Result<()> {
 /// fault kind but `non_finite` act on GLM-5's layers: refused here, not ignored.
 fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     let model = Glm5Next::open(&args.model, device)?;
-    if !args.deviation.is_empty() {
+    if !args.production.deviation.is_empty() {
         bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
     }
     if args.graft.is_some() {
@@ -304,7 +238,12 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    if let Some(name) = args.fp8_indexer.as_deref().filter(|n| *n != "none") {
+    if let Some(name) = args
+        .production
+        .fp8_indexer
+        .as_deref()
+        .filter(|n| *n != "none")
+    {
         bail!(
             "--fp8-indexer {name}: glm5_next's k-pool indexer runs in the path's own numerics \
              (no engine FP8 indexer variant is implemented for it): give none or leave it out"
@@ -312,7 +251,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     }
     opts.fp8_indexer = None;
     opts.fp8_indexer_name = "none".to_owned();
-    for f in &args.fault {
+    for f in &args.production.fault {
         let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
         if !Glm5Next::supports_fault(&fault) {
             bail!("--fault {f}: glm5_next (GLM-5.3-Flash) plants non_finite faults only");
@@ -323,7 +262,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         opts.faults.push(fault);
     }
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
-    if out.is_none() && !args.fault.is_empty() {
+    if out.is_none() && !args.production.fault.is_empty() {
         bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
     }
     if args.dump.is_some() && (out.is_some() || args.prompts.len() != 1) {
@@ -331,7 +270,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     }
     for (i, path) in args.prompts.iter().enumerate() {
         let ids = read_prompt(path, model.config.vocab_size)?;
-        for (fault, f) in opts.faults.iter().zip(&args.fault) {
+        for (fault, f) in opts.faults.iter().zip(&args.production.fault) {
             model
                 .check_fault(fault, Some(ids.len() as i64))
                 .with_context(|| format!("--fault {f} on {}", path.display()))?;
@@ -402,14 +341,8 @@ fn numerics(path: Path) -> Numerics {
         Path::Fp32 => Numerics::Plain(Kind::Float),
         Path::Bf16 => Numerics::Plain(Kind::BFloat16),
         Path::Fp8 => Numerics::Fp8,
-        Path::Fp8Checkpoint => Numerics::Fp8Checkpoint {
-            activations: Kind::BFloat16,
-            scales: ScaleFormat::Fp32,
-        },
-        Path::Fp8CheckpointFp32 => Numerics::Fp8Checkpoint {
-            activations: Kind::Float,
-            scales: ScaleFormat::Fp32,
-        },
+        Path::Fp8Checkpoint => fp8_checkpoint_numerics(Kind::BFloat16),
+        Path::Fp8CheckpointFp32 => fp8_checkpoint_numerics(Kind::Float),
     }
 }
 

@@ -32,12 +32,19 @@ pub enum GraftSite {
 }
 
 impl GraftSite {
-    const ALL: [GraftSite; 4] = [
+    /// Every site, in the order reports list them.
+    pub const ALL: [GraftSite; 4] = [
         GraftSite::Indexer,
         GraftSite::AttnOut,
         GraftSite::MlpOut,
         GraftSite::LayerOut,
     ];
+
+    /// The site `name` stands for.
+    #[must_use]
+    pub fn named(name: &str) -> Option<GraftSite> {
+        GraftSite::ALL.into_iter().find(|s| s.name() == name)
+    }
 
     /// Its name, as the trace's sites are named.
     #[must_use]
@@ -100,12 +107,9 @@ impl Graft {
         let (site, layers) = part
             .split_once('@')
             .map_or((part, None), |(s, l)| (s, Some(l)));
-        let site = GraftSite::ALL
-            .into_iter()
-            .find(|s| s.name() == site)
-            .ok_or_else(|| GraftError::Site {
-                got: part.to_owned(),
-            })?;
+        let site = GraftSite::named(site).ok_or_else(|| GraftError::Site {
+            got: part.to_owned(),
+        })?;
         let bad = || GraftError::Layers {
             got: part.to_owned(),
         };

@@ -587,7 +587,7 @@ impl Layer<'_> {
         let mut k = k;
         for f in self.faults() {
             if let Fault::IndexerKey { scale, .. } = f {
-                let noise = Tensor::randn(k.size(), (Kind::Float, k.device()));
+                let noise = super::fault::seeded_normal(&k.size(), self.index, k.device());
                 k = &k + (noise * (k.to_kind(Kind::Float).std(true) * *scale)).to_kind(k.kind());
             }
         }

@@ -10,6 +10,7 @@
 
 mod glm5_next;
 pub mod options;
+pub mod production_args;
 pub mod stats;
 
 use std::path::Path;
