@@ -207,6 +207,9 @@ fn number_expected(what: &str, min: Option<f64>) -> String {
     min.map_or_else(|| what.to_owned(), |m| format!("{what} >= {m}"))
 }
 
+/// The sites a graft may name (`SHADOWTRACE_GRAFT`).
+const GRAFT_SITES: [&str; 4] = ["indexer", "attn_out", "mlp_out", "layer_out"];
+
 /// One value in canonical JSON, or what was expected instead.
 fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
     let list = |raw: &str| -> Vec<String> {
@@ -322,6 +325,41 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
             }
             Ok(Value::Object(tags))
         }
+        "grafts" => {
+            let expected = || {
+                "empty, or a comma list of SITE, SITE@N or SITE@N-M with SITE one of indexer, \
+                 attn_out, mlp_out, layer_out and N <= M"
+                    .to_owned()
+            };
+            list(raw)
+                .iter()
+                .map(|part| {
+                    let (site, layers) = part
+                        .split_once('@')
+                        .map_or((part.as_str(), None), |(s, l)| (s, Some(l)));
+                    let site = trim(site);
+                    if !GRAFT_SITES.contains(&site) {
+                        return Err(expected());
+                    }
+                    let layers = match layers {
+                        None => json!("all"),
+                        Some(text) => {
+                            let (a, b) = text.split_once('-').unwrap_or((text, text));
+                            let (a, b) = (trim(a), trim(b));
+                            if !(digits(a) && digits(b)) {
+                                return Err(expected());
+                            }
+                            match (a.parse::<u32>(), b.parse::<u32>()) {
+                                (Ok(a), Ok(b)) if a <= b => json!([a, b]),
+                                _ => return Err(expected()),
+                            }
+                        }
+                    };
+                    Ok(json!({"site": site, "layers": layers}))
+                })
+                .collect::<Result<Vec<Value>, String>>()
+                .map(Value::Array)
+        }
         other => Err(format!(
             "a value of the unknown type {other} (a defect in env.json)"
         )),
@@ -416,6 +454,41 @@ mod tests {
         ] {
             let err = read(bad).unwrap_err();
             assert_eq!(err.expected, "none, all or every:N with N >= 1", "{bad}");
+        }
+    }
+
+    #[test]
+    fn grafts_read_as_sites_with_layer_ranges_and_nothing_else() {
+        let read = |v: &str| resolve(with(&[("SHADOWTRACE_GRAFT", v)]));
+        assert_eq!(
+            resolve(|_| None).unwrap()["SHADOWTRACE_GRAFT"],
+            json!([]),
+            "unset: no graft"
+        );
+        assert_eq!(
+            read(" indexer@20-23, layer_out , mlp_out@ 3 ").unwrap()["SHADOWTRACE_GRAFT"],
+            json!([
+                {"site": "indexer", "layers": [20, 23]},
+                {"site": "layer_out", "layers": "all"},
+                {"site": "mlp_out", "layers": [3, 3]},
+            ])
+        );
+        for bad in [
+            "kv@1",
+            "indexer@3-1",
+            "indexer@",
+            "indexer@-3",
+            "indexer@+3",
+            "Indexer",
+            "indexer@1-2-3",
+            "indexer@4294967296",
+            "indexer@x",
+        ] {
+            let err = read(bad).unwrap_err();
+            assert!(
+                err.expected.starts_with("empty, or a comma list of SITE"),
+                "{bad}"
+            );
         }
     }
 

@@ -130,6 +130,26 @@ def test_the_demo_report_holds_markdown_plots_and_metrics(demo_root: Path) -> No
     assert glm["jaccard_no_churn_mean"][0] < 0.8
 
 
+def test_the_demo_report_ends_with_the_bisection_of_its_planted_faults(demo_root: Path) -> None:
+    """Issue 30: the demo's planted faults, bisected (the NaN is named at its site and layer;
+    the indexer-key noise of the demo moves no argmax past the floor, and the section says so),
+    and one line per model on whether grafting the fp32 indexer heals the clean path."""
+    text = (demo_root / "report" / "report.md").read_text()
+    section = text.split("## Bisection (trained weights)")[1]
+    lines = [line[2:] for line in section.splitlines() if line.startswith("- ")]
+    faults = {line.split(": ", 1)[0]: line.split(": ", 1)[1] for line in lines[:3]}
+    assert faults["a NaN at layer 2 mlp_out, token 2500"].startswith(
+        "grafting the fp32 mlp_out at layer 2 restores argmax agreement"
+    )
+    assert "no indexer or attn_out graft does" in faults["a NaN at layer 2 mlp_out, token 2500"]
+    assert faults["noise on the indexer's keys at layer 1"].startswith(
+        "production already meets the target ungrafted"
+    )
+    assert "Target: restored = argmax agreement with the reference >=" in section
+    heals = [line for line in lines if "grafting the fp32 indexer at every layer" in line]
+    assert [line.split(":")[0] for line in heals] == ["glm-5.1-shaped", "deepseek-v3.2-shaped"]
+
+
 def test_env_prints_each_variable_with_its_value_or_default() -> None:
     out = shadowtrace("env", "--format", "json")
     assert out.returncode == 0, out.stderr

@@ -269,6 +269,27 @@ _CORPUS = {
         "",
     ],
     "tags": ["", "a=1", "a=1, b=two", "a", "=x", "a=b=c", " a = 1 ", "a=1,a=2", ",,", "a=,b=", "\u00a0a=1"],
+    "grafts": [
+        "",
+        "indexer",
+        "indexer@20-23, layer_out , mlp_out@ 3 ",
+        "attn_out@0",
+        ",,",
+        "kv@1",
+        "Indexer",
+        "indexer@",
+        "indexer@3-1",
+        "indexer@-3",
+        "indexer@+3",
+        "indexer@1-2-3",
+        "indexer@\u0663",
+        "indexer@1_0",
+        "indexer@4294967295",
+        "indexer@4294967296",
+        "indexer@ 1 - 2 ",
+        "\u00a0indexer",
+        "layer_out@0-0,layer_out@0-0",
+    ],
 }
 
 

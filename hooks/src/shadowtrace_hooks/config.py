@@ -138,6 +138,8 @@ def _parse(var: dict[str, Any], raw: str) -> Any:
                 return _Bad("comma-separated key=value pairs with non-empty keys")
             tags[key.strip(_SPACE)] = value.strip(_SPACE)
         return tags
+    if kind == "grafts":
+        return _grafts(raw)
     return _Bad(f"a value of the unknown type {kind} (a defect in env.json)")
 
 
@@ -157,6 +159,35 @@ def _layers(raw: str) -> Any:
             return expected
         ranges.append([a, b])
     return sorted(ranges) if ranges else expected
+
+
+# The sites a graft may name (SHADOWTRACE_GRAFT).
+GRAFT_SITES = ("indexer", "attn_out", "mlp_out", "layer_out")
+
+
+def _grafts(raw: str) -> Any:
+    expected = _Bad(
+        "empty, or a comma list of SITE, SITE@N or SITE@N-M with SITE one of indexer, "
+        "attn_out, mlp_out, layer_out and N <= M"
+    )
+    grafts = []
+    for part in _items(raw):
+        site, at, layers = part.partition("@")
+        site = site.strip(_SPACE)
+        if site not in GRAFT_SITES:
+            return expected
+        if not at:
+            grafts.append({"site": site, "layers": "all"})
+            continue
+        first, dash, last = layers.partition("-")
+        first, last = first.strip(_SPACE), (last if dash else first).strip(_SPACE)
+        if not (_DIGITS.fullmatch(first) and _DIGITS.fullmatch(last)):
+            return expected
+        a, b = _integer(first), _integer(last)
+        if a is None or b is None or a > b or b > _U32_MAX:
+            return expected
+        grafts.append({"site": site, "layers": [a, b]})
+    return grafts
 
 
 def _tokens(raw: str) -> Any:

@@ -83,6 +83,8 @@ class Settings:
         self.band: float = values["SHADOWTRACE_BOUNDARY_BAND"]
         self.top_n: int = values["SHADOWTRACE_LOGITS_TOP_N"]
         self.topk_lists: dict[str, Any] = values["SHADOWTRACE_TOPK_LISTS"]
+        # Where production takes the local shadow's value: [{"site", "layers": [a, b] | "all"}].
+        self.grafts: list[dict[str, Any]] = values["SHADOWTRACE_GRAFT"]
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -94,6 +96,30 @@ class Settings:
 
     def layer(self, index: int) -> bool:
         return self.layers == "all" or any(a <= index <= b for a, b in self.layers)
+
+    def graft_sites(self, layer: int) -> set[str]:
+        """The sites SHADOWTRACE_GRAFT grafts at `layer`."""
+        return {
+            g["site"]
+            for g in self.grafts
+            if g["layers"] == "all" or g["layers"][0] <= layer <= g["layers"][1]
+        }
+
+    @property
+    def graft_spec(self) -> str:
+        """SHADOWTRACE_GRAFT written back, as the manifest's `tags.graft` holds it."""
+        parts = []
+        for g in self.grafts:
+            layers = g["layers"]
+            at = (
+                ""
+                if layers == "all"
+                else f"@{layers[0]}"
+                if layers[0] == layers[1]
+                else f"@{layers[0]}-{layers[1]}"
+            )
+            parts.append(g["site"] + at)
+        return ",".join(parts)
 
     def site(self, name: str) -> bool:
         return self.sites == "all" or name in self.sites
@@ -459,12 +485,17 @@ class Session:
         request: str | None = None,
         segment: int = 0,
         prompt_length: int | None = None,
+        grafts: str | None = "not implemented by this adapter",
     ) -> Run:
         """Opens the run of one request. Its id names the prompt's hash, the request's
         number in this process, the rank and the process, so ranks and processes never
         collide; the `request` tag is the same on every rank of one request. Engines that
         hold no token ids at the hook name the request themselves (`request`); a request
-        that continues after its run was closed opens `segment` 1, 2, ... of it."""
+        that continues after its run was closed opens `segment` 1, 2, ... of it.
+
+        With SHADOWTRACE_GRAFT set, `grafts` is None where the adapter grafts (the run is
+        tagged `graft`), else why it does not: the run counts `graft_refused`, the process
+        says why in one line, and production runs ungrafted."""
         s = self.settings
         parallel = parallel or parallelism()
         digest = token_hash(self.salt, token_ids)
@@ -478,6 +509,8 @@ class Session:
         part = f"-s{segment}" if segment else ""
         run_id = f"{request}{part}-rank{parallel['rank']}-pid{os.getpid()}"
         tags = {**s.tags, "request": request}
+        if s.grafts and grafts is None:
+            tags["graft"] = s.graft_spec
         identity = {
             "run_id": run_id,
             "model": model,
@@ -507,6 +540,13 @@ class Session:
             budget=self.budget,
         )
         run = Run(writer, s)
+        if s.grafts and grafts is not None:
+            run.count("graft_refused")
+            name = engine.get("name")
+            self.warn_once(
+                f"graft_refused:{name}",
+                f"SHADOWTRACE_GRAFT={s.graft_spec}: {name}: {grafts}; production runs ungrafted",
+            )
         self.open_runs.append(run)
         return run
 

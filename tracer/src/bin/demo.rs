@@ -19,6 +19,7 @@ use clap::Parser;
 use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
+use shadowtrace_tracer::bisect::demo as bisect_demo;
 use shadowtrace_tracer::identity::SALT_FILE;
 use shadowtrace_tracer::model::Model;
 use shadowtrace_tracer::model::fault::{Fault, NonFiniteValue};
@@ -92,19 +93,78 @@ fn prompt(tool: bool, length: usize) -> Vec<i64> {
 }
 
 fn faults() -> Vec<Fault> {
+    named_faults().into_iter().map(|(_, f)| f).collect()
+}
+
+/// The planted faults, each with how the report names it.
+fn named_faults() -> Vec<(String, Fault)> {
     vec![
-        Fault::IndexerKey {
-            layer: 1,
-            scale: 3.0,
-        },
-        Fault::NonFinite {
-            layer: NAN_LAYER,
-            site: "mlp_out".to_owned(),
-            token: 2500,
-            channel: 7,
-            value: NonFiniteValue::Nan,
-        },
+        (
+            "noise on the indexer's keys at layer 1".to_owned(),
+            Fault::IndexerKey {
+                layer: 1,
+                scale: 3.0,
+            },
+        ),
+        (
+            format!("a NaN at layer {NAN_LAYER} mlp_out, token 2500"),
+            Fault::NonFinite {
+                layer: NAN_LAYER,
+                site: "mlp_out".to_owned(),
+                token: 2500,
+                channel: 7,
+                value: NonFiniteValue::Nan,
+            },
+        ),
     ]
+}
+
+/// The faulted cell's prompt length.
+const FAULTED_LENGTH: usize = 3072;
+
+/// The bisection section: glm-tool-3k's planted faults bisected one by one and together,
+/// and per model whether grafting the fp32 indexer heals the clean production path. Judged
+/// on the last 1024 rows, past the indexer's top-2048, where every query chooses.
+fn bisection_section(models: &[(&str, &str, Model)]) -> anyhow::Result<(String, Vec<String>)> {
+    let ids = prompt(true, FAULTED_LENGTH);
+    let rows = serde_json::json!({"kind": "last", "n": 1024});
+    let (name, _, glm) = &models[0];
+    let mut opts = TraceOptions::new(name);
+    opts.tokens_setting = rows.clone();
+    let faults = named_faults();
+    let layers = glm.config.num_hidden_layers;
+    let most = u64::try_from(faults.len() + 1).unwrap_or(0)
+        * (1 + shadowtrace_tracer::bisect::max_forwards(layers, 4));
+    let mut bar = progress::bar(most, "bisect glm-tool-3k");
+    let bisected = tch::no_grad(|| {
+        bisect_demo::bisect_faults(glm, &ids, &opts, &faults, 0.01, |step| {
+            bar.set_message(step.to_owned());
+            bar.inc(1);
+        })
+    })
+    .context("bisecting glm-tool-3k's faults")?;
+    bar.finish_and_clear();
+    let mut heals = Vec::new();
+    for (name, _, model) in models {
+        let mut opts = TraceOptions::new(name);
+        opts.tokens_setting = rows.clone();
+        let short = name.trim_start_matches("trained/");
+        heals.push(
+            tch::no_grad(|| bisect_demo::indexer_heal(short, model, &ids, &opts))
+                .with_context(|| format!("grafting the fp32 indexer into {short}"))?,
+        );
+    }
+    let md = bisect_demo::render_markdown(
+        "glm-tool-3k's prompt (3072 tokens, the last 1024 rows compared)",
+        &bisected,
+        &heals,
+    );
+    let mut lines: Vec<String> = bisected
+        .iter()
+        .map(|f| format!("bisect {}: {}", f.planted, f.bisection.summary()))
+        .collect();
+    lines.extend(heals.iter().map(bisect_demo::IndexerHeal::line));
+    Ok((md, lines))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -193,6 +253,8 @@ fn main() -> anyhow::Result<()> {
         &format!("## The models\n\n{models_text}"),
     )?;
     append_section(&report_dir.join(REPORT_FILE), &section)?;
+    let (bisection_md, bisection_lines) = bisection_section(&models)?;
+    append_section(&report_dir.join(REPORT_FILE), &bisection_md)?;
     println!(
         "report: {} ({})",
         report_dir.join(REPORT_FILE).display(),
@@ -220,6 +282,13 @@ fn main() -> anyhow::Result<()> {
         "Re-run the analysis with `shadowtrace analyze {}`.",
         runs_dir.display()
     );
+    println!();
+    println!(
+        "Bisection on glm-tool-3k's prompt (argmax against the fp32 chain, the last 1024 rows):"
+    );
+    for line in bisection_lines {
+        println!("{line}");
+    }
     Ok(())
 }
 

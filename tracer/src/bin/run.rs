@@ -80,7 +80,7 @@ struct Args {
     /// shadow's top-k; attn_out, mlp_out, layer_out: continues from the shadow's tensor) in
     /// LAYERS (N or N-M; every layer without @), comma-separated. The output changes on
     /// purpose: the manifest's tags say graft, and one line says so. Traced passes with the
-    /// local shadow only; not for glm5_next.
+    /// local shadow only; not for glm5_next. Replaces SHADOWTRACE_GRAFT, which takes the same.
     #[arg(long, value_name = "SITE[@LAYERS][,...]")]
     graft: Option<String>,
     /// Numerics of an untraced pass.
@@ -146,12 +146,20 @@ fn run(args: &Args) -> Result<()> {
         bail!("--deviation runs in traced passes only: set SHADOWTRACE=1 or give --out");
     }
     if let Some(spec) = &args.graft {
-        if out.is_none() {
-            bail!("--graft runs in traced passes only: set SHADOWTRACE=1 or give --out");
-        }
+        // --graft replaces SHADOWTRACE_GRAFT, as --out replaces SHADOWTRACE_DIR.
         opts.grafts = Graft::parse_all(spec).context("--graft")?;
+    }
+    if !opts.grafts.is_empty() {
+        let given = if args.graft.is_some() {
+            "--graft"
+        } else {
+            "SHADOWTRACE_GRAFT"
+        };
+        if out.is_none() {
+            bail!("{given} runs in traced passes only: set SHADOWTRACE=1 or give --out");
+        }
         for g in &opts.grafts {
-            g.check(model.config.num_hidden_layers).context("--graft")?;
+            g.check(model.config.num_hidden_layers).context(given)?;
         }
         eprintln!(
             "graft {}: production takes the local shadow's value there, so its output changes on \
@@ -223,9 +231,6 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     if !args.production.deviation.is_empty() {
         bail!("--deviation is not implemented for glm5_next (GLM-5.3-Flash)");
     }
-    if args.graft.is_some() {
-        bail!("--graft is not implemented for glm5_next (GLM-5.3-Flash)");
-    }
     if args.fp8_checkpoint() {
         bail!(
             "--prod/--path fp8-checkpoint: not implemented for glm5_next (GLM-5.3-Flash): its \
@@ -234,6 +239,9 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
     }
     let name = model_name(args);
     let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    if args.graft.is_some() || !opts.grafts.is_empty() {
+        bail!("--graft and SHADOWTRACE_GRAFT are not implemented for glm5_next (GLM-5.3-Flash)");
+    }
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;

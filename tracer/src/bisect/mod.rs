@@ -15,6 +15,7 @@
 //! They assume that grafting more layers never undoes a restoration; the
 //! range reported is always one whose own forward restored.
 
+pub mod demo;
 pub mod output;
 
 use std::collections::BTreeMap;

@@ -14,7 +14,7 @@ use crate::indexer::Fp8Indexer;
 use crate::model::Numerics;
 use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
-use crate::model::graft::Graft;
+use crate::model::graft::{Graft, GraftSite};
 use crate::writer::TopkLists;
 use crate::{QueueMode, WriterOptions};
 
@@ -212,6 +212,9 @@ impl TraceOptions {
         if let Some(s) = number("SHADOWTRACE_FLUSH_TIMEOUT_S") {
             o.writer.flush_timeout = seconds(s);
         }
+        if let Some(grafts) = v.get("SHADOWTRACE_GRAFT").and_then(Value::as_array) {
+            o.grafts = grafts.iter().filter_map(graft_of).collect();
+        }
         let on = v
             .get("SHADOWTRACE")
             .and_then(Value::as_bool)
@@ -270,6 +273,16 @@ fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).map_or(YEAR, |d| d.min(YEAR))
 }
 
+/// One graft as `SHADOWTRACE_GRAFT` reads it: `{"site", "layers": [N, M] | "all"}`.
+fn graft_of(v: &Value) -> Option<Graft> {
+    let site = GraftSite::named(v.get("site")?.as_str()?)?;
+    let layers = match v.get("layers")?.as_array() {
+        Some(r) => Some((r.first()?.as_i64()?, r.get(1)?.as_i64()?)),
+        None => None,
+    };
+    Some(Graft { site, layers })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,5 +301,14 @@ mod tests {
         );
         assert!(e.expected.contains("re-runs each layer"), "{e}");
         assert!(TraceOptions::from_env("m", env("layer")).is_ok());
+    }
+
+    #[test]
+    fn shadowtrace_graft_reads_as_the_grafts_run_graft_takes() {
+        let env = |k: &str| (k == "SHADOWTRACE_GRAFT").then(|| "indexer@1-2, layer_out".to_owned());
+        let (o, ..) = TraceOptions::from_env("m", env).unwrap();
+        assert_eq!(o.grafts, Graft::parse_all("indexer@1-2,layer_out").unwrap());
+        let (o, ..) = TraceOptions::from_env("m", |_| None).unwrap();
+        assert!(o.grafts.is_empty());
     }
 }

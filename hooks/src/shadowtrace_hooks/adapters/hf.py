@@ -296,6 +296,9 @@ class _Step:
         # The first step of a request served from a cached prefix: its free chain
         # recomputed from the embeddings over the whole prompt (hf_prefix.Scratch).
         self.scratch: Any = None
+        # The grafted layer's local shadow, run before production's layer: (layer, its output,
+        # its site outputs and selection).
+        self.graft: tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
 
 class _TopkInput(torch.overrides.TorchFunctionMode):
@@ -341,7 +344,6 @@ class _Tracer:
         self.in_generate = 0
         self.interrupted = False
         self.step: _Step | None = None
-        self.dtype = self.sess.settings.shadow_dtype
         self.forwards = 0
         self.fired: set[str] = set()
         self.inner = inner = self._decoder()
@@ -349,10 +351,29 @@ class _Tracer:
         self.indexers = 0
         self._topk_input: _TopkInput | None = None  # entered for the indexer call running now
         self._captured: tuple[int, _TopkInput] | None = None  # (layer, mode) of the last call
+        self.dtype = self.sess.settings.shadow_dtype
+        self.quant = dequant.plan(model)
+        kind = type(model).__name__
+        self.shadow_refused = self._why_no_shadow(kind)
+        if self.shadow_refused is not None:
+            self.dtype = None
+        # None: SHADOWTRACE_GRAFT is set and applied; else why production runs ungrafted.
+        self.graft_refused = self._why_no_graft() if self.settings.grafts else None
+        grafting = bool(self.settings.grafts) and self.graft_refused is None
         for i, layer in enumerate(inner.layers):
             layer.register_forward_pre_hook(
                 functools.partial(self._hook, "layer_in", self._layer_in, i), with_kwargs=True
             )
+            if grafting:
+                # After layer_in (its input kept), before the layer runs: the local shadow
+                # first, so production can take its values (graft.py's order).
+                layer.register_forward_pre_hook(
+                    functools.partial(self._hook, "graft_shadow", self._graft_shadow, i), with_kwargs=True
+                )
+                # Before the recording hooks: what is recorded is what production goes on with.
+                layer.register_forward_hook(functools.partial(self._graft, "layer_out", i))
+                for site, block in self._sites(layer).items():
+                    block.register_forward_hook(functools.partial(self._graft, site, i))
             layer.register_forward_hook(
                 functools.partial(self._hook, "layer_out", self._layer_out, i), with_kwargs=True
             )
@@ -369,17 +390,41 @@ class _Tracer:
                 indexer.register_forward_hook(
                     functools.partial(self._hook, "indexer", self._indexer, i), with_kwargs=True
                 )
+                if grafting:
+                    # After the recording hook: the selection recorded is the one production's
+                    # own indexer made (its capture self-check holds); attention then reads
+                    # the shadow's.
+                    indexer.register_forward_hook(functools.partial(self._graft, "indexer", i))
         self._head()[0].register_forward_pre_hook(
             functools.partial(self._hook, "final_norm", self._final_norm)
         )
-        # Read once: what production's weights are, and whether the shadow can dequantize them.
-        self.quant = dequant.plan(model)
         self._prod_kernel: str | None = None
-        kind = type(model).__name__
-        self.shadow_refused = self._why_no_shadow(kind)
         if self.shadow_refused is not None:
-            self.dtype = None
             sess.warn_once(f"{NAME}:no_shadow:{kind}", f"{NAME} {_version()}: {self.shadow_refused}")
+        elif grafting:
+            sess.warn_once(
+                f"{NAME}:graft",
+                f"SHADOWTRACE_GRAFT={self.settings.graft_spec}: production takes the local shadow's "
+                "value there, so its output changes on purpose (tags.graft); prefill steps only",
+            )
+
+    # Whether this adapter's layers can take the shadow's values (subclasses whose layers
+    # differ say why not).
+    GRAFTS_REFUSED: str | None = None
+
+    def _why_no_graft(self) -> str | None:
+        """Why SHADOWTRACE_GRAFT is not applied (None: it is): a graft takes the local
+        shadow's values, so it needs that shadow."""
+        if self.GRAFTS_REFUSED is not None:
+            return self.GRAFTS_REFUSED
+        if self.dtype is None:
+            return self.shadow_refused or "SHADOWTRACE_SHADOW=none: no shadow to take values from"
+        if "local" not in self.settings.layer_modes:
+            return (
+                "a graft takes the local layer shadow's values: set SHADOWTRACE_MODE to include "
+                "local and SHADOWTRACE_SHADOW_SCOPE=layer"
+            )
+        return None
 
     def _why_no_shadow(self, kind: str) -> str | None:
         """Why this model gets no shadow (None: it gets one): a weight it cannot dequantize."""
@@ -539,6 +584,7 @@ class _Tracer:
             engine={"name": NAME, "version": _version(), "commit": None, "variant": None},
             device=session.device_of(torch.empty(0, device=device)),
             dtypes={"prod": prod, "shadow": self.settings.precision},
+            grafts=self.graft_refused,
         )
         writer = run.writer
         for key, value in run_settings(layout, NAME, _version()).items():
@@ -616,7 +662,15 @@ class _Tracer:
             return
         prod_out = (output[0] if isinstance(output, tuple) else output).detach()
         shadows: dict[str, torch.Tensor] = {}
-        if self.settings.layer_modes and not step.decode:
+        if step.graft is not None and step.graft[0] == layer:
+            # Run before the layer for its graft: the same re-run, not repeated.
+            shadows, step.graft = {"local": step.graft[1]}, None
+            if "free" in self.settings.layer_modes:
+                free = self.sess.guarded(
+                    f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module, ("free",)
+                )  # fmt: skip
+                shadows.update(free or {})
+        elif self.settings.layer_modes and not step.decode:
             shadows = (
                 self.sess.guarded(f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module)
                 or {}
@@ -629,6 +683,51 @@ class _Tracer:
         # One copy per layer: the layer's rows leave the device while the next layer runs.
         self.sess.guarded("transformers:ship", self.runs[0], self._ship)
         step.layer_input = None
+
+    def _graft_shadow(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a grafted layer runs: its local shadow on production's input (kept by
+        layer_in), whose values the graft hooks hand production."""
+        step = self.step
+        assert step is not None
+        if not self.settings.graft_sites(layer):
+            return
+        if step.decode:
+            # The shadow runs on prefill steps only: a decode step goes on ungrafted.
+            for run in self.runs:
+                if run.state.get("graft_decode_step") != run.step:
+                    run.state["graft_decode_step"] = run.step
+                    run.count("graft_skipped_decode_steps")
+            return
+        outputs = self._shadow_layer(layer, module, ("local",))
+        if "local" not in outputs:
+            raise RuntimeError(f"graft at layer {layer}: the local shadow produced no output")
+        step.graft = (layer, outputs["local"], step.shadow_sites.get("local", {}))
+
+    def _graft(self, site: str, layer: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """A graft: the block's output replaced by the local shadow's, in production's dtype.
+        In a guard: a failure is counted, disables the graft and leaves production's output."""
+        if self.step is None or not self.runs or site not in self.settings.graft_sites(layer):
+            return None
+        return self.sess.guarded(f"graft:{site}", self.runs[0], self._grafted, site, layer, output)
+
+    def _grafted(self, site: str, layer: int, output: Any) -> Any:
+        step = self.step
+        assert step is not None
+        if step.graft is None or step.graft[0] != layer:
+            return None  # a decode step, counted by _graft_shadow
+        _, out, sites = step.graft
+        value = out if site == "layer_out" else sites.get(site)
+        if value is None:
+            raise RuntimeError(f"graft {site}@{layer}: the local shadow recorded no {site}")
+        prod = output[0] if isinstance(output, tuple) else output
+        if value.shape != prod.shape:
+            raise RuntimeError(
+                f"graft {site}@{layer}: shadow {tuple(value.shape)}, production {tuple(prod.shape)}"
+            )
+        value = value.to(prod.dtype)
+        for run in self.runs:
+            run.count(f"grafted_{site}")
+        return (value, *output[1:]) if isinstance(output, tuple) else value
 
     def _record_sentinels(self, layer: int, step: _Step) -> None:
         """The KV sentinel watch (contexts 000 and 001: a padding row's NaN written into a
@@ -665,7 +764,9 @@ class _Tracer:
                 detail = f"slots {first}..{last - 1} of {', '.join(names)}"
                 run.defer(functools.partial(_sentinel_rows, slot, names, first, row, detail), {})
 
-    def _shadow_layer(self, layer: int, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def _shadow_layer(
+        self, layer: int, module: torch.nn.Module, modes: tuple[str, ...] = ("local", "free")
+    ) -> dict[str, torch.Tensor]:
         """The layer re-run in the shadow precision: on the production input (local) and on
         the free chain (free). Returns each mode's layer output; site outputs land in
         step.shadow_sites. The re-run gets no cache (it must neither read production's
@@ -680,9 +781,9 @@ class _Tracer:
             return {}
         kwargs = self._shadow_kwargs(step)
         inputs = {}
-        if "local" in self.settings.layer_modes:
+        if "local" in self.settings.layer_modes and "local" in modes:
             inputs["local"] = step.layer_input.to(dtype)
-        if "free" in self.settings.layer_modes and step.free is not None:
+        if "free" in self.settings.layer_modes and "free" in modes and step.free is not None:
             inputs["free"] = step.free
         outputs = {}
         mode = [""]
@@ -695,6 +796,9 @@ class _Tracer:
             return capture
 
         capture = {block: site(name) for name, block in self._sites(module).items()}
+        indexer = self._indexer_module(module)
+        if indexer is not None and self.settings.grafts:
+            capture[indexer] = site("indexer")  # its selection, for an indexer graft
         # The expert bank stays as it is: only routed experts run, upcast one at a time.
         banks = shadow.expert_banks(module)
         if shadow.sharded(banks):

@@ -90,6 +90,10 @@ class GenericTracer(hf._Tracer):
     TRACES_INDEXERS = False
     # Their indexers are traced by their own `_indexer`, which reads no captured top-k input.
     CAPTURES_TOPK_SCORES = False
+    GRAFTS_REFUSED = (
+        "grafts are implemented for glm_moe_dsa and deepseek_v32 (the hf adapter), not for the "
+        "models the generic adapter traces"
+    )
 
     @classmethod
     def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: hf._Inputs) -> Any:
