@@ -670,7 +670,7 @@ class _Tracer:
                     f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module, ("free",)
                 )  # fmt: skip
                 shadows.update(free or {})
-        elif self.settings.layer_modes and not step.decode:
+        elif self.settings.layer_modes and not step.decode and self._shadow_recorded():
             shadows = (
                 self.sess.guarded(f"shadow_layer:{layer}", self.runs[0], self._shadow_layer, layer, module)
                 or {}
@@ -728,6 +728,12 @@ class _Tracer:
         for run in self.runs:
             run.count(f"grafted_{site}")
         return (value, *output[1:]) if isinstance(output, tuple) else value
+
+    def _shadow_recorded(self) -> bool:
+        """Whether a layer's shadow re-run is recorded anywhere: a hidden site, or the free
+        chain the logits' shadow continues. (A bisection's forwards record logits only.)"""
+        hidden = any(self.settings.site(s) for s in ("attn_out", "mlp_out", "layer_out"))
+        return hidden or "free" in self.settings.layer_modes
 
     def _record_sentinels(self, layer: int, step: _Step) -> None:
         """The KV sentinel watch (contexts 000 and 001: a padding row's NaN written into a

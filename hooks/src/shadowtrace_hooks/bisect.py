@@ -1,0 +1,392 @@
+"""Precision bisection in transformers (issue 30): which layers' local shadow value, grafted into
+production at one site (SHADOWTRACE_GRAFT), restores its output.
+
+The same search and answer as the reference engine's `shadowtrace bisect`
+(tracer/src/bisect/): production's logits at the compared rows are judged against a reference
+(by default the model's own fp32 chain: every weight upcast, FP8 ones dequantized, no hook)
+by argmax agreement or mean Jensen-Shannon divergence in bits. Restored means the metric on
+the good side of the threshold and no more non-finite rows than the target allows. For each
+site: every layer grafted first (no restoration: that site cannot heal it); then the latest
+first layer whose range to the last still restores and the earliest last layer from there,
+both binary searches: at most 1 + 2 ceil(log2 L) grafted forwards a site. The search assumes
+grafting more layers never undoes a restoration; the range reported is one whose own forward
+met the target. The answer is the smallest range, ties to the narrowest site.
+
+Each grafted forward is a traced forward of the hooks (a run written under a temporary
+directory and removed): tracing must be off when `bisect` is called, as it runs its own
+session.
+"""
+
+import dataclasses
+import math
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shadowtrace_hooks import config, session, shadow, startup
+
+SITES = config.GRAFT_SITES
+_NARROWNESS = {"indexer": 0, "attn_out": 1, "mlp_out": 1, "layer_out": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """Production's output against the reference over the compared rows."""
+
+    argmax_agreement: float
+    js_bits: float
+    nonfinite_rows: int
+    rows: int
+
+
+def compare(prod: torch.Tensor, reference: torch.Tensor) -> Metrics:
+    """`prod` against `reference`, both [rows, vocab] logits: the share of rows whose argmax
+    is the reference's, and the mean JS divergence in bits; a row with a non-finite logit (in
+    either) never agrees and counts 1 bit."""
+    prod, reference = prod.double(), reference.double()
+    finite = prod.isfinite().all(-1) & reference.isfinite().all(-1)
+    rows = finite.shape[0]
+    agree = (prod.argmax(-1) == reference.argmax(-1)) & finite
+    bad = ~finite[:, None]
+    lp = prod.masked_fill(bad, 0.0).log_softmax(-1)
+    lq = reference.masked_fill(bad, 0.0).log_softmax(-1)
+    lm = torch.logaddexp(lp, lq) - math.log(2)
+    kl = lambda log: (log.exp() * (log - lm)).sum(-1)  # noqa: E731
+    js = ((kl(lp) + kl(lq)) * (0.5 / math.log(2))).clamp(0, 1).masked_fill(~finite, 1.0)
+    return Metrics(
+        argmax_agreement=float(agree.double().mean()) if rows else 0.0,
+        js_bits=float(js.mean()) if rows else 0.0,
+        nonfinite_rows=int((~finite).sum()),
+        rows=rows,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What restored means: `metric` ("argmax" or "js") on the good side of `threshold`, and
+    at most `max_nonfinite_rows` non-finite rows; `source` says where the threshold is from."""
+
+    metric: str
+    threshold: float
+    max_nonfinite_rows: int
+    source: str
+
+    @classmethod
+    def clean(cls, metric: str, clean: Metrics, slack: float | None = None) -> "Target":
+        """The clean noise floor: a clean production's value less `slack` (argmax, default
+        0.01) or times 1 + `slack` (js, default 0.5)."""
+        value = _value(metric, clean)
+        if metric == "argmax":
+            slack = 0.01 if slack is None else slack
+            threshold, how = value - slack, f"less a slack of {slack:.3f}"
+        else:
+            slack = 0.5 if slack is None else slack
+            threshold, how = value * (1 + slack), f"times 1 + a slack of {slack:.3f}"
+        source = f"clean production: {_format(metric, value)}, {how}"
+        return cls(metric, threshold, clean.nonfinite_rows, source)
+
+    @classmethod
+    def given(cls, metric: str, threshold: float) -> "Target":
+        return cls(metric, threshold, 0, "given")
+
+    def restored(self, m: Metrics) -> bool:
+        v = _value(self.metric, m)
+        met = v >= self.threshold if self.metric == "argmax" else v <= self.threshold
+        return met and m.nonfinite_rows <= self.max_nonfinite_rows
+
+    def __str__(self) -> str:
+        side = ">=" if self.metric == "argmax" else "<="
+        name = "argmax agreement" if self.metric == "argmax" else "JS divergence (bits)"
+        return (
+            f"restored = {name} with the reference {side} {_format(self.metric, self.threshold)} and at "
+            f"most {self.max_nonfinite_rows} non-finite rows ({self.source})"
+        )
+
+
+def _value(metric: str, m: Metrics) -> float:
+    if metric not in ("argmax", "js"):
+        raise ValueError(f"metric {metric!r}: expected argmax or js")
+    return m.argmax_agreement if metric == "argmax" else m.js_bits
+
+
+def _format(metric: str, v: float) -> str:
+    return f"{v:.3f}" if metric == "argmax" else f"{v:.2e}"
+
+
+@dataclasses.dataclass
+class Step:
+    graft: str
+    metrics: Metrics
+    restored: bool
+
+
+@dataclasses.dataclass
+class SiteBisection:
+    site: str
+    layers: tuple[int, int] | None  # the smallest restoring range; None: none restores
+    after: Metrics  # with that range grafted, or every layer where none restores
+    steps: list[Step]
+
+
+@dataclasses.dataclass
+class Bisection:
+    shadow: str
+    target: Target
+    before: Metrics
+    sites: list[SiteBisection]
+
+    def already_restored(self) -> bool:
+        return self.target.restored(self.before)
+
+    def named(self) -> SiteBisection | None:
+        found = [s for s in self.sites if s.layers is not None]
+        if not found:
+            return None
+        return min(found, key=lambda s: (s.layers[1] - s.layers[0], _NARROWNESS[s.site]))
+
+    def summary(self) -> str:
+        """The answer in one line (the reference engine's wording)."""
+        m = self.target.metric
+        short = "argmax agreement" if m == "argmax" else "JS divergence"
+        before, threshold = _format(m, _value(m, self.before)), _format(m, self.target.threshold)
+        if self.already_restored():
+            return (
+                f"production already meets the target ungrafted ({short} {before}, target {threshold}): "
+                "nothing to bisect"
+            )
+        none = [s.site for s in self.sites if s.layers is None]
+        none_text = ""
+        if len(none) == 1:
+            none_text = f"; no {none[0]} graft does"
+        elif none:
+            none_text = f"; no {', '.join(none[:-1])} or {none[-1]} graft does"
+        named = self.named()
+        if named is None:
+            sites = ", ".join(s.site for s in self.sites)
+            return f"no graft of the {self.shadow} {sites} restores {short} {before} to {threshold}"
+        wider = [f"{s.site} at {_layers(s.layers)}" for s in self.sites if s.layers and s.site != named.site]
+        wider_text = f"; also {', '.join(wider)}" if wider else ""
+        after = _format(m, _value(m, named.after))
+        return (
+            f"grafting the {self.shadow} {named.site} at {_layers(named.layers)} restores {short} "
+            f"{before} -> {after}{wider_text}{none_text}"
+        )
+
+
+def _layers(layers: tuple[int, int] | None) -> str:
+    if layers is None:
+        return "no layer"
+    a, b = layers
+    return f"layer {a}" if a == b else f"layers {a}-{b}"
+
+
+def max_forwards(layers: int, sites: int) -> int:
+    """The most grafted forwards a bisection over `layers` layers and `sites` sites runs."""
+    return sites * (1 + 2 * math.ceil(math.log2(max(layers, 1))))
+
+
+def reference_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The model's own chain in `dtype`: every bf16/fp16 weight upcast, FP8 linears and expert
+    banks on their codes times their scales (the shadow's machinery), TF32 off, no hook of
+    anyone's firing. [batch, seq, vocab] fp32."""
+    if session.current() is not None:
+        raise RuntimeError("reference_logits: tracing is on; call it with no shadowtrace session")
+    banks = shadow.expert_banks(model)
+    keep = shadow.bank_tensors(banks)
+    with (
+        shadow.full_fp32(),
+        shadow.in_precision(model, dtype, keep=lambda t: id(t) in keep),
+        shadow.routed_experts(banks, dtype),
+        shadow.hooks_suspended(model),
+        torch.no_grad(),
+    ):
+        return model(input_ids).logits.float()
+
+
+def bisect(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    threshold: float | None = None,
+    clean: torch.Tensor | None = None,
+    metric: str = "argmax",
+    slack: float | None = None,
+    sites: Sequence[str] = SITES,
+    rows: slice | None = None,
+    reference: torch.Tensor | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Bisection:
+    """Bisects `model` (transformers' glm_moe_dsa or deepseek_v32, production as loaded, any
+    fault a user's forward hook plants included) on one prompt `input_ids` [1, S].
+
+    The target: `threshold`, or the clean noise floor of `clean` (a clean production's logits
+    [1, S, vocab], for example before the fault was planted) with `slack`. `rows` selects the
+    compared positions (default all); `reference` replaces the fp32 chain. `progress` gets
+    one line per forward (default: stderr)."""
+    if session.current() is not None:
+        raise RuntimeError("bisect runs its own tracing session: call it with tracing off")
+    unknown = [s for s in sites if s not in SITES]
+    if unknown:
+        raise ValueError(f"sites {unknown}: expected among {', '.join(SITES)}")
+    if (threshold is None) == (clean is None):
+        raise ValueError("give exactly one of threshold and clean (the clean noise floor's logits)")
+    say = progress or (lambda line: print(line, file=sys.stderr))
+    pick = rows or slice(None)
+    if reference is None:
+        reference = reference_logits(model, input_ids)
+    ref = reference[0, pick]
+    layers = len(model.model.layers)
+    with tempfile.TemporaryDirectory(prefix="shadowtrace-bisect-") as runs:
+        environ = {
+            "SHADOWTRACE": "1",
+            "SHADOWTRACE_DIR": runs,
+            "SHADOWTRACE_SITES": "logits",
+            # Every site at every layer: the tracer registers its graft hooks when it attaches;
+            # each forward below then says which it takes.
+            "SHADOWTRACE_GRAFT": ",".join(sites),
+        }
+        # A tracer an earlier session attached would serve that session: attach afresh (its
+        # hooks stay registered, inert without its steps).
+        model.__dict__.pop("_shadowtrace", None)
+        sess = startup.activate(environ)
+        if sess is None:
+            raise RuntimeError("bisect: the tracing session did not start")
+        try:
+            return _search(
+                model, input_ids, sess, ref, pick, layers, sites, threshold, clean, metric, slack, say
+            )
+        finally:
+            session.stop()
+
+
+def _search(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    sess: Any,
+    ref: torch.Tensor,
+    pick: slice,
+    layers: int,
+    sites: Sequence[str],
+    threshold: float | None,
+    clean: torch.Tensor | None,
+    metric: str,
+    slack: float | None,
+    say: Callable[[str], None],
+) -> Bisection:
+    def forward(grafts: list[dict]) -> Metrics:
+        sess.settings.grafts = grafts
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        return compare(logits[0, pick].float(), ref)
+
+    # The tracer registers its graft hooks when it attaches, at its first forward, if grafts
+    # are set then: a one-token forward with the session's grafts attaches it.
+    with torch.no_grad():
+        model(input_ids[:, :1])
+    before = forward([])
+    if threshold is not None:
+        target = Target.given(metric, threshold)
+    else:
+        assert clean is not None
+        target = Target.clean(metric, compare(clean[0, pick].float(), ref), slack)
+    say(f"target: {target}")
+    result = Bisection(shadow.dtype_name(sess.settings.shadow_dtype), target, before, [])
+    if result.already_restored():
+        return result
+    budget = max_forwards(layers, len(sites))
+    done = [0]
+    for site in sites:
+        seen: dict[tuple[int, int], Metrics] = {}
+        steps: list[Step] = []
+
+        def ok(a: int, b: int, site: str = site, seen: dict = seen, steps: list = steps) -> bool:
+            if (a, b) not in seen:
+                graft = f"{site}@{a}" if a == b else f"{site}@{a}-{b}"
+                m = forward([{"site": site, "layers": [a, b]}])
+                seen[(a, b)] = m
+                steps.append(Step(graft, m, target.restored(m)))
+                done[0] += 1
+                word = "restores" if target.restored(m) else "does not"
+                say(f"  bisect [{done[0]}/{budget}] {graft} {word}")
+            return target.restored(seen[(a, b)])
+
+        last = layers - 1
+        found = None
+        if ok(0, last):
+            a, b = 0, layers
+            while b - a > 1:
+                m = (a + b) // 2
+                a, b = (m, b) if ok(m, last) else (a, m)
+            c, d = a - 1, last
+            while d - c > 1:
+                m = (c + d) // 2
+                c, d = (c, m) if ok(a, m) else (m, d)
+            found = (a, d)
+        result.sites.append(SiteBisection(site, found, seen[found or (0, last)], steps))
+    return result
+
+
+def main(argv: list[str]) -> int:
+    """`python -m shadowtrace_hooks bisect`: the command line of `bisect`."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m shadowtrace_hooks bisect",
+        description=(
+            "Which layers' local fp32 shadow value, grafted into production at one site, restores "
+            "a transformers model's output (glm_moe_dsa, deepseek_v32; FP8 checkpoints as they "
+            "load). Judged against the model's own fp32 chain. With nothing planted there is no "
+            "clean floor here: the target is --threshold."
+        ),
+    )
+    parser.add_argument("model", type=Path, help="model directory (from_pretrained)")
+    parser.add_argument(
+        "prompt", type=Path, help="a JSON list of token ids, or text for the model's tokenizer"
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        required=True,
+        help="restored at this argmax agreement or more (argmax), or this JS divergence or less (js)",
+    )
+    parser.add_argument("--metric", choices=["argmax", "js"], default="argmax")
+    parser.add_argument("--sites", default=",".join(SITES), help="comma-separated, among " + ", ".join(SITES))
+    parser.add_argument("--last", type=int, help="compare the last N positions only (default: all)")
+    args = parser.parse_args(argv)
+    import transformers
+
+    text = args.prompt.read_text()
+    try:
+        ids = [int(i) for i in json.loads(text)]
+    except (ValueError, TypeError):
+        ids = transformers.AutoTokenizer.from_pretrained(args.model)(text)["input_ids"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").to(device).eval()
+    input_ids = torch.tensor([ids], device=device)
+    rows = slice(-args.last, None) if args.last else None
+    try:
+        result = bisect(
+            model, input_ids, threshold=args.threshold, metric=args.metric,
+            sites=[s.strip() for s in args.sites.split(",") if s.strip()], rows=rows,
+        )  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    b = result.before
+    print(
+        f"production ungrafted: argmax agreement {b.argmax_agreement:.3f}, JS divergence {b.js_bits:.2e} "
+        f"bits, {b.nonfinite_rows} non-finite rows of {b.rows}"
+    )
+    for s in result.sites:
+        layers = "none" if s.layers is None else _layers(s.layers)
+        print(f"{s.site:<10} {layers:<14} argmax {s.after.argmax_agreement:.3f}  JS {s.after.js_bits:.2e}  "
+              f"{len(s.steps)} forwards")  # fmt: skip
+    print(result.summary())
+    return 0
