@@ -14,6 +14,7 @@ use shadowtrace_schemas::{Convention, Table};
 use crate::AnalyzeError;
 use crate::cache_pair::{self, CachePairs, FirstPosition};
 use crate::capture_check::CaptureCheck;
+use crate::graft_pair::{self, GraftPairs};
 use crate::grid::{Grid, group_runs};
 use crate::judged::{self, EVERY_QUESTION, NotMeasured, Question, why_not_judged};
 use crate::load::{Dataset, PartFile, Run};
@@ -132,6 +133,15 @@ pub struct RunAnalysis {
     /// Prod top-N logits, for determinism pairs.
     #[serde(skip)]
     pub prod_top_n: TopN,
+    /// The logits' shadow top-N, for graft pairs.
+    #[serde(skip)]
+    pub shadow_top_n: TopN,
+    /// Whether the logits' shadow is the free chain (the shadow's own, from
+    /// the embeddings): `settings.logits_shadow_mode` where the producer
+    /// wrote it, else whether the run's shadow modes include free (the
+    /// reference engine's rule).
+    #[serde(skip)]
+    pub logits_shadow_free: bool,
     /// What a run tagged `cache=hit|miss` recorded at its first generated
     /// position, for prefix-cache pairs.
     #[serde(skip)]
@@ -204,6 +214,10 @@ pub struct Analysis {
     /// a hit ([`crate::cache_pair`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<CachePairs>,
+    /// Graft runs against their ungrafted base runs, when any run is a
+    /// graft run ([`crate::graft_pair`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grafts: Option<GraftPairs>,
 }
 
 impl Analysis {
@@ -277,6 +291,7 @@ pub fn analyze(
     let grid = group_runs(&runs, &group_by);
     let determinism = determinism_pairs(&runs);
     let cache = cache_pair::pairs(&runs, t);
+    let grafts = graft_pair::pairs(&runs);
     Ok(Analysis {
         thresholds: t.clone(),
         floors,
@@ -285,6 +300,7 @@ pub fn analyze(
         grid,
         determinism,
         cache,
+        grafts,
     })
 }
 
@@ -362,6 +378,16 @@ pub fn analyze_run(
     let (prod_top_n, shadow_top_n) = logits::top_n(&logits_frame)?;
     let logits = logits::agreement(&prod_top_n, &shadow_top_n);
     let tags = run_tags(run);
+    let m = &run.manifest;
+    let logits_shadow_free = m
+        .identity
+        .settings
+        .get("logits_shadow_mode")
+        .and_then(|v| v.as_str())
+        .map_or_else(
+            || m.identity.shadow.modes.iter().any(|mode| mode == "free"),
+            |mode| mode == "free",
+        );
     let first_position = if tags.contains_key(cache_pair::CACHE_TAG) {
         let length = run.manifest.identity.prompt.length;
         Some(FirstPosition::of(&hidden_frame, &prod_top_n, length)?)
@@ -373,7 +399,6 @@ pub fn analyze_run(
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
     let topk_summary_check = topk_check::check_run(run)?;
-    let m = &run.manifest;
     let conventions = recorded_conventions(m);
     let convention_mismatches = convention_verdict(&conventions);
     let counters = judged::run_counters(m);
@@ -432,6 +457,8 @@ pub fn analyze_run(
         topk_skipped: skipped_rows.rows,
         hidden_tokens,
         prod_top_n,
+        shadow_top_n,
+        logits_shadow_free,
         first_position,
     })
 }
@@ -537,8 +564,9 @@ pub fn length_bucket(length: u64, k: Option<u32>) -> String {
     }
 }
 
-/// Pairs runs that share model, engine, prod dtype and prompt (token hash):
-/// their prod logits should agree exactly if the engine is deterministic.
+/// Pairs runs that share model, engine, prod dtype, prompt (token hash) and
+/// grafts: their prod logits should agree exactly if the engine is
+/// deterministic.
 /// A run whose producer saw no token ids (empty hash) pairs with nothing.
 fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
     let mut by_identity: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
@@ -546,10 +574,17 @@ fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
         if identity_tag(&run.tags, "token_hash").is_none_or(String::is_empty) {
             continue;
         }
-        let key = ["model", "engine", "prod_dtype", "token_hash"]
-            .iter()
-            .map(|k| identity_tag(&run.tags, k).cloned().unwrap_or_default())
-            .collect();
+        // A graft changes production on purpose: it pairs with runs of the same grafts only.
+        let key = [
+            "model",
+            "engine",
+            "prod_dtype",
+            "token_hash",
+            graft_pair::GRAFT_TAG,
+        ]
+        .iter()
+        .map(|k| identity_tag(&run.tags, k).cloned().unwrap_or_default())
+        .collect();
         by_identity.entry(key).or_default().push(run);
     }
     by_identity

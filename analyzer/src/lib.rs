@@ -10,6 +10,7 @@
 //! - [`judged`]: what a run did not measure, and the verdicts it leaves not judged;
 //! - [`analysis`], [`grid`], [`report`]: runs to answers, tables, files;
 //! - [`cache_pair`]: prefix-cache hits against the same prompt from scratch;
+//! - [`graft_pair`]: a graft run against its ungrafted base run;
 //! - [`inspect`]: one run as a person reads it;
 //! - [`schema_doc`]: the format as text or JSON.
 
@@ -21,6 +22,7 @@ pub mod capture_check;
 mod error;
 pub mod export;
 mod frame;
+pub mod graft_pair;
 pub mod grid;
 pub mod inspect;
 pub mod judged;

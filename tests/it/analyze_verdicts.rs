@@ -676,6 +676,7 @@ fn render_terminal_of(run: &RunAnalysis) -> String {
         ),
         determinism: Vec::new(),
         cache: None,
+        grafts: None,
     };
     shadowtrace_analyzer::report::render_terminal(&analysis)
 }

@@ -157,3 +157,96 @@ fn a_graft_without_the_local_shadow_or_past_the_last_layer_is_refused_before_a_r
     );
     assert!(!dir.exists());
 }
+
+/// A NaN planted at layer 1's mlp_out, token 100: every later row of the output is NaN.
+fn nan_fault() -> shadowtrace_tracer::model::fault::Fault {
+    serde_json::from_str(
+        r#"{"kind":"non_finite","layer":1,"site":"mlp_out","token":100,"channel":0,"value":"nan"}"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_graft_run_is_paired_with_its_base_run_and_shows_the_output_healed_and_the_onset_gone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let runs = tmp.path().join("runs");
+    let traced_with = |name: &str, grafts: &str, ids: &[i64]| {
+        let mut opts = options(grafts);
+        opts.modes = vec![Mode::Local, Mode::Free];
+        opts.faults = vec![nan_fault()];
+        let dir = runs.join(name);
+        tch::no_grad(|| trace(&model, ids, name, &dir, &opts)).unwrap();
+        dir
+    };
+    let other: Vec<i64> = ids().iter().map(|i| (i + 1) % 256).collect();
+    let dirs = [
+        traced_with("base", "", &ids()),
+        traced_with("healed", &format!("mlp_out@{GRAFTED}"), &ids()),
+        traced_with("elsewhere", &format!("mlp_out@{GRAFTED}"), &other),
+    ];
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let grafts = a.grafts.as_ref().expect("graft runs are paired");
+    let [pair] = grafts.pairs.as_slice() else {
+        panic!("one pair: {grafts:?}");
+    };
+    assert_eq!(
+        (pair.graft.as_str(), pair.base.as_str(), pair.spec.as_str()),
+        ("healed", "base", "mlp_out@1")
+    );
+    assert_eq!(grafts.unpaired.len(), 1, "{:?}", grafts.unpaired);
+    assert!(grafts.unpaired[0].starts_with("elsewhere: no ungrafted run of its prompt"));
+    // Before: token 100's row and the rows attending to it are NaN; after: none, and the
+    // output agrees with the free shadow as a clean FP8 production does.
+    let before = pair.before.as_ref().unwrap();
+    let after = pair.after.as_ref().unwrap();
+    assert!(before.nonfinite_positions > 0, "{before:?}");
+    assert_eq!(after.nonfinite_positions, 0);
+    assert!(after.argmax_agreement.unwrap() > 0.9, "{after:?}");
+    assert_eq!(pair.onset, (Some(GRAFTED as i32), None));
+    assert!(pair.notes.is_empty(), "{:?}", pair.notes);
+    let line = pair.line();
+    assert!(
+        line.starts_with(
+            "graft mlp_out@1 (healed against base): argmax agreement with the free shadow"
+        ),
+        "{line}"
+    );
+    assert!(line.ends_with("non-finite onset layer 1 -> none"), "{line}");
+    // A graft changes production on purpose: it is no determinism pair of its base.
+    assert!(
+        a.determinism
+            .iter()
+            .all(|d| !(d.a == "base" && d.b == "healed")),
+        "{:?}",
+        a.determinism
+    );
+    let report = shadowtrace_analyzer::report::render_terminal(&a);
+    assert!(report.contains("graft pairs (a graft run against its ungrafted base run of the same prompt)\n  graft mlp_out@1 (healed against base)"), "{report}");
+}
+
+#[test]
+fn a_graft_pair_without_the_free_shadow_leaves_the_output_not_judged_and_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let runs = tmp.path().join("runs");
+    let dirs = [
+        traced(&model, &runs, "base", ""),
+        traced(&model, &runs, "grafted", "layer_out@1"),
+    ];
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let pair = &a.grafts.as_ref().unwrap().pairs[0];
+    assert!(pair.before.is_none() && pair.after.is_none());
+    assert_eq!(pair.notes.len(), 2, "{:?}", pair.notes);
+    assert!(
+        pair.notes[0].contains("no free shadow's logits (trace with SHADOWTRACE_MODE=local,free)")
+    );
+    assert!(
+        pair.line()
+            .contains("output against the reference not judged")
+    );
+    assert!(
+        pair.changed.is_some(),
+        "what the graft changed is still given"
+    );
+}

@@ -167,3 +167,33 @@ def test_a_graft_the_hooks_cannot_apply_is_refused_counted_and_production_runs_u
     (manifest,) = (json.loads(p.read_text()) for p in tmp_path.glob("*/manifest.json"))
     assert "graft" not in manifest["tags"]
     assert manifest["counters"]["graft_refused"] == 1
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "sglang", "tensorrt_llm"])
+def test_a_serving_engine_adapter_refuses_a_graft_and_says_why(
+    tmp_path: Path, engine_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30: the serving engines' adapters shadow the indexer alone, and none hands attention
+    the shadow's selection yet: each run counts graft_refused, is not tagged graft, and one line
+    says why for that engine."""
+    import time
+
+    from shadowtrace_hooks.adapters import engine
+
+    environ = {"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path), "SHADOWTRACE_GRAFT": "indexer@3"}
+    sess = session.Session(session.Settings.from_environ(environ))
+    tracer = engine.EngineTracer(
+        sess,
+        engine={"name": engine_name, "version": "x", "commit": None, "variant": None},
+        model=engine.engine_model(sess, 2048),
+        dtypes={"prod": "fp8_e4m3", "shadow": "fp32"},
+    )
+    tracer.runs([engine.Request(key="r1", start=0, rows=4, prefix=0)], torch.device("cpu"))
+    tracer.close()
+    sess.wait_closed(time.monotonic() + 10)
+    (manifest,) = (json.loads(p.read_text()) for p in tmp_path.glob("*/manifest.json"))
+    assert manifest["counters"]["graft_refused"] == 1
+    assert "graft" not in manifest["tags"]
+    (line,) = [r.getMessage() for r in caplog.records if "SHADOWTRACE_GRAFT=indexer@3" in r.getMessage()]
+    assert f"{engine_name}: the engine adapters shadow the indexer alone" in line
+    assert engine.GRAFT_REFUSED[engine_name].split("; ")[1] in line

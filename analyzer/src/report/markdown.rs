@@ -90,6 +90,14 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             let _ = writeln!(out);
         }
     }
+    if let Some(grafts) = &a.grafts {
+        let _ = writeln!(out, "## Graft pairs\n");
+        let _ = writeln!(out, "Rule: {}.\n", grafts.rule);
+        for line in super::graft_lines(grafts) {
+            let _ = writeln!(out, "- {line}");
+        }
+        let _ = writeln!(out);
+    }
     if !plots.is_empty() {
         let _ = writeln!(out, "## Plots\n");
         for p in plots {

@@ -115,6 +115,18 @@ pub(crate) fn num(v: Option<f64>, decimals: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.decimals$}"))
 }
 
+/// The graft pairs as lines: one per pair, its notes, then the graft runs
+/// left unpaired.
+pub(crate) fn graft_lines(g: &crate::graft_pair::GraftPairs) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in &g.pairs {
+        out.push(p.line());
+        out.extend(p.notes.iter().map(|n| format!("note: {n}")));
+    }
+    out.extend(g.unpaired.iter().map(|u| format!("unpaired graft run {u}")));
+    out
+}
+
 /// A small number in scientific notation, or `-`.
 pub(crate) fn sci(v: Option<f64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2e}"))

@@ -62,6 +62,16 @@ pub fn render_terminal(a: &Analysis) -> String {
         }
         let _ = writeln!(out);
     }
+    if let Some(grafts) = &a.grafts {
+        let _ = writeln!(
+            out,
+            "graft pairs (a graft run against its ungrafted base run of the same prompt)"
+        );
+        for line in super::graft_lines(grafts) {
+            let _ = writeln!(out, "  {line}");
+        }
+        let _ = writeln!(out);
+    }
     for run in &a.runs {
         run_section(&mut out, run);
     }

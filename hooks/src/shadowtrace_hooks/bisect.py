@@ -189,11 +189,11 @@ def max_forwards(layers: int, sites: int) -> int:
 
 
 def reference_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+    model: torch.nn.Module, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32, **kwargs: Any
 ) -> torch.Tensor:
     """The model's own chain in `dtype`: every bf16/fp16 weight upcast, FP8 linears and expert
     banks on their codes times their scales (the shadow's machinery), TF32 off, no hook of
-    anyone's firing. [batch, seq, vocab] fp32."""
+    anyone's firing. [batch, seq, vocab] fp32; `kwargs` go to the model (`logits_to_keep`)."""
     if session.current() is not None:
         raise RuntimeError("reference_logits: tracing is on; call it with no shadowtrace session")
     banks = shadow.expert_banks(model)
@@ -205,7 +205,7 @@ def reference_logits(
         shadow.hooks_suspended(model),
         torch.no_grad(),
     ):
-        return model(input_ids).logits.float()
+        return model(input_ids, **kwargs).logits.float()
 
 
 def bisect(
@@ -217,7 +217,7 @@ def bisect(
     metric: str = "argmax",
     slack: float | None = None,
     sites: Sequence[str] = SITES,
-    rows: slice | None = None,
+    last: int | None = None,
     reference: torch.Tensor | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Bisection:
@@ -225,9 +225,10 @@ def bisect(
     fault a user's forward hook plants included) on one prompt `input_ids` [1, S].
 
     The target: `threshold`, or the clean noise floor of `clean` (a clean production's logits
-    [1, S, vocab], for example before the fault was planted) with `slack`. `rows` selects the
-    compared positions (default all); `reference` replaces the fp32 chain. `progress` gets
-    one line per forward (default: stderr)."""
+    [1, S, vocab] or its last `last` positions, for example before the fault was planted)
+    with `slack`. `last` compares the last N positions only (and has the model compute no
+    other logits: `logits_to_keep`); `reference` replaces the fp32 chain. `progress` gets one
+    line per forward (default: stderr)."""
     if session.current() is not None:
         raise RuntimeError("bisect runs its own tracing session: call it with tracing off")
     unknown = [s for s in sites if s not in SITES]
@@ -236,9 +237,10 @@ def bisect(
     if (threshold is None) == (clean is None):
         raise ValueError("give exactly one of threshold and clean (the clean noise floor's logits)")
     say = progress or (lambda line: print(line, file=sys.stderr))
-    pick = rows or slice(None)
+    keep = {"logits_to_keep": last} if last else {}
     if reference is None:
-        reference = reference_logits(model, input_ids)
+        reference = reference_logits(model, input_ids, **keep)
+    pick = slice(-last, None) if last else slice(None)
     ref = reference[0, pick]
     layers = len(model.model.layers)
     with tempfile.TemporaryDirectory(prefix="shadowtrace-bisect-") as runs:
@@ -258,7 +260,7 @@ def bisect(
             raise RuntimeError("bisect: the tracing session did not start")
         try:
             return _search(
-                model, input_ids, sess, ref, pick, layers, sites, threshold, clean, metric, slack, say
+                model, input_ids, keep, sess, ref, pick, layers, sites, threshold, clean, metric, slack, say
             )
         finally:
             session.stop()
@@ -267,6 +269,7 @@ def bisect(
 def _search(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
+    keep: dict,
     sess: Any,
     ref: torch.Tensor,
     pick: slice,
@@ -281,7 +284,7 @@ def _search(
     def forward(grafts: list[dict]) -> Metrics:
         sess.settings.grafts = grafts
         with torch.no_grad():
-            logits = model(input_ids).logits
+            logits = model(input_ids, **keep).logits
         return compare(logits[0, pick].float(), ref)
 
     # The tracer registers its graft hooks when it attaches, at its first forward, if grafts
@@ -370,11 +373,10 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").to(device).eval()
     input_ids = torch.tensor([ids], device=device)
-    rows = slice(-args.last, None) if args.last else None
     try:
         result = bisect(
             model, input_ids, threshold=args.threshold, metric=args.metric,
-            sites=[s.strip() for s in args.sites.split(",") if s.strip()], rows=rows,
+            sites=[s.strip() for s in args.sites.split(",") if s.strip()], last=args.last,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

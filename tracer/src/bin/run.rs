@@ -210,7 +210,12 @@ fn run(args: &Args) -> Result<()> {
             }
             continue;
         };
-        let run_id = run_id(&name, path, i);
+        // A graft run sits beside its base run in one directory (one salt, so the analyzer
+        // can pair them by prompt): its id says the graft.
+        let mut run_id = run_id(&name, path, i);
+        if !opts.grafts.is_empty() {
+            run_id = path_safe(&format!("{run_id}-graft-{}", graft::spec(&opts.grafts)));
+        }
         let manifest = tch::no_grad(|| trace(&model, &ids, &run_id, &out.join(&run_id), &opts))
             .with_context(|| format!("tracing {}", path.display()))?;
         eprintln!(
@@ -360,8 +365,12 @@ fn run_id(name: &str, prompt: &std::path::Path, i: usize) -> String {
         || format!("prompt{i}"),
         |s| s.to_string_lossy().into_owned(),
     );
-    format!("{name}-{stem}")
-        .chars()
+    path_safe(&format!("{name}-{stem}"))
+}
+
+/// `id` with every character but ASCII letters, digits and `._-` replaced by `-`.
+fn path_safe(id: &str) -> String {
+    id.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || "._-".contains(c) {
                 c

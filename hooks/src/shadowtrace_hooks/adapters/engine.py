@@ -52,6 +52,24 @@ from shadowtrace_hooks.session import Run, Session
 
 log = logging.getLogger("shadowtrace")
 
+# Why each serving engine's adapter runs production ungrafted under SHADOWTRACE_GRAFT (issue 30).
+# These adapters shadow the indexer alone: attn_out, mlp_out and layer_out have no shadow value
+# to graft. An indexer graft must hand the shadow's selection to attention before it reads it.
+_INDEXER_ONLY = (
+    "the engine adapters shadow the indexer alone (no attn_out, mlp_out or layer_out value to graft)"
+)
+GRAFT_REFUSED = {
+    "vllm": f"{_INDEXER_ONLY}; vLLM selects and attends inside one hooked call "
+    "(`_sparse_indexer_and_attn`), recorded after it returns, so the hook point cannot hand "
+    "attention the shadow's selection",
+    "sglang": f"{_INDEXER_ONLY}; `Indexer.forward_cuda` returns the selection attention reads, so "
+    "the hook point allows an indexer graft, but the adapter scores its shadow after that call "
+    "returns: not implemented",
+    "tensorrt_llm": f"{_INDEXER_ONLY}; `Indexer.forward_from_projected` returns the selection "
+    "attention reads, so the hook point allows an indexer graft, but the adapter scores its "
+    "shadow after that call returns: not implemented",
+}
+
 # Engine steps a request may be absent before its run is closed.
 IDLE_STEPS = 256
 # Runs open at once, each with its writer thread; beyond this the least recently seen closes.
@@ -240,6 +258,7 @@ class EngineTracer:
             engine=self.engine,
             device=session.device_of(torch.empty(0, device=device)),
             dtypes=self.dtypes,
+            grafts=GRAFT_REFUSED.get(self.name, "not implemented by this adapter"),
         )
         if segment:
             run.count("request_resumed")
