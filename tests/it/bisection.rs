@@ -46,7 +46,7 @@ fn production(faults: &[&str]) -> TraceOptions {
 
 fn bisected(model: &Model, ids: &[i64], opts: &TraceOptions) -> Bisection {
     tch::no_grad(|| {
-        let setup = Setup::new(model, ids, opts).unwrap();
+        let setup = Setup::new(model, ids, opts, true).unwrap();
         let target = Target::clean(Metric::Argmax, setup.clean.as_ref().unwrap(), 0.01);
         bisect(&setup, target, &GraftSite::ALL, |_| {}).unwrap()
     })
@@ -137,7 +137,7 @@ fn production_with_nothing_broken_meets_its_target_and_runs_no_graft() {
     let ids = heldout(512);
     let opts = production(&[]);
     let b = tch::no_grad(|| {
-        let setup = Setup::new(&model, &ids, &opts).unwrap();
+        let setup = Setup::new(&model, &ids, &opts, true).unwrap();
         assert!(setup.clean.is_none(), "nothing planted: no clean floor");
         let target = Target::given(Metric::Argmax, setup.before.argmax_agreement);
         bisect(&setup, target, &GraftSite::ALL, |_| panic!("a graft ran")).unwrap()
@@ -190,7 +190,7 @@ fn a_grafted_forward_started_at_its_first_grafted_layer_equals_one_from_the_embe
     let opts =
         production(&[r#"{"kind":"fp8_scale","layer":1,"linear":"self_attn.o_proj","factor":4.0}"#]);
     tch::no_grad(|| {
-        let setup = Setup::new(&model, &ids, &opts).unwrap();
+        let setup = Setup::new(&model, &ids, &opts, true).unwrap();
         for spec in ["attn_out@1", "mlp_out@2", "indexer@1-2", "layer_out@0"] {
             let grafts = Graft::parse_all(spec).unwrap();
             let ours = setup.chains.grafted(&grafts).unwrap();

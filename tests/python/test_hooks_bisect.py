@@ -107,3 +107,46 @@ def test_the_command_line_prints_the_table_and_the_answer_and_refuses_a_missing_
     missing = subprocess.run(command, capture_output=True, text=True)
     assert missing.returncode == 2
     assert "--threshold" in missing.stderr
+
+
+def test_bisect_refuses_a_model_whose_grafts_the_hooks_cannot_apply() -> None:
+    """A model the generic adapter traces (no graft there): refused before any search, never
+    "no graft restores"."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with pytest.raises(RuntimeError, match="the hooks cannot graft this model: grafts are implemented for"):
+        bisect.bisect(model, ids, threshold=0.9, progress=lambda line: None)
+
+
+def test_a_graft_that_silently_did_not_apply_stops_the_bisection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shadow's re-run fails (the guard counts it and disables it): the forward runs
+    ungrafted, and bisect says so instead of reading it as "this graft does not heal"."""
+    from shadowtrace_hooks.adapters import hf
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(hf._Tracer, "_shadow_layer", broken)
+    model, ids = tiny_models.glm(index_topk=K), tiny_models.prompt(40)
+    with pytest.raises(RuntimeError, match=r"0 of 3 grafted \(layer, site\) values were taken.*planted"):
+        bisect.bisect(model, ids, threshold=1.0, sites=["layer_out"], progress=lambda line: None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sites": []}, "expected one or more of"),
+        ({"sites": ["mlp_out", "mlp_out"]}, "each once"),
+        ({"metric": "kl"}, "expected argmax or js"),
+        ({"last": 0}, "expected at least 1 position"),
+    ],
+)
+def test_bisect_refuses_bad_arguments_before_any_forward(kwargs: dict, message: str) -> None:
+    model, ids = tiny_models.glm(index_topk=K), tiny_models.prompt(20)
+    with pytest.raises(ValueError, match=message):
+        bisect.bisect(model, ids, threshold=0.9, progress=lambda line: None, **kwargs)

@@ -197,3 +197,22 @@ def test_a_serving_engine_adapter_refuses_a_graft_and_says_why(
     (line,) = [r.getMessage() for r in caplog.records if "SHADOWTRACE_GRAFT=indexer@3" in r.getMessage()]
     assert f"{engine_name}: the engine adapters shadow the indexer alone" in line
     assert engine.GRAFT_REFUSED[engine_name].split("; ")[1] in line
+
+
+def test_a_session_with_grafts_attaches_its_own_tracer_to_a_model_an_earlier_session_traced(
+    tmp_path: Path,
+) -> None:
+    """A tracer attached by an earlier session (no grafts) is not reused: the later session's
+    SHADOWTRACE_GRAFT applies."""
+    model, ids = tiny_models.glm(index_topk=K), tiny_models.prompt(LENGTH)
+    for name, env in (("first", {}), ("second", {"SHADOWTRACE_GRAFT": f"layer_out@{LAYER}"})):
+        environ = {"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path / name), **env}
+        assert startup.activate(environ) is not None
+        try:
+            with torch.no_grad():
+                model(ids)
+        finally:
+            session.stop()
+    (manifest,) = (json.loads(p.read_text()) for p in (tmp_path / "second").glob("*/manifest.json"))
+    assert manifest["tags"]["graft"] == f"layer_out@{LAYER}"
+    assert manifest["counters"]["grafted_layer_out"] == 1

@@ -46,6 +46,10 @@ def compare(prod: torch.Tensor, reference: torch.Tensor) -> Metrics:
     """`prod` against `reference`, both [rows, vocab] logits: the share of rows whose argmax
     is the reference's, and the mean JS divergence in bits; a row with a non-finite logit (in
     either) never agrees and counts 1 bit."""
+    if prod.shape != reference.shape:
+        raise ValueError(
+            f"compare: production {tuple(prod.shape)} against reference {tuple(reference.shape)}"
+        )
     prod, reference = prod.double(), reference.double()
     finite = prod.isfinite().all(-1) & reference.isfinite().all(-1)
     rows = finite.shape[0]
@@ -85,7 +89,7 @@ class Target:
         else:
             slack = 0.5 if slack is None else slack
             threshold, how = value * (1 + slack), f"times 1 + a slack of {slack:.3f}"
-        source = f"clean production: {_format(metric, value)}, {how}"
+        source = f"production with nothing planted: {_format(metric, value)}, {how}"
         return cls(metric, threshold, clean.nonfinite_rows, source)
 
     @classmethod
@@ -232,8 +236,11 @@ def bisect(
     if session.current() is not None:
         raise RuntimeError("bisect runs its own tracing session: call it with tracing off")
     unknown = [s for s in sites if s not in SITES]
-    if unknown:
-        raise ValueError(f"sites {unknown}: expected among {', '.join(SITES)}")
+    if unknown or not sites or len(set(sites)) != len(sites):
+        raise ValueError(f"sites {list(sites)}: expected one or more of {', '.join(SITES)}, each once")
+    _value(metric, Metrics(0.0, 0.0, 0, 0))  # an unknown metric is refused before any forward
+    if last is not None and last < 1:
+        raise ValueError(f"last {last}: expected at least 1 position")
     if (threshold is None) == (clean is None):
         raise ValueError("give exactly one of threshold and clean (the clean noise floor's logits)")
     say = progress or (lambda line: print(line, file=sys.stderr))
@@ -252,9 +259,6 @@ def bisect(
             # each forward below then says which it takes.
             "SHADOWTRACE_GRAFT": ",".join(sites),
         }
-        # A tracer an earlier session attached would serve that session: attach afresh (its
-        # hooks stay registered, inert without its steps).
-        model.__dict__.pop("_shadowtrace", None)
         sess = startup.activate(environ)
         if sess is None:
             raise RuntimeError("bisect: the tracing session did not start")
@@ -281,16 +285,41 @@ def _search(
     slack: float | None,
     say: Callable[[str], None],
 ) -> Bisection:
-    def forward(grafts: list[dict]) -> Metrics:
-        sess.settings.grafts = grafts
-        with torch.no_grad():
-            logits = model(input_ids, **keep).logits
-        return compare(logits[0, pick].float(), ref)
-
     # The tracer registers its graft hooks when it attaches, at its first forward, if grafts
     # are set then: a one-token forward with the session's grafts attaches it.
     with torch.no_grad():
         model(input_ids[:, :1])
+    tracer = model.__dict__.get("_shadowtrace")
+    if tracer is None or tracer.sess is not sess:
+        raise RuntimeError(
+            f"bisect: no shadowtrace adapter traces {type(model).__name__} "
+            "(grafts: transformers' glm_moe_dsa and deepseek_v32)"
+        )
+    if tracer.graft_refused is not None:
+        raise RuntimeError(f"bisect: the hooks cannot graft this model: {tracer.graft_refused}")
+    decoder = tracer._decoder().layers
+
+    def forward(grafts: list[dict]) -> Metrics:
+        sess.settings.grafts = grafts
+        tracer.grafts_applied = 0
+        with torch.no_grad():
+            logits = model(input_ids, **keep).logits
+        # Every graft asked for must have been taken: one that silently did not (a shadow
+        # re-run that failed and was disabled) would read as "this graft does not heal".
+        wanted = sum(
+            1
+            for i, layer in enumerate(decoder)
+            for site in sess.settings.graft_sites(i)
+            if site != "indexer" or tracer._indexer_module(layer) is not None
+        )
+        if tracer.grafts_applied != wanted:
+            failed = "; ".join(f"{k}: {v}" for k, v in sess.disabled.items()) or "none disabled"
+            raise RuntimeError(
+                f"bisect: {tracer.grafts_applied} of {wanted} grafted (layer, site) values were taken "
+                f"(captures disabled: {failed})"
+            )
+        return compare(logits[0, pick].float(), ref)
+
     before = forward([])
     if threshold is not None:
         target = Target.given(metric, threshold)
@@ -361,7 +390,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--metric", choices=["argmax", "js"], default="argmax")
     parser.add_argument("--sites", default=",".join(SITES), help="comma-separated, among " + ", ".join(SITES))
-    parser.add_argument("--last", type=int, help="compare the last N positions only (default: all)")
+    parser.add_argument("--last", type=int, help="compare the last N positions only (N >= 1; default: all)")
     args = parser.parse_args(argv)
     import transformers
 

@@ -32,8 +32,11 @@ _U64_MAX = (1 << 64) - 1
 
 def _integer(digits: str) -> int | None:
     """The value of text already checked to be ASCII digits (and a sign), or None when it
-    is too long for any of the types above: int() refuses thousands of digits by raising."""
-    return int(digits) if len(digits) <= 21 else None
+    is too long for any of the types above: int() refuses thousands of digits by raising.
+    Leading zeros do not count toward the length (Rust's parse reads `0...01` as 1)."""
+    sign, body = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
+    body = body.lstrip("0") or "0"
+    return int(sign + body) if len(body) <= 21 else None
 
 
 class EnvError(ValueError):

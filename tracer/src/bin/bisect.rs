@@ -165,11 +165,16 @@ fn run(args: &Args) -> Result<()> {
         },
         precision_name(opts.precision),
     );
-    let setup_forwards = if planted.is_empty() { 2 } else { 3 };
+    // The clean floor's own forward only where it sets the target.
+    let setup_forwards = if planted.is_empty() || args.threshold.is_some() {
+        2
+    } else {
+        3
+    };
     let mut bar = progress::bar(setup_forwards, "bisect: set up");
     bar.set_message("production, the reference and the clean floor".to_owned());
     let started = Instant::now();
-    let setup = tch::no_grad(|| Setup::new(&model, &ids, &opts))?;
+    let setup = tch::no_grad(|| Setup::new(&model, &ids, &opts, args.threshold.is_none()))?;
     let setup_s = started.elapsed().as_secs_f64();
     bar.inc(setup_forwards);
     bar.finish_and_clear();
@@ -237,6 +242,9 @@ fn parse_rows(text: &str) -> Result<serde_json::Value, String> {
     }
     let bad = || format!("{text:?}: expected all, last:N or every:N with N >= 1");
     let (kind, n) = text.split_once(':').ok_or_else(bad)?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
     let n: i64 = n.parse().map_err(|_| bad())?;
     if n < 1 || !matches!(kind, "last" | "every") {
         return Err(bad());

@@ -86,7 +86,7 @@ pub fn bisect_faults(
     for (planted, set) in sets {
         let mut opts = base.clone();
         opts.faults = set;
-        let setup = Setup::new(model, ids, &opts)?;
+        let setup = Setup::new(model, ids, &opts, true)?;
         on_forward(&planted);
         let clean = setup.clean.unwrap_or(setup.before);
         let target = Target::clean(Metric::Argmax, &clean, slack);
@@ -107,7 +107,7 @@ pub fn indexer_heal(
     ids: &[i64],
     opts: &TraceOptions,
 ) -> Result<IndexerHeal, ModelError> {
-    let setup = Setup::new(model, ids, opts)?;
+    let setup = Setup::new(model, ids, opts, false)?;
     let every = |site| {
         setup
             .chains

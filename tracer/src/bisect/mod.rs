@@ -419,22 +419,27 @@ pub struct Setup<'a> {
     /// Production ungrafted against the reference.
     pub before: OutputMetrics,
     /// Production with nothing planted against the reference; `None` where
-    /// nothing is planted (it is production itself).
+    /// nothing is planted (it is production itself) or it was not asked for.
     pub clean: Option<OutputMetrics>,
 }
 
 impl<'a> Setup<'a> {
-    /// Runs the reference, production and (where anything is planted) the
-    /// unplanted production once each.
+    /// Runs the reference, production and (where anything is planted and
+    /// `clean_floor` asks for it) the unplanted production once each.
     ///
     /// # Errors
     /// A weight that cannot be loaded.
-    pub fn new(model: &'a Model, ids: &[i64], opts: &'a TraceOptions) -> Result<Self, ModelError> {
+    pub fn new(
+        model: &'a Model,
+        ids: &[i64],
+        opts: &'a TraceOptions,
+        clean_floor: bool,
+    ) -> Result<Self, ModelError> {
         let chains = Chains::new(model, ids, opts)?;
         let reference = chains.reference(ids)?;
         let before = compare(&chains.before, &reference);
         let planted = !opts.faults.is_empty() || !opts.deviations.is_empty();
-        let clean = if planted {
+        let clean = if planted && clean_floor {
             Some(compare(&chains.unplanted(ids)?, &reference))
         } else {
             None

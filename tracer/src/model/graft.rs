@@ -98,8 +98,13 @@ impl Graft {
     /// # Errors
     /// An empty part, an unknown site or layers written wrong.
     pub fn parse_all(spec: &str) -> Result<Vec<Graft>, GraftError> {
+        // The grammar of `SHADOWTRACE_GRAFT` (env.json's `grafts`): items and their parts
+        // lose ASCII whitespace, empty items are skipped, layers are ASCII digits that fit
+        // an unsigned 32-bit integer.
         spec.split(',')
-            .map(|part| Graft::parse(part.trim()))
+            .map(trim)
+            .filter(|part| !part.is_empty())
+            .map(Graft::parse)
             .collect()
     }
 
@@ -107,21 +112,25 @@ impl Graft {
         let (site, layers) = part
             .split_once('@')
             .map_or((part, None), |(s, l)| (s, Some(l)));
-        let site = GraftSite::named(site).ok_or_else(|| GraftError::Site {
+        let site = GraftSite::named(trim(site)).ok_or_else(|| GraftError::Site {
             got: part.to_owned(),
         })?;
         let bad = || GraftError::Layers {
             got: part.to_owned(),
         };
+        let layer = |text: &str| {
+            let text = trim(text);
+            if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(bad());
+            }
+            text.parse::<u32>().map(i64::from).map_err(|_| bad())
+        };
         let layers = match layers {
             None => None,
             Some(text) => {
                 let (a, b) = text.split_once('-').unwrap_or((text, text));
-                let (a, b) = (
-                    a.parse::<i64>().map_err(|_| bad())?,
-                    b.parse::<i64>().map_err(|_| bad())?,
-                );
-                if a < 0 || b < a {
+                let (a, b) = (layer(a)?, layer(b)?);
+                if b < a {
                     return Err(bad());
                 }
                 Some((a, b))
@@ -159,6 +168,11 @@ impl fmt::Display for Graft {
             Some((a, b)) => write!(f, "{}@{a}-{b}", self.site.name()),
         }
     }
+}
+
+/// `s` without leading and trailing ASCII whitespace, as the environment's values lose it.
+fn trim(s: &str) -> &str {
+    s.trim_matches(|c: char| c.is_ascii_whitespace())
 }
 
 /// `grafts` written back as one spec (the manifest's `tags.graft`).
@@ -220,7 +234,7 @@ mod tests {
 
     #[test]
     fn a_spec_parses_to_its_sites_and_layer_ranges_and_writes_back_the_same() {
-        let grafts = Graft::parse_all("indexer@20-23, attn_out@3,layer_out").unwrap();
+        let grafts = Graft::parse_all("indexer@20-23, attn_out@ 3 ,,layer_out,").unwrap();
         assert_eq!(
             grafts,
             vec![
@@ -256,7 +270,12 @@ mod tests {
             "graft \"indexer@3-1\": expected layers as N or N-M (0 <= N <= M)"
         );
         assert!(err("mlp_out@x").contains("expected layers as N or N-M"));
-        assert!(err("").contains("expected a site"));
+        assert!(err("mlp_out@+3").contains("expected layers as N or N-M"));
+        assert!(err("mlp_out@4294967296").contains("expected layers as N or N-M"));
+        assert!(
+            Graft::parse_all(" , ").unwrap().is_empty(),
+            "empty items are skipped"
+        );
         let g = Graft::parse_all("mlp_out@2-4").unwrap()[0];
         assert_eq!(
             g.check(4).unwrap_err().to_string(),

@@ -213,7 +213,19 @@ impl TraceOptions {
             o.writer.flush_timeout = seconds(s);
         }
         if let Some(grafts) = v.get("SHADOWTRACE_GRAFT").and_then(Value::as_array) {
-            o.grafts = grafts.iter().filter_map(graft_of).collect();
+            o.grafts = grafts
+                .iter()
+                .map(|g| {
+                    // resolve() read it: one that does not read back is a defect, said loudly.
+                    graft_of(g).ok_or_else(|| EnvError {
+                        name: "SHADOWTRACE_GRAFT".to_owned(),
+                        got: g.to_string(),
+                        expected: "{site, layers} as env.json's grafts type reads it (a defect \
+                                   between the schema's reader and the tracer's)"
+                            .to_owned(),
+                    })
+                })
+                .collect::<Result<_, _>>()?;
         }
         let on = v
             .get("SHADOWTRACE")

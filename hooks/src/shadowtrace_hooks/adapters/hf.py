@@ -330,7 +330,9 @@ class _Tracer:
     @classmethod
     def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: _Inputs) -> "_Tracer":
         tracer = model.__dict__.get("_shadowtrace")
-        if tracer is None:
+        # A tracer of an earlier session (one stopped since) serves that session's settings:
+        # this session attaches its own. The old tracer's hooks stay, inert without its steps.
+        if tracer is None or tracer.sess is not sess:
             tracer = cls(model, sess, rope, inputs)
             model.__dict__["_shadowtrace"] = tracer
         return tracer
@@ -359,6 +361,7 @@ class _Tracer:
             self.dtype = None
         # None: SHADOWTRACE_GRAFT is set and applied; else why production runs ungrafted.
         self.graft_refused = self._why_no_graft() if self.settings.grafts else None
+        self.grafts_applied = 0  # (layer, site) grafts production took, for bisect's check
         grafting = bool(self.settings.grafts) and self.graft_refused is None
         for i, layer in enumerate(inner.layers):
             layer.register_forward_pre_hook(
@@ -419,6 +422,10 @@ class _Tracer:
             return self.GRAFTS_REFUSED
         if self.dtype is None:
             return self.shadow_refused or "SHADOWTRACE_SHADOW=none: no shadow to take values from"
+        layers = len(self._decoder().layers)
+        past = [g for g in self.settings.grafts if g["layers"] != "all" and g["layers"][1] >= layers]
+        if past:
+            return f"SHADOWTRACE_GRAFT names layer {past[0]['layers'][1]}; the model has {layers} layers"
         if "local" not in self.settings.layer_modes:
             return (
                 "a graft takes the local layer shadow's values: set SHADOWTRACE_MODE to include "
@@ -692,11 +699,17 @@ class _Tracer:
         if not self.settings.graft_sites(layer):
             return
         if step.decode:
-            # The shadow runs on prefill steps only: a decode step goes on ungrafted.
+            # The shadow re-runs layers on steps without a cache only: a decode step, or a
+            # prefill after a prefix-cache hit, goes on ungrafted.
             for run in self.runs:
-                if run.state.get("graft_decode_step") != run.step:
-                    run.state["graft_decode_step"] = run.step
-                    run.count("graft_skipped_decode_steps")
+                if run.state.get("graft_cached_step") != run.step:
+                    run.state["graft_cached_step"] = run.step
+                    run.count("graft_skipped_cached_steps")
+            return
+        if self.settings.graft_sites(layer) == {"indexer"} and self._indexer_module(module) is None:
+            # A layer reusing an earlier layer's selection (GLM-5.2 `shared`): nothing to graft.
+            for run in self.runs:
+                run.count("graft_indexer_on_shared_layer")
             return
         outputs = self._shadow_layer(layer, module, ("local",))
         if "local" not in outputs:
@@ -714,7 +727,12 @@ class _Tracer:
         step = self.step
         assert step is not None
         if step.graft is None or step.graft[0] != layer:
-            return None  # a decode step, counted by _graft_shadow
+            if not step.decode:
+                # A prefill step whose grafted layer had no shadow (its re-run failed: counted
+                # and disabled by its guard): production went on ungrafted there.
+                for run in self.runs:
+                    run.count("graft_not_applied")
+            return None  # a step over a cache: counted by _graft_shadow
         _, out, sites = step.graft
         value = out if site == "layer_out" else sites.get(site)
         if value is None:
@@ -725,6 +743,7 @@ class _Tracer:
                 f"graft {site}@{layer}: shadow {tuple(value.shape)}, production {tuple(prod.shape)}"
             )
         value = value.to(prod.dtype)
+        self.grafts_applied += 1
         for run in self.runs:
             run.count(f"grafted_{site}")
         return (value, *output[1:]) if isinstance(output, tuple) else value
