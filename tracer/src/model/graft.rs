@@ -1,8 +1,9 @@
 //! Grafts: production takes the shadow's value at one site of chosen layers
 //! and goes on from there, to see whether the output heals (issue 30).
 //!
-//! - `indexer`: production attends over the shadow's top-k (its own scores
-//!   are still recorded, so the capture shows what it would have chosen);
+//! - `indexer`: production attends over the shadow's top-k (its own
+//!   selection and scores are what the trace records: what it would have
+//!   chosen, as the HF hooks record it);
 //! - `attn_out`, `mlp_out`, `layer_out`: production continues from the
 //!   shadow's tensor, cast to production's activation kind.
 //!

@@ -74,8 +74,12 @@ pub struct LayerOutput {
     pub mlp_out: Tensor,
     /// The residual stream leaving the layer `[S, hidden]`.
     pub layer_out: Tensor,
-    /// The indexer's top-k `[S, min(k, S)]` (int64), own or shared.
+    /// The indexer's top-k `[S, min(k, S)]` (int64), own or shared: the
+    /// selection attention read (the shadow's, under an indexer graft).
     pub topk: Tensor,
+    /// Under an indexer graft, the selection this layer's own indexer made
+    /// (what production would have attended): the one a trace records.
+    pub own_topk: Option<Tensor>,
     /// The routed experts each token went to `[S, num_experts_per_tok]`
     /// (int64), for MoE layers: comparing two paths' routing.
     pub experts: Option<Tensor>,
@@ -378,7 +382,8 @@ impl Layer<'_> {
             }
         }
         let normed = self.rms_norm(&h, "input_layernorm", c.rms_norm_eps);
-        let (attn_out, topk, index_scores, kv_latent) = self.attention(&normed, rope, prev_topk);
+        let (attn_out, (topk, own_topk), index_scores, kv_latent) =
+            self.attention(&normed, rope, prev_topk);
         let attn_out = self.plant("attn_out", attn_out);
         let attn_out = self.take(|g| g.attn_out, attn_out, |o| &o.attn_out);
         let h = &h + &attn_out;
@@ -398,6 +403,7 @@ impl Layer<'_> {
             mlp_out,
             layer_out,
             topk,
+            own_topk,
             experts,
             kv_latent,
             index_scores,
@@ -432,7 +438,7 @@ impl Layer<'_> {
         x: &Tensor,
         rope: &Rope,
         prev_topk: Option<&Tensor>,
-    ) -> (Tensor, Tensor, Option<Tensor>, Tensor) {
+    ) -> (Tensor, (Tensor, Option<Tensor>), Option<Tensor>, Tensor) {
         let c = self.config;
         let s = x.size()[0];
         let heads = c.num_attention_heads;
@@ -488,11 +494,11 @@ impl Layer<'_> {
             );
             (shared, None)
         };
-        // An indexer graft: production attends over the shadow's selection,
-        // its own scores kept for the capture.
-        let topk = match &self.graft {
-            Some(g) if g.sites.indexer => g.source.topk.shallow_clone(),
-            _ => topk,
+        // An indexer graft: production attends over the shadow's selection;
+        // its own selection and scores are kept for the capture.
+        let (topk, own_topk) = match &self.graft {
+            Some(g) if g.sites.indexer => (g.source.topk.shallow_clone(), Some(topk)),
+            _ => (topk, None),
         };
         let kind = query.kind();
         let positions = Tensor::arange(s, (Kind::Int64, x.device()));
@@ -543,7 +549,7 @@ impl Layer<'_> {
         }
         (
             self.linear(&attn, "self_attn.o_proj"),
-            topk,
+            (topk, own_topk),
             index_scores,
             kv_latent,
         )

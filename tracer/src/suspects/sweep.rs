@@ -324,6 +324,7 @@ fn share(out: &LayerOutput) -> LayerOutput {
         mlp_out: out.mlp_out.shallow_clone(),
         layer_out: out.layer_out.shallow_clone(),
         topk: out.topk.shallow_clone(),
+        own_topk: out.own_topk.as_ref().map(Tensor::shallow_clone),
         experts: out.experts.as_ref().map(Tensor::shallow_clone),
         kv_latent: out.kv_latent.shallow_clone(),
         index_scores: out.index_scores.as_ref().map(Tensor::shallow_clone),

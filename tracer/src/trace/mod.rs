@@ -183,7 +183,8 @@ pub fn trace(
                         .and_then(|o| o.index_scores.as_ref().map(|s| (s, &o.topk)));
                     let scores = IndexerScores {
                         prod: prod_scores,
-                        prod_topk: &prod.topk,
+                        // What production's own indexer chose, under an indexer graft too.
+                        prod_topk: prod.own_topk.as_ref().unwrap_or(&prod.topk),
                         shadow,
                     };
                     record_topk(
