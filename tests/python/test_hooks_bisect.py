@@ -150,3 +150,31 @@ def test_bisect_refuses_bad_arguments_before_any_forward(kwargs: dict, message: 
     model, ids = tiny_models.glm(index_topk=K), tiny_models.prompt(20)
     with pytest.raises(ValueError, match=message):
         bisect.bisect(model, ids, threshold=0.9, progress=lambda line: None, **kwargs)
+
+
+def test_the_reference_is_the_models_own_fp32_chain_upcast_one_layer_at_a_time() -> None:
+    """reference_logits against the test's own fp32 copy of transformers' model (every weight
+    upcast at once): the same logits but for the routed experts' summation order; and the
+    decoder layers' weights are upcast only while each runs."""
+    import copy
+
+    from shadowtrace_hooks import shadow
+
+    model, ids = tiny_models.glm(index_topk=K), tiny_models.prompt(LENGTH)
+    with torch.no_grad():
+        theirs = copy.deepcopy(model).float()(ids).logits
+    upcasts: list[str] = []
+    real = shadow.in_precision
+
+    def watched(module, dtype, keep=None):
+        upcasts.append(type(module).__name__)
+        return real(module, dtype, keep)
+
+    shadow.in_precision = watched
+    try:
+        ours = bisect.reference_logits(model, ids)
+    finally:
+        shadow.in_precision = real
+    assert float((ours - theirs).norm() / theirs.norm()) < 1e-5
+    assert upcasts == ["GlmMoeDsaForCausalLM"] + ["GlmMoeDsaDecoderLayer"] * len(model.model.layers)
+    assert next(model.parameters()).dtype == torch.bfloat16, "everything put back"

@@ -17,6 +17,7 @@ directory and removed): tracing must be off when `bisect` is called, as it runs 
 session.
 """
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -197,19 +198,50 @@ def reference_logits(
 ) -> torch.Tensor:
     """The model's own chain in `dtype`: every bf16/fp16 weight upcast, FP8 linears and expert
     banks on their codes times their scales (the shadow's machinery), TF32 off, no hook of
-    anyone's firing. [batch, seq, vocab] fp32; `kwargs` go to the model (`logits_to_keep`)."""
+    anyone's firing. [batch, seq, vocab] fp32; `kwargs` go to the model (`logits_to_keep`).
+
+    A decoder layer's weights are upcast only while that layer runs, and routed experts one
+    at a time, as the shadow does: the copies held at once are one layer's (the embeddings,
+    final norm and head are upcast for the whole call)."""
     if session.current() is not None:
         raise RuntimeError("reference_logits: tracing is on; call it with no shadowtrace session")
+    layers = list(model.model.layers)
+    in_layers = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     banks = shadow.expert_banks(model)
-    keep = shadow.bank_tensors(banks)
+    in_banks = shadow.bank_tensors(banks)
+    upcast: dict[int, contextlib.ExitStack] = {}
+
+    def enter(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(shadow.in_precision(module, dtype, keep=lambda t: id(t) in in_banks))
+            upcast[i] = stack
+
+        return hook
+
+    def leave(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            upcast.pop(i).close()
+
+        return hook
+
+    outside_layers = lambda t: id(t) in in_banks or id(t) in in_layers  # noqa: E731
     with (
         shadow.full_fp32(),
-        shadow.in_precision(model, dtype, keep=lambda t: id(t) in keep),
+        shadow.in_precision(model, dtype, keep=outside_layers),
         shadow.routed_experts(banks, dtype),
         shadow.hooks_suspended(model),
         torch.no_grad(),
     ):
-        return model(input_ids, **kwargs).logits.float()
+        # Registered inside hooks_suspended: gone with it.
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(enter(i))
+            layer.register_forward_hook(leave(i), always_call=True)
+        try:
+            return model(input_ids, **kwargs).logits.float()
+        finally:
+            for stack in upcast.values():
+                stack.close()
 
 
 def bisect(
