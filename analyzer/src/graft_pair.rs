@@ -22,7 +22,9 @@
 //!   against base run.
 //! - Downstream: each run's first hidden-state divergence, first top-k
 //!   divergence and non-finite onset. A graft that heals moves them past the
-//!   grafted layers, or removes them.
+//!   grafted layers, or removes them. Each is `not judged: <why>` where that
+//!   run's data for it is not whole, and so are the logits agreements (a
+//!   note says why): "none" is said only where it was measured.
 //!
 //! ## Why it matters
 //! The shadow shows where production and the fp32 recompute part; a graft
@@ -37,6 +39,7 @@
 use serde::Serialize;
 
 use crate::analysis::{RunAnalysis, identity_tag};
+use crate::judged::{self, Question, why_not_judged};
 use crate::metrics::logits::{self, Agreement};
 
 /// The tag a producer puts on a graft run: the grafts, as
@@ -59,12 +62,13 @@ pub struct GraftPair {
     pub after: Option<Agreement>,
     /// The graft run's production against the base run's.
     pub changed: Option<Agreement>,
-    /// First hidden-state divergence layer: base, graft.
-    pub hidden_first: (Option<i32>, Option<i32>),
-    /// First top-k divergence layer: base, graft.
-    pub topk_first: (Option<i32>, Option<i32>),
-    /// Non-finite onset layer: base, graft.
-    pub onset: (Option<i32>, Option<i32>),
+    /// First hidden-state divergence: base, graft (`layer N`, `none`, or
+    /// `not judged: <why>` where that run's hidden data is not whole).
+    pub hidden_first: (String, String),
+    /// First top-k divergence: base, graft, as `hidden_first`.
+    pub topk_first: (String, String),
+    /// Non-finite onset: base, graft, as `hidden_first`.
+    pub onset: (String, String),
     /// What could not be compared, and why.
     pub notes: Vec<String>,
 }
@@ -135,16 +139,12 @@ pub fn pairs(runs: &[RunAnalysis]) -> Option<GraftPairs> {
 
 fn compare(graft: &RunAnalysis, base: &RunAnalysis) -> GraftPair {
     let mut notes = Vec::new();
-    let against_free = |r: &RunAnalysis| {
-        if r.logits_shadow_free {
-            logits::agreement(&r.prod_top_n, &r.shadow_top_n)
-        } else {
-            None
-        }
-    };
-    let (before, after) = (against_free(base), against_free(graft));
-    for (r, a) in [(base, &before), (graft, &after)] {
-        if a.is_none() {
+    // Logits rows lost or a logits capture disabled: no agreement is judged from the rest.
+    let logits_not_judged = |r: &RunAnalysis| why_not_judged(&r.not_measured, Question::Logits);
+    for r in [base, graft] {
+        if let Some(why) = logits_not_judged(r) {
+            notes.push(format!("{}: logits not judged: {why}", r.run_id));
+        } else if !r.logits_shadow_free {
             notes.push(format!(
                 "{}: no free shadow's logits (trace with SHADOWTRACE_MODE=local,free): its output \
                  against the reference is not judged",
@@ -152,10 +152,30 @@ fn compare(graft: &RunAnalysis, base: &RunAnalysis) -> GraftPair {
             ));
         }
     }
-    let changed = logits::agreement(&graft.prod_top_n, &base.prod_top_n);
+    let against_free = |r: &RunAnalysis| {
+        (r.logits_shadow_free && logits_not_judged(r).is_none())
+            .then(|| logits::agreement(&r.prod_top_n, &r.shadow_top_n))
+            .flatten()
+    };
+    let (before, after) = (against_free(base), against_free(graft));
+    let changed = if logits_not_judged(base).is_none() && logits_not_judged(graft).is_none() {
+        logits::agreement(&graft.prod_top_n, &base.prod_top_n)
+    } else {
+        None
+    };
     if changed.is_none() {
-        notes.push("no logits position in both runs: what the graft changed is unknown".to_owned());
+        notes.push("what the graft changed in the logits is not judged".to_owned());
     }
+    let first = |r: &RunAnalysis, question, layer: Option<i32>| {
+        let found = layer.map_or_else(|| "none".to_owned(), |l| format!("layer {l}"));
+        judged::cell(&r.not_measured, question, &found)
+    };
+    let both = |question, layer: fn(&RunAnalysis) -> Option<i32>| {
+        (
+            first(base, question, layer(base)),
+            first(graft, question, layer(graft)),
+        )
+    };
     GraftPair {
         graft: graft.run_id.clone(),
         base: base.run_id.clone(),
@@ -163,18 +183,11 @@ fn compare(graft: &RunAnalysis, base: &RunAnalysis) -> GraftPair {
         before,
         after,
         changed,
-        hidden_first: (
-            base.hidden_verdict.as_ref().map(|v| v.layer),
-            graft.hidden_verdict.as_ref().map(|v| v.layer),
-        ),
-        topk_first: (
-            base.topk_verdict.as_ref().map(|v| v.layer),
-            graft.topk_verdict.as_ref().map(|v| v.layer),
-        ),
-        onset: (
-            base.onset.as_ref().map(|o| o.layer),
-            graft.onset.as_ref().map(|o| o.layer),
-        ),
+        hidden_first: both(Question::Hidden, |r| {
+            r.hidden_verdict.as_ref().map(|v| v.layer)
+        }),
+        topk_first: both(Question::Topk, |r| r.topk_verdict.as_ref().map(|v| v.layer)),
+        onset: both(Question::Nonfinite, |r| r.onset.as_ref().map(|o| o.layer)),
         notes,
     }
 }
@@ -196,7 +209,6 @@ impl GraftPair {
                 .and_then(|a| a.js_divergence.as_ref())
                 .map_or_else(|| "-".to_owned(), |s| format!("{:.2e}", s.mean))
         };
-        let layer = |l: Option<i32>| l.map_or_else(|| "none".to_owned(), |l| format!("layer {l}"));
         let output = if self.before.is_some() && self.after.is_some() {
             format!(
                 "argmax agreement with the free shadow {} -> {}, mean JS {} -> {} bits",
@@ -215,12 +227,12 @@ impl GraftPair {
             self.graft,
             self.base,
             share(&self.changed),
-            layer(self.hidden_first.0),
-            layer(self.hidden_first.1),
-            layer(self.topk_first.0),
-            layer(self.topk_first.1),
-            layer(self.onset.0),
-            layer(self.onset.1),
+            self.hidden_first.0,
+            self.hidden_first.1,
+            self.topk_first.0,
+            self.topk_first.1,
+            self.onset.0,
+            self.onset.1,
         )
     }
 }

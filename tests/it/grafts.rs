@@ -209,7 +209,7 @@ fn a_graft_run_is_paired_with_its_base_run_and_shows_the_output_healed_and_the_o
     assert!(before.nonfinite_positions > 0, "{before:?}");
     assert_eq!(after.nonfinite_positions, 0);
     assert!(after.argmax_agreement.unwrap() > 0.9, "{after:?}");
-    assert_eq!(pair.onset, (Some(GRAFTED as i32), None));
+    assert_eq!(pair.onset, (format!("layer {GRAFTED}"), "none".to_owned()));
     assert!(pair.notes.is_empty(), "{:?}", pair.notes);
     let line = pair.line();
     assert!(
@@ -254,5 +254,52 @@ fn a_graft_pair_without_the_free_shadow_leaves_the_output_not_judged_and_says_wh
     assert!(
         pair.changed.is_some(),
         "what the graft changed is still given"
+    );
+}
+
+#[test]
+fn a_graft_pair_says_not_judged_where_a_runs_data_is_not_whole_never_none() {
+    // The graft run's hidden capture was disabled in an earlier request and its logits
+    // lost rows: "none" there would be a clean verdict nothing measured.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let runs = tmp.path().join("runs");
+    let traced_free = |name: &str, grafts: &str| {
+        let mut opts = options(grafts);
+        opts.modes = vec![Mode::Local, Mode::Free];
+        let dir = runs.join(name);
+        tch::no_grad(|| trace(&model, &ids(), name, &dir, &opts)).unwrap();
+        dir
+    };
+    let dirs = [
+        traced_free("base", ""),
+        traced_free("grafted", "layer_out@1"),
+    ];
+    crate::support::edit_manifest(&dirs[1], |m| {
+        m["settings"]["disabled_sites"] =
+            serde_json::json!({"transformers:hidden": "RuntimeError: planted"});
+        m["tables"]["logits"]["dropped_rows"] = 2.into();
+    });
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let pair = &a.grafts.as_ref().unwrap().pairs[0];
+    assert_eq!(pair.hidden_first.0, "none", "the base run's data is whole");
+    assert!(
+        pair.hidden_first.1.starts_with("not judged: "),
+        "{:?}",
+        pair.hidden_first
+    );
+    assert!(pair.before.is_some() && pair.after.is_none() && pair.changed.is_none());
+    assert!(
+        pair.notes
+            .iter()
+            .any(|n| n.starts_with("grafted: logits not judged: ")),
+        "{:?}",
+        pair.notes
+    );
+    assert!(
+        pair.line()
+            .contains("first hidden divergence none -> not judged: "),
+        "{}",
+        pair.line()
     );
 }
