@@ -207,6 +207,22 @@ fn number_expected(what: &str, min: Option<f64>) -> String {
     min.map_or_else(|| what.to_owned(), |m| format!("{what} >= {m}"))
 }
 
+/// A layer `N` or an inclusive range `N-M` as the `layers` and `grafts` types
+/// write it: ASCII digits that fit an unsigned 32-bit integer, each side
+/// trimmed of ASCII whitespace, `N <= M`; `None` for anything else.
+#[must_use]
+pub fn layer_range(text: &str) -> Option<[u32; 2]> {
+    let (a, b) = text.split_once('-').unwrap_or((text, text));
+    let (a, b) = (trim(a), trim(b));
+    if !(digits(a) && digits(b)) {
+        return None;
+    }
+    match (a.parse::<u32>(), b.parse::<u32>()) {
+        (Ok(a), Ok(b)) if a <= b => Some([a, b]),
+        _ => None,
+    }
+}
+
 /// The sites a graft may name (`SHADOWTRACE_GRAFT`).
 const GRAFT_SITES: [&str; 4] = ["indexer", "attn_out", "mlp_out", "layer_out"];
 
@@ -243,17 +259,7 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
         "layers" => {
             let mut ranges = list(raw)
                 .iter()
-                .map(|part| {
-                    let (a, b) = part.split_once('-').unwrap_or((part, part));
-                    let (a, b) = (trim(a), trim(b));
-                    if !(digits(a) && digits(b)) {
-                        return Err(());
-                    }
-                    match (a.parse::<u32>(), b.parse::<u32>()) {
-                        (Ok(a), Ok(b)) if a <= b => Ok([a, b]),
-                        _ => Err(()),
-                    }
-                })
+                .map(|part| layer_range(part).ok_or(()))
                 .collect::<Result<Vec<[u32; 2]>, ()>>()
                 .map_err(|()| "all, or layers and ranges such as 0-3,10".to_owned())?;
             if ranges.is_empty() {
@@ -343,17 +349,7 @@ fn parse(var: &EnvVar, raw: &str) -> Result<Value, String> {
                     }
                     let layers = match layers {
                         None => json!("all"),
-                        Some(text) => {
-                            let (a, b) = text.split_once('-').unwrap_or((text, text));
-                            let (a, b) = (trim(a), trim(b));
-                            if !(digits(a) && digits(b)) {
-                                return Err(expected());
-                            }
-                            match (a.parse::<u32>(), b.parse::<u32>()) {
-                                (Ok(a), Ok(b)) if a <= b => json!([a, b]),
-                                _ => return Err(expected()),
-                            }
-                        }
+                        Some(text) => json!(layer_range(text).ok_or_else(expected)?),
                     };
                     Ok(json!({"site": site, "layers": layers}))
                 })

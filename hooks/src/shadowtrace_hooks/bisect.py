@@ -286,7 +286,9 @@ def bisect(
         environ = {
             "SHADOWTRACE": "1",
             "SHADOWTRACE_DIR": runs,
-            "SHADOWTRACE_SITES": "logits",
+            # Only layer_in, which has no shadow: no layer is re-run but the grafted ones, and
+            # no shadow logits are computed (the search reads production's logits alone).
+            "SHADOWTRACE_SITES": "layer_in",
             # Every site at every layer: the tracer registers its graft hooks when it attaches;
             # each forward below then says which it takes.
             "SHADOWTRACE_GRAFT": ",".join(sites),

@@ -152,16 +152,25 @@ def _layers(raw: str) -> Any:
     expected = _Bad("all, or layers and ranges such as 0-3,10")
     ranges = []
     for part in _items(raw):
-        first, dash, last = part.partition("-")
-        # "3" is the range 3-3; "3-" and "-3" are neither.
-        first, last = first.strip(_SPACE), (last if dash else first).strip(_SPACE)
-        if not (_DIGITS.fullmatch(first) and _DIGITS.fullmatch(last)):
+        pair = _layer_range(part)
+        if pair is None:
             return expected
-        a, b = _integer(first), _integer(last)
-        if a is None or b is None or a > b or b > _U32_MAX:
-            return expected
-        ranges.append([a, b])
+        ranges.append(pair)
     return sorted(ranges) if ranges else expected
+
+
+def _layer_range(text: str) -> list[int] | None:
+    """A layer `N` or an inclusive range `N-M` as the layers and grafts types write it (the
+    Rust side's `env::layer_range`); None for anything else."""
+    first, dash, last = text.partition("-")
+    # "3" is the range 3-3; "3-" and "-3" are neither.
+    first, last = first.strip(_SPACE), (last if dash else first).strip(_SPACE)
+    if not (_DIGITS.fullmatch(first) and _DIGITS.fullmatch(last)):
+        return None
+    a, b = _integer(first), _integer(last)
+    if a is None or b is None or a > b or b > _U32_MAX:
+        return None
+    return [a, b]
 
 
 # The sites a graft may name (SHADOWTRACE_GRAFT).
@@ -182,14 +191,10 @@ def _grafts(raw: str) -> Any:
         if not at:
             grafts.append({"site": site, "layers": "all"})
             continue
-        first, dash, last = layers.partition("-")
-        first, last = first.strip(_SPACE), (last if dash else first).strip(_SPACE)
-        if not (_DIGITS.fullmatch(first) and _DIGITS.fullmatch(last)):
+        pair = _layer_range(layers)
+        if pair is None:
             return expected
-        a, b = _integer(first), _integer(last)
-        if a is None or b is None or a > b or b > _U32_MAX:
-            return expected
-        grafts.append({"site": site, "layers": [a, b]})
+        grafts.append({"site": site, "layers": pair})
     return grafts
 
 

@@ -8,9 +8,8 @@
 use tch::{Kind, Tensor};
 
 use crate::model::graft::{Graft, GraftSites, Grafted};
-use crate::model::layer::Weights;
 use crate::model::rope::Rope;
-use crate::model::{Head, Layer, Model, ModelError, Numerics};
+use crate::model::{Head, Model, ModelError, Numerics};
 use crate::trace::TraceOptions;
 
 /// How far production's output is from the reference's, over the compared
@@ -216,18 +215,15 @@ impl<'a> Chains<'a> {
             }
             let sites = GraftSites::at(grafts, i);
             let local = sites.any().then(|| {
-                self.layer(i, &weights, shadow, false, None).forward(
-                    &h.to_kind(self.opts.precision),
-                    &self.rope,
-                    prev.as_ref(),
-                )
+                self.opts
+                    .decoder_layer(self.model, i, &weights, shadow, false, None, None)
+                    .forward(&h.to_kind(self.opts.precision), &self.rope, prev.as_ref())
             });
             let graft = local.as_ref().map(|source| Grafted { source, sites });
-            let out = self.layer(i, &weights, numerics, planted, graft).forward(
-                &h,
-                &self.rope,
-                prev.as_ref(),
-            );
+            let out = self
+                .opts
+                .decoder_layer(self.model, i, &weights, numerics, planted, None, graft)
+                .forward(&h, &self.rope, prev.as_ref());
             prev = Some(out.topk);
             h = out.layer_out;
         }
@@ -238,33 +234,6 @@ impl<'a> Chains<'a> {
             .head
             .logits(&h.index_select(0, &self.rows), numerics.kind());
         Ok((logits, inputs, prev_topk))
-    }
-
-    fn layer<'w>(
-        &'w self,
-        index: i64,
-        weights: &'w Weights,
-        numerics: Numerics,
-        planted: bool,
-        graft: Option<Grafted<'w>>,
-    ) -> Layer<'w> {
-        let (faults, deviations): (&[_], &[_]) = if planted {
-            (&self.opts.faults, &self.opts.deviations)
-        } else {
-            (&[], &[])
-        };
-        Layer {
-            config: &self.model.config,
-            arch: self.model.arch,
-            index,
-            weights,
-            numerics,
-            fp8_indexer: self.opts.fp8_indexer,
-            faults,
-            deviations,
-            fallbacks: None,
-            graft,
-        }
     }
 }
 

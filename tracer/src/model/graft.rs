@@ -17,6 +17,8 @@
 
 use std::fmt;
 
+use shadowtrace_schemas::env::layer_range;
+
 use super::layer::LayerOutput;
 
 /// A site production can take from the shadow.
@@ -116,25 +118,13 @@ impl Graft {
         let site = GraftSite::named(trim(site)).ok_or_else(|| GraftError::Site {
             got: part.to_owned(),
         })?;
-        let bad = || GraftError::Layers {
-            got: part.to_owned(),
-        };
-        let layer = |text: &str| {
-            let text = trim(text);
-            if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(bad());
-            }
-            text.parse::<u32>().map(i64::from).map_err(|_| bad())
-        };
         let layers = match layers {
             None => None,
             Some(text) => {
-                let (a, b) = text.split_once('-').unwrap_or((text, text));
-                let (a, b) = (layer(a)?, layer(b)?);
-                if b < a {
-                    return Err(bad());
-                }
-                Some((a, b))
+                let [a, b] = layer_range(text).ok_or_else(|| GraftError::Layers {
+                    got: part.to_owned(),
+                })?;
+                Some((i64::from(a), i64::from(b)))
             }
         };
         Ok(Graft { site, layers })

@@ -31,7 +31,7 @@ use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
 use crate::model::graft::{self, GraftError, GraftSites, Grafted};
 use crate::model::layer::Fallbacks;
-use crate::model::{Layer, LayerOutput, Model, ModelError, Numerics};
+use crate::model::{LayerOutput, Model, ModelError, Numerics};
 use crate::record::{EventRow, HiddenRow, HiddenShadow, LogitsRow, SelectionUnit, TopkRow};
 use crate::{RunWriter, TraceError};
 
@@ -125,22 +125,13 @@ pub fn trace(
             return Err(TraceRunError::Interrupted { layer: i });
         }
         let weights = model.load(&format!("model.layers.{i}."))?;
-        let layer = |numerics, faults, deviations, fallbacks, graft| Layer {
-            config: c,
-            arch: model.arch,
-            index: i,
-            weights: &weights,
-            numerics,
-            fp8_indexer: opts.fp8_indexer,
-            faults,
-            deviations,
-            fallbacks,
-            graft,
+        let layer = |numerics, planted, fallbacks, graft| {
+            opts.decoder_layer(model, i, &weights, numerics, planted, fallbacks, graft)
         };
         let shadow = Numerics::Plain(kind);
         // The local shadow first: a graft hands its values to production.
         let local = (opts.modes.contains(&Mode::Local)).then(|| {
-            layer(shadow, &[], &[], None, None).forward(
+            layer(shadow, false, None, None).forward(
                 &h_prod.to_kind(kind),
                 &rope,
                 prev_prod.as_ref(),
@@ -151,17 +142,13 @@ pub fn trace(
             .as_ref()
             .filter(|_| sites.any())
             .map(|source| Grafted { source, sites });
-        let prod = layer(
-            opts.prod,
-            &opts.faults,
-            &opts.deviations,
-            Some(&fallbacks),
-            graft,
-        )
-        .forward(&h_prod, &rope, prev_prod.as_ref());
-        let free = (opts.modes.contains(&Mode::Free)).then(|| {
-            layer(shadow, &[], &[], None, None).forward(&h_free, &rope, prev_free.as_ref())
-        });
+        let prod = layer(opts.prod, true, Some(&fallbacks), graft).forward(
+            &h_prod,
+            &rope,
+            prev_prod.as_ref(),
+        );
+        let free = (opts.modes.contains(&Mode::Free))
+            .then(|| layer(shadow, false, None, None).forward(&h_free, &rope, prev_free.as_ref()));
         if opts.layer(i) {
             // layer_in has no shadow: it is the local shadow's own input.
             type Pick = Option<fn(&LayerOutput) -> &Tensor>;

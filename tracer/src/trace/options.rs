@@ -11,10 +11,12 @@ use shadowtrace_schemas::env::{EnvError, resolve};
 use tch::Kind;
 
 use crate::indexer::Fp8Indexer;
-use crate::model::Numerics;
 use crate::model::deviation::Deviation;
 use crate::model::fault::Fault;
+use crate::model::graft::Grafted;
 use crate::model::graft::{Graft, GraftSite};
+use crate::model::layer::{Fallbacks, Weights};
+use crate::model::{Layer, Model, Numerics};
 use crate::writer::TopkLists;
 use crate::{QueueMode, WriterOptions};
 
@@ -232,6 +234,44 @@ impl TraceOptions {
             .and_then(Value::as_bool)
             .unwrap_or(false);
         Ok((o, on, text("SHADOWTRACE_DIR")))
+    }
+
+    /// Layer `index` of `model` on `weights` as this trace runs it: production
+    /// (`planted`: with its faults and deviations, its fallbacks counted in
+    /// `fallbacks`) or a shadow (nothing planted), taking `graft`'s values
+    /// where given.
+    #[must_use]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one layer of one path: each setting is needed"
+    )]
+    pub fn decoder_layer<'a>(
+        &'a self,
+        model: &'a Model,
+        index: i64,
+        weights: &'a Weights,
+        numerics: Numerics,
+        planted: bool,
+        fallbacks: Option<&'a Fallbacks>,
+        graft: Option<Grafted<'a>>,
+    ) -> Layer<'a> {
+        let (faults, deviations): (&[Fault], &[Deviation]) = if planted {
+            (&self.faults, &self.deviations)
+        } else {
+            (&[], &[])
+        };
+        Layer {
+            config: &model.config,
+            arch: model.arch,
+            index,
+            weights,
+            numerics,
+            fp8_indexer: self.fp8_indexer,
+            faults,
+            deviations,
+            fallbacks,
+            graft,
+        }
     }
 
     /// `fp32` or `bf16`.

@@ -750,7 +750,7 @@ class _Tracer:
 
     def _shadow_recorded(self) -> bool:
         """Whether a layer's shadow re-run is recorded anywhere: a hidden site, or the free
-        chain the logits' shadow continues. (A bisection's forwards record logits only.)"""
+        chain the logits' shadow continues. (A bisection's forwards record layer_in only.)"""
         hidden = any(self.settings.site(s) for s in ("attn_out", "mlp_out", "layer_out"))
         return hidden or "free" in self.settings.layer_modes
 
