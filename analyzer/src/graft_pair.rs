@@ -152,17 +152,36 @@ fn compare(graft: &RunAnalysis, base: &RunAnalysis) -> GraftPair {
             ));
         }
     }
+    // A graft the producer could not apply everywhere (a shadow re-run that failed, an
+    // indexer graft on a layer without an indexer): the run is not what its tag says.
+    let missed: u64 = ["graft_not_applied", "graft_indexer_on_shared_layer"]
+        .iter()
+        .filter_map(|k| graft.counters.get(*k))
+        .sum();
+    if missed > 0 {
+        notes.push(format!(
+            "{}: the graft was not applied at {missed} grafted layer(s) (graft_not_applied, \
+             graft_indexer_on_shared_layer): its output is not judged",
+            graft.run_id
+        ));
+    }
     let against_free = |r: &RunAnalysis| {
         (r.logits_shadow_free && logits_not_judged(r).is_none())
             .then(|| logits::agreement(&r.prod_top_n, &r.shadow_top_n))
             .flatten()
     };
-    let (before, after) = (against_free(base), against_free(graft));
-    let changed = if logits_not_judged(base).is_none() && logits_not_judged(graft).is_none() {
-        logits::agreement(&graft.prod_top_n, &base.prod_top_n)
-    } else {
+    let before = against_free(base);
+    let after = if missed > 0 {
         None
+    } else {
+        against_free(graft)
     };
+    let changed =
+        if missed == 0 && logits_not_judged(base).is_none() && logits_not_judged(graft).is_none() {
+            logits::agreement(&graft.prod_top_n, &base.prod_top_n)
+        } else {
+            None
+        };
     if changed.is_none() {
         notes.push("what the graft changed in the logits is not judged".to_owned());
     }

@@ -72,7 +72,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 16] = [
+const INFORMATIONAL: [&str; 20] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -111,6 +111,14 @@ const INFORMATIONAL: [&str; 16] = [
     // The writer's total: the per-table `dropped_rows.<table>` say which
     // verdicts lost rows.
     "dropped_rows",
+    // Grafts (SHADOWTRACE_GRAFT) change what production computes, on purpose,
+    // and the run records what it computed: its data are whole. What a graft
+    // that did not apply means for its pair is the pair's to say
+    // (`graft_pair`); `grafted_<site>` counts the grafts taken (below).
+    "graft_refused",
+    "graft_skipped_cached_steps",
+    "graft_not_applied",
+    "graft_indexer_on_shared_layer",
 ];
 
 /// Which questions a producer counter's loss leaves not judged; `None` when
@@ -119,7 +127,10 @@ fn questions_of_counter(name: &str) -> Option<Vec<Question>> {
     use Question::{Hidden, Logits, Nonfinite, Topk};
     let name = name.strip_prefix("process.").unwrap_or(name);
     // A Triton kernel that raised: torch's ops computed the same statistics.
-    if INFORMATIONAL.contains(&name) || name.starts_with("kernel_failed.") {
+    if INFORMATIONAL.contains(&name)
+        || name.starts_with("kernel_failed.")
+        || name.starts_with("grafted_")
+    {
         return None;
     }
     if let Some(table) = name.strip_prefix("dropped_rows.") {

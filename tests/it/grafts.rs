@@ -302,4 +302,28 @@ fn a_graft_pair_says_not_judged_where_a_runs_data_is_not_whole_never_none() {
         "{}",
         pair.line()
     );
+
+    // A graft the producer did not apply at one layer: the run's own data are whole, and
+    // the pair does not judge its output.
+    crate::support::edit_manifest(&dirs[1], |m| {
+        m["settings"]["disabled_sites"] = serde_json::json!({});
+        m["tables"]["logits"]["dropped_rows"] = 0.into();
+        m["counters"]["graft_not_applied"] = 1.into();
+    });
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let graft_run = run(&a, "grafted");
+    assert!(
+        graft_run.not_measured.is_empty(),
+        "{:?}",
+        graft_run.not_measured
+    );
+    let pair = &a.grafts.as_ref().unwrap().pairs[0];
+    assert!(pair.after.is_none() && pair.changed.is_none());
+    assert!(
+        pair.notes
+            .iter()
+            .any(|n| n.contains("the graft was not applied at 1 grafted layer")),
+        "{:?}",
+        pair.notes
+    );
 }

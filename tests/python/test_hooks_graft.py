@@ -6,11 +6,13 @@ that layer (transformers' layer, copied and upcast here) but for bf16 rounding."
 
 import copy
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import tiny_models
 import torch
+from conftest import binary
 from shadowtrace_hooks import session, startup
 
 LAYER, K, LENGTH = 1, 16, 80  # most rows see more than k keys: the indexer selects
@@ -141,6 +143,17 @@ def test_a_graft_leaves_production_before_it_bit_identical_and_takes_the_fp32_va
     assert checked["tags"]["graft"] == f"{site}@{LAYER}"
     assert checked["counters"][f"grafted_{site}"] == 1
     assert "hook_errors" not in checked["counters"], checked["counters"]
+    # The analyzer reads the graft's counters as what production ran, not as a loss: every
+    # verdict of the run is judged.
+    (run_dir,) = [p.parent for p in tmp_path.glob("*/manifest.json") if json.loads(p.read_text()) == checked]
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", run_dir, "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (analysed,) = json.loads(out.stdout)["runs"]
+    assert analysed["not_measured"] == [], analysed["not_measured"]
 
 
 def test_a_graft_the_hooks_cannot_apply_is_refused_counted_and_production_runs_ungrafted(
