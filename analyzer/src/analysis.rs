@@ -319,8 +319,9 @@ pub fn analyze_run(
         topk_overlap::Skipped,
         BTreeMap<i32, SelectionUnit>,
     );
+    let band_factor = band_factor(run, t.churn_band)?;
     let overlaps = |part: &PartFile| -> Result<PartOverlaps, AnalyzeError> {
-        let mut frame = read_topk(part, t.churn_margin)?;
+        let mut frame = read_topk(part, band_factor)?;
         let mut out = (
             Vec::new(),
             topk_overlap::Skipped::default(),
@@ -329,7 +330,7 @@ pub fn analyze_run(
         // Row group by row group, as decoded: no copy into one chunk.
         for chunk in frame.split_chunks() {
             selection_unit::merge(&mut out.2, selection_unit::per_layer(&chunk)?)?;
-            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, t.churn_margin)?;
+            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, band_factor)?;
             out.0.extend(rows);
             out.1.add(&skipped);
         }
@@ -477,15 +478,56 @@ pub(crate) fn recorded_conventions(m: &shadowtrace_schemas::Manifest) -> Vec<Con
         .unwrap_or_default()
 }
 
+/// What `--churn-band` `asked` makes of `run`'s recorded bands: the factor
+/// each row's `boundary_band` is multiplied by (`None`: the recorded band).
+/// The run's settings give its relative band and how far its boundary lists
+/// reach (`boundary_stored`; the band itself where absent: lists before the
+/// relative rule reached only the band). A run recorded with an absolute band
+/// has one band for every row, so the asked band is read as a score distance
+/// there, as its report's rule says.
+///
+/// # Errors
+/// When the asked band is wider than the lists reach.
+fn band_factor(run: &Run, asked: Option<f32>) -> Result<Option<f32>, AnalyzeError> {
+    let Some(asked) = asked else {
+        return Ok(None);
+    };
+    let setting = |name: &str| {
+        run.manifest
+            .identity
+            .settings
+            .get(name)
+            .and_then(|v| v.as_f64())
+    };
+    let Some(recorded) = setting("boundary_band") else {
+        // No band recorded: no row has boundary lists, whatever is asked.
+        return Ok(None);
+    };
+    let stored = setting("boundary_stored").unwrap_or(recorded);
+    // f32 tolerance: the asked value and the recorded one went through f32
+    if f64::from(asked) > stored * (1.0 + 1e-6) {
+        return Err(AnalyzeError::ChurnBandBeyondStored {
+            run: run.manifest.run_id().to_owned(),
+            asked,
+            stored: stored as f32,
+        });
+    }
+    if recorded <= 0.0 {
+        // a zero band: every row's is zero, and any factor keeps it there
+        return Ok(None);
+    }
+    Ok(Some((f64::from(asked) / recorded) as f32))
+}
+
 /// The columns of a top-k part the overlap needs: v1's full selections; v2's
 /// summary, and its lists only where the summary cannot answer the churn
-/// margin (`topk_v2::needs_lists`).
-fn read_topk(part: &PartFile, churn_margin: Option<f32>) -> Result<DataFrame, AnalyzeError> {
+/// band (`topk_v2::needs_lists`).
+fn read_topk(part: &PartFile, band_factor: Option<f32>) -> Result<DataFrame, AnalyzeError> {
     if part.version < 2 {
         return Ok(part.read(Some(&topk_overlap::COLUMNS_V1))?);
     }
     let summary = part.read(Some(&topk_v2::SUMMARY_COLUMNS))?;
-    if !topk_v2::needs_lists(&summary, churn_margin)? {
+    if !topk_v2::needs_lists(&summary, band_factor)? {
         return Ok(summary);
     }
     let mut columns = topk_v2::SUMMARY_COLUMNS.to_vec();

@@ -40,6 +40,18 @@ pub enum AnalyzeError {
         /// The other unit found.
         other: String,
     },
+    /// `--churn-band` asks for churn beyond what a run's boundary lists hold.
+    #[error(
+        "run {run}: its boundary lists reach {stored:e} (settings.boundary_stored), so no churn band wider than that can be counted; asked {asked:e}"
+    )]
+    ChurnBandBeyondStored {
+        /// The run.
+        run: String,
+        /// The band asked for.
+        asked: f32,
+        /// How far the run's lists reach, in the same terms.
+        stored: f32,
+    },
     /// A report file could not be written.
     #[error("{path}: {detail}")]
     Write {

@@ -39,10 +39,11 @@ pub struct Thresholds {
     pub hidden_mode: Option<String>,
     /// Mean churn-free Jaccard below which a layer's selection has diverged.
     pub topk_jaccard: f64,
-    /// Largest score distance from the k-th score still counted as churn;
-    /// `None`: each run's recorded band. It can only narrow the band (see
-    /// [`crate::metrics::topk_overlap`]).
-    pub churn_margin: Option<f32>,
+    /// The churn band, relative to each row's score scale as
+    /// `SHADOWTRACE_BOUNDARY_BAND` is; `None`: each run's recorded band. It
+    /// can narrow the band, or widen it as far as the run's boundary lists
+    /// reach (see [`crate::metrics::topk_overlap`]).
+    pub churn_band: Option<f32>,
     /// Multiple of the baseline noise floor that marks divergence.
     pub baseline_factor: f64,
 }
@@ -54,7 +55,7 @@ impl Default for Thresholds {
             hidden_site: "layer_out".to_owned(),
             hidden_mode: None,
             topk_jaccard: DEFAULT_TOPK_JACCARD,
-            churn_margin: None,
+            churn_band: None,
             baseline_factor: DEFAULT_BASELINE_FACTOR,
         }
     }
@@ -251,6 +252,20 @@ pub fn hidden_verdict(
     (verdict, Rule { text })
 }
 
+/// The churn rule where no `--churn-band` was asked for.
+pub const RECORDED_CHURN_RULE: &str = "churn within each row's recorded band excluded: the run's relative band x the mean |score| of the reference's top-k";
+
+/// How churn was told apart, as a report's rules print it.
+#[must_use]
+pub fn churn_rule(churn_band: Option<f32>) -> String {
+    match churn_band {
+        Some(b) => format!(
+            "churn within {b:e} x each row's score scale (mean |score| of the reference's top-k) of the k-th score excluded; runs with an absolute band: within {b:e}"
+        ),
+        None => RECORDED_CHURN_RULE.to_owned(),
+    }
+}
+
 /// The first-divergence layer in top-k selection, and the rule applied.
 #[must_use]
 pub fn topk_verdict(
@@ -259,12 +274,7 @@ pub fn topk_verdict(
     floor: Option<&NoiseFloor>,
 ) -> (Option<LayerVerdict>, Rule) {
     let series = topk_series(layers);
-    let churn = match t.churn_margin {
-        Some(m) => {
-            format!("churn within {m:e} of the k-th score, at most the recorded band, excluded")
-        }
-        None => "churn within the recorded band excluded".to_owned(),
-    };
+    let churn = churn_rule(t.churn_band);
     let (verdict, text) = match floor {
         Some(f) => (
             first_breaking(

@@ -155,14 +155,15 @@ def test_the_boundary_band_lists_the_keys_near_the_kth_score_ascending() -> None
 def test_a_row_is_dense_by_its_visible_keys_never_because_its_kth_score_is_nan() -> None:
     inf = math.inf
     # k = 2. Row 0 sees one key (dense); row 1 sees four, two of them NaN: sparse, with a
-    # NaN k-th score and no key within a band of it.
+    # NaN k-th score, and no finite score in its top-k to scale a band by: no candidates
+    # (null, unknown, not an empty list).
     scores = torch.tensor([[1.0, -inf, -inf, -inf], [math.nan, math.nan, 2.0, 1.0]])
     dense, sparse = shadow_columns(scores, 2, [0, 3], band=0.5)
     assert dense["shadow_kth_score"] is None
     assert dense["shadow_kth_margin"] is None
     assert dense["boundary"] is None
     assert math.isnan(sparse["shadow_kth_score"])
-    assert sparse["boundary"] == []
+    assert sparse["boundary"] is None
 
 
 def test_members_drop_padding_and_keys_beyond_the_visible_range() -> None:

@@ -95,7 +95,7 @@ def test_random_rows_agree_with_sets_over_torch_topk_indices() -> None:
     shadow_scores = causal(prod_scores + 0.05 * torch.randn(t, t, generator=gen), q_pos)
     prod_topk = prod_scores.topk(k).indices.to(torch.int32)
     rows = run(prod_topk, q_pos, k, prod_scores=prod_scores, shadow_scores=shadow_scores, band=band)
-    informative = 0
+    informative = wider = 0
     for i, row in enumerate(rows):
         visible = i + 1
         prod = {int(j) for j in prod_topk[i] if j < visible}
@@ -111,10 +111,15 @@ def test_random_rows_agree_with_sets_over_torch_topk_indices() -> None:
         informative += 1
         pk = prod_scores[i].topk(k + 1).values
         sk = shadow_scores[i].topk(k + 1).values
-        near = {
-            path: {j for j in range(visible) if abs(float(scores[i, j]) - float(kth[k - 1])) <= band}
-            for path, scores, kth in (("prod", prod_scores, pk), ("shadow", shadow_scores, sk))
-        }
+        # the band in scores: the relative band times the mean |score| of the shadow's top-k
+        absolute = band * sum(abs(float(v)) for v in sk[:k]) / k
+        near, listed = (
+            {
+                path: {j for j in range(visible) if abs(float(scores[i, j]) - float(kth[k - 1])) <= reach}
+                for path, scores, kth in (("prod", prod_scores, pk), ("shadow", shadow_scores, sk))
+            }
+            for reach in (absolute, selection.STORED * absolute)
+        )
         check_row(row, prod, shadow, near["prod"] | near["shadow"])
         assert row["prod_kth_score"] == pytest.approx(float(pk[k - 1]))
         assert row["prod_kth_margin"] == pytest.approx(float(pk[k - 1] - pk[k]))
@@ -124,12 +129,14 @@ def test_random_rows_agree_with_sets_over_torch_topk_indices() -> None:
             ("shadow", shadow, shadow_scores, sk),
         ):
             boundary = keys(row[f"{path}_boundary_gaps"])
-            assert boundary == sorted(near[path])
+            assert boundary == sorted(listed[path])
             assert row[f"{path}_boundary_selected"] == [j in selected for j in boundary]
             offsets = [float(scores[i, j] - kth[k - 1]) for j in boundary]
             assert row[f"{path}_boundary_offsets"] == pytest.approx(offsets, abs=1e-6)
-        assert row["boundary_band"] == pytest.approx(band)
+        assert row["boundary_band"] == pytest.approx(absolute, rel=1e-5)
+        wider += listed["prod"] != near["prod"] or listed["shadow"] != near["shadow"]
     assert informative == t - k
+    assert wider, "on some rows the lists reach keys beyond the churn band"
     assert any(row["jaccard"] < 1 for row in rows), "the noise should move some selections"
 
 
@@ -172,13 +179,25 @@ def test_keys_tied_at_the_kth_score_are_all_boundary_candidates_and_churn() -> N
 def test_nan_scores_keep_a_nan_kth_score_and_no_boundary_while_padding_is_no_member() -> None:
     k = 2
     scores = torch.tensor([[math.nan, math.nan, 2.0, 1.0]])
+    finite = torch.tensor([[4.0, 1.0, 2.0, 0.0]])
     prod_topk = torch.tensor([[2, -1, -1]], dtype=torch.int32)  # engine padding
-    (row,) = run(prod_topk, [3], k, prod_scores=scores, shadow_scores=scores, band=0.5)
+    (row,) = run(prod_topk, [3], k, prod_scores=scores, shadow_scores=finite, band=0.1)
     assert row["prod_selected"] == 1
     assert math.isnan(row["prod_kth_score"])
     assert keys(row["prod_boundary_gaps"]) == []  # nothing lies within a band of NaN
+    # the shadow's top-k, 4 and 2, set the band: 0.1 x 3
+    assert row["boundary_band"] == pytest.approx(0.3)
+    assert keys(row["shadow_boundary_gaps"]) == [2]
+    check_row(row, {2}, {0, 2}, {2})
+    # A shadow whose top-k holds no finite score gives the row no scale: no band, no
+    # candidates, churn unknown (null), never a churn of zero.
+    (row,) = run(prod_topk, [3], k, prod_scores=scores, shadow_scores=scores, band=0.1)
+    assert math.isnan(row["prod_kth_score"])
     shadow = {int(j) for j in scores[0].topk(k).indices}  # torch ranks NaN first
-    check_row(row, {2}, shadow, set())
+    assert row["jaccard"] == pytest.approx(len({2} & shadow) / len({2} | shadow))
+    for name in ("boundary_band", "prod_boundary_gaps", "shadow_boundary_gaps", "churn_shared",
+                 "churn_prod_only", "churn_shadow_only", "churn_unselected", "jaccard_no_churn"):  # fmt: skip
+        assert row[name] is None, name
 
 
 def test_without_a_shadow_only_production_columns_are_filled_and_sampled_rows_keep_their_list() -> None:
@@ -186,15 +205,50 @@ def test_without_a_shadow_only_production_columns_are_filled_and_sampled_rows_ke
     q_pos = [4, 5, 6]
     scores = causal(torch.arange(21, dtype=torch.float32).reshape(3, 7), q_pos)
     prod_topk = scores.topk(k).indices.to(torch.int32)
-    rows = run(prod_topk, q_pos, k, prod_scores=scores, band=1.0, sampled=[True, False, True])
-    for row, pos in zip(rows, q_pos, strict=True):
+    rows = run(prod_topk, q_pos, k, prod_scores=scores, band=0.1, sampled=[True, False, True])
+    for r, (row, pos) in enumerate(zip(rows, q_pos, strict=True)):
         # columns left out are written as null
         assert {"shadow_selected", "jaccard", "prod_only_gaps", "shadow_boundary_gaps"}.isdisjoint(row)
-        # the k-th key (pos - 1) and the keys one below and above it
-        assert keys(row["prod_boundary_gaps"]) == [pos - 2, pos - 1, pos]
+        # Without a shadow production's top-k sets the band: row r scores key j 7r + j, so
+        # its top-2 (keys pos and pos - 1) average 7r + pos - 0.5, and the lists reach
+        # STORED times 0.1 of that from the k-th score (key pos - 1), one score a key.
+        band = 0.1 * (7 * r + pos - 0.5)
+        assert row["boundary_band"] == pytest.approx(band)
+        reach = int(selection.STORED * band)
+        assert keys(row["prod_boundary_gaps"]) == list(
+            range(max(0, pos - 1 - reach), min(pos, pos - 1 + reach) + 1)
+        )
     assert keys(rows[0]["prod_gaps"]) == [3, 4]
     assert rows[1]["prod_gaps"] is None
     assert keys(rows[2]["prod_gaps"]) == [5, 6]
+
+
+def test_a_relative_band_finds_the_same_candidates_and_churn_whatever_the_scores_scale() -> None:
+    """Indexer scores scale with the model: the same rows scaled by 1e-3 and by 1e3 (powers
+    of two apart would be exact; these are not, so the boundaries are kept off the band's
+    edge) give the same candidates, churn and band relative to the scale."""
+    k, t = 4, 24
+    q_pos = list(range(t))
+    gen = torch.Generator().manual_seed(8)
+    # scores on a grid of 0.1, so rows tie, and the shadow 1e-5 off them: near-ties that a
+    # band of 1e-3 of scores near 1 holds and the grid's steps stay far outside
+    base = torch.round(10 * torch.randn(t, t, generator=gen)) / 10
+    prod = causal(base, q_pos)
+    shadow = causal(base + 1e-5 * torch.randn(t, t, generator=gen), q_pos)
+    topk = prod.topk(k).indices.to(torch.int32)
+    got, bands = {}, {}
+    for c in (1.0, 1e-3, 1e3):
+        rows = run(topk, q_pos, k, prod_scores=prod * c, shadow_scores=shadow * c, band=1e-3)
+        got[c] = [
+            (r["churn_shared"], r["churn_prod_only"], r["churn_shadow_only"], r["churn_unselected"],
+             r["prod_boundary_gaps"], r["shadow_boundary_gaps"])
+            for r in rows
+        ]  # fmt: skip
+        bands[c] = [r["boundary_band"] / c for r in rows[k:]]  # dense rows have none
+    assert got[1e-3] == got[1.0] == got[1e3]
+    assert bands[1e-3] == pytest.approx(bands[1.0], rel=1e-6)
+    assert bands[1e3] == pytest.approx(bands[1.0], rel=1e-6)
+    assert any(row[1] or row[2] for row in got[1.0]), "near-ties swapped keys as churn"
 
 
 def test_rows_compared_in_chunks_read_back_as_one(monkeypatch: pytest.MonkeyPatch) -> None:

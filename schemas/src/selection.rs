@@ -13,6 +13,18 @@
 //! the producer computes the counts with these functions, and a reader
 //! recomputes them from the lists with the same ones.
 
+/// The boundary band is relative (`SHADOWTRACE_BOUNDARY_BAND`): in scores, the
+/// band times a row's score scale, the mean |score| of the reference path's
+/// top-k (schemas/v2/topk.json `boundary_band` says why). What the manifest
+/// calls that scale (`settings.boundary_band_scale`); a run without it
+/// recorded one absolute band for every row.
+pub const BAND_SCALE: &str = "mean_abs_reference_topk_score";
+
+/// How far the boundary lists reach, in bands: churn counts use the band, the
+/// lists keep keys out to this many times it, so a reader can widen the band
+/// up to that as well as narrow it (`settings.boundary_stored`).
+pub const BAND_STORED: f32 = 2.0;
+
 /// How two selections overlap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Overlap {

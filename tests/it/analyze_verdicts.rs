@@ -165,7 +165,7 @@ fn every_rule_is_printed_with_its_threshold() {
         run.rules,
         [
             "hidden: first layer whose p95 relative L2 error at layer_out exceeds 0.1",
-            "top-k: first layer whose mean Jaccard (churn within the recorded band excluded) falls below 0.8",
+            "top-k: first layer whose mean Jaccard (churn within each row's recorded band excluded: the run's relative band x the mean |score| of the reference's top-k) falls below 0.8",
             "convention: a numerics convention whose engine value is known and differs from the model's (config.json and the family's reference code); an engine value the adapter assumed is not judged",
         ]
     );
@@ -220,7 +220,7 @@ fn a_stricter_churn_margin_turns_churn_back_into_difference() {
     let paths = write(tmp.path(), &[clean("margin")]);
     let options = Options {
         thresholds: Thresholds {
-            churn_margin: Some(0.0),
+            churn_band: Some(0.0),
             ..Thresholds::default()
         },
         ..Options::default()
@@ -436,7 +436,7 @@ fn dequant_dense_rows_are_counted_in_the_dequant_summary() {
 fn rows_without_boundary_lists_are_counted_as_churn_unknown_beside_the_verdict() {
     let options = Options {
         thresholds: Thresholds {
-            churn_margin: Some(0.5),
+            churn_band: Some(5e-4),
             ..Thresholds::default()
         },
         ..Options::default()

@@ -16,10 +16,10 @@ use crate::analyze_verdicts::clean;
 
 /// The analysis as JSON, without the run directories (which differ by
 /// where the runs sit, not by what they hold).
-fn analysis_json(paths: &[PathBuf], churn_margin: Option<f32>) -> serde_json::Value {
+fn analysis_json(paths: &[PathBuf], churn_band: Option<f32>) -> serde_json::Value {
     let options = Options {
         thresholds: Thresholds {
-            churn_margin,
+            churn_band,
             ..Thresholds::default()
         },
         ..Options::default()
@@ -109,8 +109,13 @@ fn v1_runs_written_by_an_older_build_analyse_as_that_build_did() {
 /// The analysis less what came after the v1 build: the convention verdict
 /// (issue 13), its rule and its empty list of mismatches, and the lists of
 /// what was not measured and each layer's selection unit (issue 28), empty
-/// and tokens for these whole v1 runs. Nothing else may differ.
+/// and tokens for these whole v1 runs, and the churn rule's and threshold's
+/// new names. Nothing else may differ.
 fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Value {
+    // `--churn-margin` (absolute, narrowing only) became `--churn-band` (issue 28).
+    let thresholds = got["thresholds"].as_object_mut().unwrap();
+    let band = thresholds.remove("churn_band").unwrap();
+    thresholds.insert("churn_margin".to_owned(), band);
     for group in got["grid"]["groups"].as_array_mut().unwrap() {
         let group = group.as_object_mut().unwrap();
         assert_eq!(group.remove("not_judged_runs"), Some(serde_json::json!(0)));
@@ -130,6 +135,18 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
             );
         }
         let rules = run["rules"].as_array_mut().unwrap();
+        // The rule names the relative band now (issue 28); these v1 runs
+        // recorded an absolute one, read as that build read it.
+        for rule in rules.iter_mut() {
+            if let Some(text) = rule.as_str() {
+                *rule = text
+                    .replace(
+                        shadowtrace_analyzer::verdict::RECORDED_CHURN_RULE,
+                        "churn within the recorded band excluded",
+                    )
+                    .into();
+            }
+        }
         let before = rules.len();
         rules.retain(|r| r != shadowtrace_analyzer::verdict::CONVENTION_RULE);
         assert_eq!(

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import polars as pl
+import pytest
 from conftest import binary
 
 
@@ -205,7 +206,8 @@ def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
 ) -> None:
     """Parts over 65,536 rows hold several row groups (the writers' group size): each column is
     then read as several chunks. The same rows regrouped small give the same analysis, on the
-    summary-only path and on the path that reads the lists (a churn margin below the band)."""
+    summary-only path and on the paths that read the lists (a churn band narrower or wider than the
+    recorded one)."""
     import pyarrow.parquet as pq
 
     regrouped = tmp_path / "regrouped" / demo_run.name
@@ -218,7 +220,7 @@ def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **footer})
         pq.write_table(table, part, row_group_size=max(1, table.num_rows // 7))
         assert pq.read_metadata(part).num_row_groups >= 7
-    for extra in ([], ["--churn-margin", "0.0001"]):
+    for extra in ([], ["--churn-band", "5e-5"], ["--churn-band", "2e-4"]):
         one = shadowtrace("analyze", demo_run, "--format", "json", *extra)
         many = shadowtrace("analyze", regrouped, "--format", "json", *extra)
         assert many.returncode == 0, many.stderr
@@ -227,6 +229,55 @@ def test_a_top_k_part_of_many_row_groups_analyses_as_one_of_a_single_group(
             run.pop("dir", None)
         assert runs[0]["topk"]
         assert runs[0] == runs[1]
+
+
+def churn_keys_recounted(run: Path, factor: float) -> dict[int, float]:
+    """Per layer, the mean churn keys per informative row (more keys visible than k, a
+    shadow) recounted from the run's Parquet lists: either path's candidates whose offset from
+    its k-th score lies within `factor` times the row's recorded band."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(run / "topk").to_pydict()
+    per_layer: dict[int, list[int]] = {}
+    for i, layer in enumerate(t["layer"]):
+        if t["visible"][i] <= t["k"][i] or t["shadow_selected"][i] is None:
+            continue
+        reach = factor * t["boundary_band"][i]
+        churn: set[int] = set()
+        for path in ("prod", "shadow"):
+            keys = np.cumsum(t[f"{path}_boundary_gaps"][i])
+            offsets = t[f"{path}_boundary_offsets"][i]
+            churn |= {int(key) for key, off in zip(keys, offsets, strict=True) if abs(off) <= reach}
+        per_layer.setdefault(layer, []).append(len(churn))
+    return {layer: sum(n) / len(n) for layer, n in per_layer.items()}
+
+
+def test_the_churn_band_is_relative_and_narrows_or_widens_within_the_stored_lists(demo_run: Path) -> None:
+    """The reference engine records a relative band (issue 28, item 4): the manifest says
+    relative to what, and how far the lists reach. `--churn-band` narrows it, or widens it up
+    to that reach, with churn equal to a recount from the Parquet lists; beyond it is refused."""
+    settings = json.loads((demo_run / "manifest.json").read_text())["settings"]
+    band, stored = settings["boundary_band"], settings["boundary_stored"]
+    assert settings["boundary_band_scale"] == "mean_abs_reference_topk_score"
+    assert stored == pytest.approx(2 * band)
+    means = {}
+    for factor in (0.5, 1.0, 2.0):
+        out = shadowtrace("analyze", demo_run, "--format", "json", "--churn-band", f"{factor * band!r}")
+        assert out.returncode == 0, out.stderr
+        got = {
+            layer["layer"]: layer["churn_keys_mean"] for layer in json.loads(out.stdout)["runs"][0]["topk"]
+        }
+        assert got == pytest.approx(churn_keys_recounted(demo_run, factor), rel=1e-9), factor
+        means[factor] = got
+    recorded = shadowtrace("analyze", demo_run, "--format", "json")
+    assert {
+        layer["layer"]: layer["churn_keys_mean"] for layer in json.loads(recorded.stdout)["runs"][0]["topk"]
+    } == (pytest.approx(means[1.0], rel=1e-9))
+    assert sum(means[0.5].values()) < sum(means[1.0].values()) < sum(means[2.0].values())
+    beyond = shadowtrace("analyze", demo_run, "--churn-band", f"{3 * band!r}")
+    assert beyond.returncode != 0
+    assert "its boundary lists reach 2e-4" in beyond.stderr, beyond.stderr
 
 
 def test_demo_refuses_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: Path) -> None:

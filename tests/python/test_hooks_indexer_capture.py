@@ -156,3 +156,36 @@ def test_a_decode_step_whose_capture_fails_after_a_captured_one_is_counted_not_s
     assert len(by_step[2]) == layers
     assert all(r["prod_kth_score"] is None and r["prod_selected"] == K for r in by_step[2])
     assert all(r["prod_kth_score"] is not None for r in by_step[1])
+
+
+@pytest.mark.parametrize("family", ["glm", "deepseek"])
+def test_the_relative_band_finds_the_same_churn_on_a_model_whose_scores_are_eight_times_larger(
+    tmp_path: Path, family: str
+) -> None:
+    """Indexer scores scale with the model (issue 28, item 4): transformers' own model, its
+    indexer's head weights (`weights_proj`) times 8, scores every key exactly 8 times higher (a
+    power of two, in bf16 and fp32 alike). The relative band then records the same boundary
+    candidates and churn on every row, its band in scores 8 times wider; an absolute band
+    would have listed other keys."""
+    build = getattr(tiny_models, family)
+    band = {"SHADOWTRACE_BOUNDARY_BAND": "0.02"}
+    manifest, base, _ = trace(tmp_path / "x1", build(index_topk=K), **band)
+    assert manifest["settings"]["boundary_band"] == pytest.approx(0.02)
+    assert manifest["settings"]["boundary_band_scale"] == "mean_abs_reference_topk_score"
+    assert manifest["settings"]["boundary_stored"] == pytest.approx(0.04)
+    scaled = build(index_topk=K)
+    with torch.no_grad():
+        for layer in scaled.model.layers:
+            layer.self_attn.indexer.weights_proj.weight.mul_(8)
+    _, rows, _ = trace(tmp_path / "x8", scaled, **band)
+    same = ("prod_boundary_gaps", "prod_boundary_selected", "shadow_boundary_gaps",
+            "shadow_boundary_selected", "churn_shared", "churn_prod_only", "churn_shadow_only",
+            "churn_unselected", "jaccard_no_churn")  # fmt: skip
+    listed = 0
+    assert len(rows) == len(base)
+    for a, b in zip(base, rows, strict=True):
+        assert {n: a[n] for n in same} == {n: b[n] for n in same}, (a["layer"], a["token"])
+        if a["visible"] > K:
+            assert b["boundary_band"] == 8 * a["boundary_band"]
+            listed += len(a["prod_boundary_gaps"]) > 1
+    assert listed, "some rows list candidates besides the k-th key"

@@ -130,6 +130,56 @@ def serving_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
+def snippet_layers(runs: Path, tool: str) -> dict[str, dict]:
+    """The DuckDB or polars snippet over `runs`: per metric, {(run_id, layer): value}."""
+    names = ("jaccard", "jaccard_no_churn", "churn_unknown_rows")
+    if tool == "duckdb":
+        rows = duckdb.sql(snippet("duckdb-jaccard").replace("runs/*/topk", f"{runs}/*/topk")).fetchall()
+        return {m: {(r[0], r[1]): r[c] for r in rows} for c, m in enumerate(names, start=2)}
+    scope: dict = {}
+    exec(snippet("polars-jaccard").replace("runs/*/topk", f"{runs}/*/topk"), scope)
+    frame: pl.DataFrame = scope["per_layer"]
+    return {m: {(r["run_id"], r["layer"]): r[m] for r in frame.iter_rows(named=True)} for m in names}
+
+
+@pytest.fixture(scope="module")
+def serving_run_without_prod_scores(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The vLLM stand-in's runs where the adapter could not read production's FP8 operands
+    (`_fp8_v32` gives none, as when the engine's layout is not understood): production's scores,
+    and so its boundary candidates and the churn, are unknown on every shadow row."""
+    sys.path.insert(0, str(REPO / "hooks" / "tests"))
+    from shadowtrace_hooks.adapters import vllm as vllm_adapter
+    from test_adapter_vllm import _trace_rank
+
+    runs = tmp_path_factory.mktemp("vllm-no-prod-scores")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_adapter, "_fp8_v32", lambda *args: None)
+        _trace_rank(mp, runs, None)
+    return runs
+
+
+@pytest.mark.parametrize("tool", ["duckdb", "polars"])
+def test_readme_snippets_give_unknown_churn_as_null_and_count_it_as_the_analyzer_does(
+    serving_run_without_prod_scores: Path, tool: str
+) -> None:
+    """Rows whose churn is unknown (issue 28, item 4): the snippets give no churn-free Jaccard
+    for them (null, where treating null churn as 0 passed the plain Jaccard off as churn-free)
+    and count them per layer as the analyzer does."""
+    runs = serving_run_without_prod_scores
+    a = analysis(runs)
+    got = snippet_layers(runs, tool)
+    layers = [
+        (run["run_id"], layer) for run in a["runs"] for layer in run["topk"] if layer["informative_rows"]
+    ]
+    assert layers, "the serving run has informative rows"
+    for run_id, layer in layers:
+        key = (run_id, layer["layer"])
+        assert layer["churn_unknown_rows"] == layer["informative_rows"], "no production scores: no churn"
+        assert got["churn_unknown_rows"][key] == layer["churn_unknown_rows"]
+        assert got["jaccard_no_churn"][key] is None
+        assert got["jaccard"][key] == pytest.approx(layer["jaccard"]["mean"], rel=TOLERANCE, abs=TOLERANCE)
+
+
 @pytest.mark.parametrize("tool", ["duckdb", "polars"])
 def test_readme_snippets_equal_the_analyzer_on_a_serving_engines_run(serving_run: Path, tool: str) -> None:
     """The same snippets over runs the Python hooks wrote for a serving engine (issue 28,
@@ -138,15 +188,7 @@ def test_readme_snippets_equal_the_analyzer_on_a_serving_engines_run(serving_run
     known = [layer for run in a["runs"] for layer in run["topk"] if layer["informative_rows"] > 0]
     assert known, "the serving run has informative rows"
     assert all(layer["churn_unknown_rows"] == 0 for layer in known), "churn is known on the serving rows"
-    if tool == "duckdb":
-        sql = snippet("duckdb-jaccard").replace("runs/*/topk", f"{serving_run}/*/topk")
-        rows = duckdb.sql(sql).fetchall()
-        got = {m: {(r[0], r[1]): r[c] for r in rows} for c, m in [(2, "jaccard"), (3, "jaccard_no_churn")]}
-    else:
-        scope: dict = {}
-        exec(snippet("polars-jaccard").replace("runs/*/topk", f"{serving_run}/*/topk"), scope)
-        frame: pl.DataFrame = scope["per_layer"]
-        got = {m: {(r["run_id"], r["layer"]): r[m] for r in frame.iter_rows(named=True)}
-               for m in ("jaccard", "jaccard_no_churn")}  # fmt: skip
+    got = snippet_layers(serving_run, tool)
+    assert set(got.pop("churn_unknown_rows").values()) == {0}
     for metric, values in got.items():
         assert_layers_equal(values, analyzer_layers(a, metric))

@@ -145,6 +145,57 @@ fn a_row_in_stored_form_is_sorted_with_its_boundary_band() {
 }
 
 #[test]
+fn the_score_scale_is_the_mean_magnitude_of_the_finite_top_k_scores() {
+    // k = 3. Row 0: top 0.9, 0.8, 0.52; row 1: -3, -4, -5 (all negative);
+    // row 2: NaN ranks first, then 3 and 1, and only the finite count;
+    // row 3 sees 2 keys: dense, no scale.
+    let ninf = f32::NEG_INFINITY;
+    let scores = Tensor::from_slice(&[
+        0.1_f32,
+        0.9,
+        0.5,
+        0.52,
+        0.3,
+        0.49,
+        0.8, //
+        -3.0,
+        -7.0,
+        -4.0,
+        -5.0,
+        -6.0,
+        -9.0,
+        -8.0, //
+        f32::NAN,
+        1.0,
+        0.5,
+        3.0,
+        -1.0,
+        0.0,
+        -2.0, //
+        2.0,
+        1.0,
+        ninf,
+        ninf,
+        ninf,
+        ninf,
+        ninf,
+    ])
+    .view([4, 7]);
+    let visible = Tensor::from_slice(&[7_i64, 7, 7, 2]);
+    let sel = topk_with_margin(&scores, 3, &visible).unwrap();
+    let scale = Vec::<f32>::try_from(&sel.score_scale).unwrap();
+    let expected = [
+        (0.9_f32 + 0.8 + 0.52) / 3.0,
+        (3.0 + 4.0 + 5.0) / 3.0,
+        (3.0 + 1.0) / 2.0,
+    ];
+    for (row, want) in expected.iter().enumerate() {
+        assert!((scale[row] - want).abs() < 1e-6, "row {row}: {scale:?}");
+    }
+    assert!(scale[3].is_nan(), "a dense row has no scale: {scale:?}");
+}
+
+#[test]
 fn all_rows_at_once_equal_each_row_taken_alone() {
     tch::manual_seed(11);
     let (t, s, k) = (40_i64, 64_i64, 8_i64);
@@ -157,7 +208,8 @@ fn all_rows_at_once_equal_each_row_taken_alone() {
     let masked = keys.unsqueeze(0).ge_tensor(&visible.unsqueeze(1));
     scores = scores.masked_fill(&masked, f64::NEG_INFINITY);
     let sel = topk_with_margin(&scores, k, &visible).unwrap();
-    let all = sel.rows(&scores, Some(1.0)).unwrap();
+    let band = Tensor::full([t], 1.0, (tch::Kind::Float, tch::Device::Cpu));
+    let all = sel.rows(&scores, Some(&band)).unwrap();
     assert_eq!(all.len(), t as usize);
     for (r, row) in all.iter().enumerate() {
         assert_eq!(

@@ -39,14 +39,17 @@ pub(crate) struct AnalyzeArgs {
     /// diverged, without a baseline.
     #[arg(long, default_value_t = DEFAULT_TOPK_JACCARD, value_name = "J")]
     topk_threshold: f64,
-    /// Largest score distance from the k-th score counted as boundary churn
-    /// [default: each run's recorded band]. A margin can only narrow the
-    /// band: churn is found among the keys a producer listed within its band,
-    /// with their scores. A row without boundary lists has no churn any
-    /// margin can find: such rows are counted as churn unknown beside the
-    /// verdict, every difference there counting.
-    #[arg(long, value_name = "SCORE")]
-    churn_margin: Option<f32>,
+    /// The boundary-churn band, relative to each row's score scale (the mean
+    /// |score| of the reference path's top-k), as SHADOWTRACE_BOUNDARY_BAND
+    /// [default: each run's recorded band]. It can narrow the band, or widen
+    /// it as far as the run's boundary lists reach (settings.boundary_stored:
+    /// twice the band by default); wider is refused. Runs recorded with an
+    /// absolute band (no settings.boundary_band_scale) read it as a score
+    /// distance. A row without boundary lists has no churn any band can
+    /// find: such rows are counted as churn unknown beside the verdict,
+    /// every difference there counting.
+    #[arg(long, value_name = "BAND")]
+    churn_band: Option<f32>,
     /// Tags to group the grid by, comma-separated (manifest identity names
     /// such as model, engine, prompt_kind, length_bucket, or user tags).
     #[arg(
@@ -129,7 +132,7 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
             hidden_site: args.hidden_site.clone(),
             hidden_mode: args.shadow_mode.clone(),
             topk_jaccard: args.topk_threshold,
-            churn_margin: args.churn_margin,
+            churn_band: args.churn_band,
             baseline_factor: args.baseline_factor,
         },
         group_by: args.group_by.clone(),

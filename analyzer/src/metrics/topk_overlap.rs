@@ -10,14 +10,17 @@
 //! `shadowtrace_schemas::selection`). The same again with boundary churn
 //! removed from both: keys of either path's boundary list whose score lies
 //! within the churn margin of that path's k-th score. The margin is the
-//! run's recorded `boundary_band` unless a smaller one is asked for.
+//! row's recorded `boundary_band` (the run's relative band times the row's
+//! score scale, `shadowtrace_schemas::selection::BAND_SCALE`), or that times
+//! `--churn-band` over the recorded relative band.
 //!
 //! What a margin can do: churn is found only among the keys a producer listed
-//! in its boundary lists, which hold the keys within its band of the k-th
-//! score, with their scores. A margin can narrow that band, never widen it;
-//! and a row without boundary lists (no band recorded, or a path's list
-//! null) has no score of any differing key to measure, so no margin can find
-//! its churn. Such rows are counted as churn unknown ([`RowOverlap::churn_unknown`],
+//! in its boundary lists, which hold the keys within `settings.boundary_stored`
+//! over `settings.boundary_band` times the band of the k-th score (twice, by
+//! default), with their scores. A margin can narrow the band or widen it that
+//! far, no further (the caller refuses a wider one); and a row without
+//! boundary lists (no band recorded, or a path's list null) has no score of
+//! any differing key to measure, so no margin can find its churn. Such rows are counted as churn unknown ([`RowOverlap::churn_unknown`],
 //! [`LayerOverlap::churn_unknown_rows`]) and reported beside the verdict;
 //! what churn is known there (one path's list) is removed, and every other
 //! difference counts, so their churn-free Jaccard is a lower bound.
@@ -212,20 +215,20 @@ pub struct LayerOverlap {
 }
 
 /// Per-row overlap of a `topk` frame of trace format `version`: v1 here, v2
-/// in [`super::topk_v2::row_overlaps`]. `churn_margin` caps the recorded
-/// band. Also returns the dense and shadow-less row counts per layer.
+/// in [`super::topk_v2::row_overlaps`]. `band_factor` scales each row's
+/// recorded band. Also returns the dense and shadow-less row counts per layer.
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
 pub fn row_overlaps(
     frame: &DataFrame,
     version: u32,
-    churn_margin: Option<f32>,
+    band_factor: Option<f32>,
 ) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
     if version >= 2 {
-        super::topk_v2::row_overlaps(frame, churn_margin)
+        super::topk_v2::row_overlaps(frame, band_factor)
     } else {
-        row_overlaps_v1(frame, churn_margin)
+        row_overlaps_v1(frame, band_factor)
     }
 }
 
@@ -234,7 +237,7 @@ pub fn row_overlaps(
 /// allocation per row.
 fn row_overlaps_v1(
     frame: &DataFrame,
-    churn_margin: Option<f32>,
+    band_factor: Option<f32>,
 ) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
     let step = i32s(frame, c::STEP)?;
     let layer = i32s(frame, c::LAYER)?;
@@ -276,8 +279,8 @@ fn row_overlaps_v1(
         .filter(|&i| visible[i] > k[i])
         .map_init(Vec::new, |excluded: &mut Vec<i32>, i| {
             let (p, s) = (prod.get(i)?, shadow.get(i)?);
-            let margin = match (band[i], churn_margin) {
-                (Some(b), Some(m)) => b.min(m),
+            let margin = match (band[i], band_factor) {
+                (Some(b), Some(f)) => b * f,
                 (Some(b), None) => b,
                 // No band: no boundary list can hold a key, whatever the margin.
                 (None, _) => -1.0,

@@ -8,8 +8,8 @@
 //! what v1's full lists give for the same selections.
 //!
 //! The lists ([`LIST_COLUMNS`]: differences and boundary candidates) are read
-//! only where the counts cannot answer: a churn margin narrower than a row's
-//! band (churn recounted within it from the candidates' offsets), or a row
+//! only where the counts cannot answer: a churn band other than a row's
+//! recorded one (churn recounted within it from the candidates' offsets), or a row
 //! with a band whose churn the producer left null because one path listed no
 //! candidates (what the other path's list shows is removed, as v1 does, and
 //! the row stays churn unknown). [`needs_lists`] says when.
@@ -111,14 +111,14 @@ impl<'a> Summary<'a> {
         })
     }
 
-    /// Whether row `i` needs its lists to answer `churn_margin`.
-    fn needs_lists(&self, i: usize, churn_margin: Option<f32>) -> bool {
+    /// Whether row `i` needs its lists to answer `band_factor`.
+    fn needs_lists(&self, i: usize, band_factor: Option<f32>) -> bool {
         let Some(band) = self.band[i] else {
             // No band: no candidate was recorded, whatever the margin.
             return false;
         };
         self.informative(i)
-            && (self.recorded_churn(i).is_none() || churn_margin.is_some_and(|m| m < band))
+            && (self.recorded_churn(i).is_none() || band_factor.is_some_and(|f| f * band != band))
     }
 }
 
@@ -129,18 +129,18 @@ fn count(v: i32) -> usize {
 }
 
 /// Whether some row of a summary frame ([`SUMMARY_COLUMNS`]) needs
-/// [`LIST_COLUMNS`] too for `churn_margin`.
+/// [`LIST_COLUMNS`] too for `band_factor`.
 ///
 /// # Errors
 /// When a summary column is missing or has an unexpected layout.
 pub fn needs_lists(
     frame: &polars::prelude::DataFrame,
-    churn_margin: Option<f32>,
+    band_factor: Option<f32>,
 ) -> Result<bool, AnalyzeError> {
     // Row group by row group: a part's columns hold one chunk per row group.
     for chunk in frame.clone().split_chunks() {
         let s = Summary::of(&chunk)?;
-        if (0..chunk.height()).any(|i| s.needs_lists(i, churn_margin)) {
+        if (0..chunk.height()).any(|i| s.needs_lists(i, band_factor)) {
             return Ok(true);
         }
     }
@@ -214,15 +214,16 @@ fn recount_churn(lists: &Lists<'_>, i: usize, margin: f32, s: &mut Scratch) -> (
 }
 
 /// Per-row overlap of a v2 `topk` frame: [`SUMMARY_COLUMNS`], plus
-/// [`LIST_COLUMNS`] where [`needs_lists`] says so. `churn_margin` caps the
-/// recorded band, as for v1.
+/// [`LIST_COLUMNS`] where [`needs_lists`] says so. `band_factor` scales
+/// each row's recorded band, as for v1 (the caller has checked it against
+/// how far the lists reach).
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout, or a row needs the
 /// lists and the frame lacks them.
 pub fn row_overlaps(
     frame: &polars::prelude::DataFrame,
-    churn_margin: Option<f32>,
+    band_factor: Option<f32>,
 ) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
     let s = Summary::of(frame)?;
     let lists = if frame.column(c::PROD_ONLY_GAPS).is_ok() {
@@ -249,10 +250,10 @@ pub fn row_overlaps(
             left_out.push(skip(false));
             continue;
         };
-        let (churn, churn_unknown) = match (s.band[i], s.needs_lists(i, churn_margin), &lists) {
+        let (churn, churn_unknown) = match (s.band[i], s.needs_lists(i, band_factor), &lists) {
             (None, _, _) => (ChurnCounts::default(), true),
             (Some(band), true, Some(lists)) => {
-                let margin = churn_margin.map_or(band, |m| m.min(band));
+                let margin = band_factor.map_or(band, |f| f * band);
                 let (churn, complete) = recount_churn(lists, i, margin, &mut scratch);
                 (churn, !complete)
             }

@@ -206,7 +206,8 @@ def compare_masks(
     shadow_kth: torch.Tensor | None,
     visible: torch.Tensor,
     k: int,
-    band: float | None,
+    band: torch.Tensor | None,
+    stored: float,
     sampled: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One pass over a chunk of `selection.compare`'s rows: from the selections' masks prod
@@ -215,7 +216,8 @@ def compare_masks(
     entries per row [L, rows] int32, `selection`'s seven counts [7, rows] int32 (zero where
     they do not apply) and production's best score left out of its selection [rows] (NaN
     when a left-out score is NaN, as torch's amax gives; -inf without prod_scores).
-    Boundary candidates need `band`; churn counts need both paths' scores and a band."""
+    Boundary candidates need `band` [rows] (in scores; NaN: none), the lists reaching
+    `stored` times it; churn counts, within the band, need both paths' scores and a band."""
     rows, keys = prod.shape
     device = prod.device
     # the kernel walks each row with unit stride
@@ -242,7 +244,8 @@ def compare_masks(
             zeros if shadow_kth is None else shadow_kth.float().contiguous(),
             visible.to(torch.int64).contiguous(),
             as_bytes(keep),
-            stacked, counts, ints, left, rows, keys, k, 0.0 if band is None else band,
+            zeros if band is None else band.float().contiguous(), stored,
+            stacked, counts, ints, left, rows, keys, k,
             prod.stride(0), prod.stride(0) if shadow is None else shadow.stride(0),
             0 if prod_scores is None else prod_scores.stride(0),
             0 if shadow_scores is None else shadow_scores.stride(0),
@@ -418,7 +421,7 @@ def _compare_kernel() -> Any:
 
     @triton.jit
     def compare_kernel(prod_ptr, shadow_ptr, ps_ptr, ss_ptr, pk_ptr, sk_ptr, vis_ptr, sampled_ptr,
-                       lists_ptr, counts_ptr, ints_ptr, left_ptr, R, KEYS, k, band,
+                       band_ptr, stored, lists_ptr, counts_ptr, ints_ptr, left_ptr, R, KEYS, k,
                        stride_p, stride_s, stride_ps, stride_ss,
                        HAS_SHADOW: tl.constexpr, HAS_PS: tl.constexpr, HAS_SS: tl.constexpr,
                        HAS_BAND: tl.constexpr, CHURN: tl.constexpr,
@@ -432,6 +435,8 @@ def _compare_kernel() -> Any:
         pk = tl.load(pk_ptr + row)
         sk = tl.load(sk_ptr + row)
         keep = tl.load(sampled_ptr + row) != 0
+        band = tl.load(band_ptr + row)
+        reach = band * stored
         nothing = tl.zeros([BLOCK], dtype=tl.int1)
         zero = tl.zeros([BLOCK], dtype=tl.int32)
         n_p, n_s, both, c_both, c_p, c_s, c_none = zero, zero, zero, zero, zero, zero, zero
@@ -447,22 +452,28 @@ def _compare_kernel() -> Any:
                 s = tl.load(shadow_ptr + r64 * stride_s + col, mask=ok, other=0) != 0
             near_p = nothing
             near_s = nothing
+            churn_p = nothing
+            churn_s = nothing
             if HAS_PS:
                 ps = tl.load(ps_ptr + r64 * stride_ps + col, mask=ok, other=float("-inf"))
                 out = (~p) & ok
                 nan_left += (out & (ps != ps)).to(tl.int32)
                 best = tl.maximum(best, tl.where(out & (ps == ps), ps, float("-inf")))
                 if HAS_BAND:
-                    near_p = tl.where(sparse, (tl.abs(ps - pk) <= band) & ok, nothing)
+                    dp = tl.abs(ps - pk)
+                    near_p = tl.where(sparse, (dp <= reach) & ok, nothing)
+                    churn_p = near_p & (dp <= band)
             if HAS_SS and HAS_BAND:
                 ss = tl.load(ss_ptr + r64 * stride_ss + col, mask=ok, other=float("-inf"))
-                near_s = tl.where(sparse, (tl.abs(ss - sk) <= band) & ok, nothing)
+                ds = tl.abs(ss - sk)
+                near_s = tl.where(sparse, (ds <= reach) & ok, nothing)
+                churn_s = near_s & (ds <= band)
             n_p += p.to(tl.int32)
             if HAS_SHADOW:
                 n_s += s.to(tl.int32)
                 both += (p & s).to(tl.int32)
             if CHURN:
-                churn = near_p | near_s
+                churn = churn_p | churn_s
                 c_both += (churn & p & s).to(tl.int32)
                 c_p += (churn & p & ~s).to(tl.int32)
                 c_s += (churn & s & ~p).to(tl.int32)

@@ -18,9 +18,15 @@ Definitions, as DESIGN.md and the topk table give them:
   (engines pad with -1; HF's short rows also pick masked keys), each counted once;
 - a row is dense when it sees at most k keys; its k-th scores, margins, boundary lists and
   churn counts are null;
-- a key is a boundary candidate of a path when its score is finite and lies within the band
-  of that path's k-th score (a NaN k-th score has none); churn keys are the candidates of
-  either path;
+- a row's band is relative (`SHADOWTRACE_BOUNDARY_BAND`, a fraction): in scores, the band
+  times the row's score scale, the mean |score| of the reference path's top-k (the shadow's
+  where one ran, production's otherwise; finite scores only), so that one band means the same
+  on every model whatever its scores' magnitude; a row whose scale is not finite has no band
+  (null: churn unknown);
+- a key is a churn key of a path when its score is finite and lies within the row's band of
+  that path's k-th score (a NaN k-th score has none); the boundary lists hold each path's keys
+  within `STORED` times the band, so a reader can widen the band up to that as well as
+  narrow it; churn keys are those of either path;
 - Jaccard = shared / (prod_selected + shadow_selected - shared), 1 when both are empty; the
   churn-free Jaccard removes the churn keys from both selections first. Churn, and so the
   churn-free Jaccard, is known only with both paths' boundary candidates (production's
@@ -55,13 +61,23 @@ from shadowtrace_hooks.transfer import Later, Packet
 # the wrong tokens puts most keys far below it (hooks/tests/test_capture_check.py).
 CHECK_TOLERANCE = 1e-3
 
+# How far beyond the churn band the boundary lists reach: the analyzer can widen the band up
+# to this many times without the lists running out (`shadowtrace analyze --churn-band`). Two:
+# the candidates grow about linearly with the band, and a trace's volume goal (issue 14) has
+# room for twice the lists, not four times.
+STORED = 2.0
+
+# What a relative band multiplies, as the manifest names it (settings.boundary_band_scale;
+# schemas/v2/topk.json's boundary_band): its presence says the band is relative.
+BAND_SCALE = "mean_abs_reference_topk_score"
+
 # Elements of one [rows, keys] mask: rows are compared in chunks of at most this many, which
 # bounds the comparison's device memory whatever the prompt length.
 CHUNK_ELEMENTS = 1 << 25
 _INTS = ("prod_selected", "shadow_selected", "shared", "churn_shared", "churn_prod_only",
          "churn_shadow_only", "churn_unselected")  # fmt: skip
 _FLOATS = ("prod_kth_score", "prod_kth_margin", "shadow_kth_score", "shadow_kth_margin", "jaccard",
-           "jaccard_no_churn")  # fmt: skip
+           "jaccard_no_churn", "boundary_band")  # fmt: skip
 
 
 class ListsLost(RuntimeError):
@@ -92,7 +108,7 @@ class Compared:
     lists: tuple[str, ...]  # which lists were computed, in their order in each chunk
     has_prod_scores: bool
     has_shadow: bool
-    band: float | None
+    band: float | None  # relative: a fraction of each row's score scale
     check: bool = False  # whether the chunks carry the capture self-check
     check_tolerance: float = CHECK_TOLERANCE
     check_tail: bool = False
@@ -115,13 +131,23 @@ def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torc
     return mask[:, :keys]
 
 
-def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k-th score, its margin to the (k+1)-th, top-k key indices) of each row."""
+def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k-th score, its margin to the (k+1)-th, top-k key indices, score scale) of each row."""
     take = min(k + 1, scores.shape[1])
     values, idx = scores.topk(take, dim=-1)
     kth = values[:, min(k, take) - 1]
     margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
-    return kth, margin, idx[:, :k]
+    return kth, margin, idx[:, :k], score_scale(values[:, :k])
+
+
+def score_scale(top: torch.Tensor) -> torch.Tensor:
+    """[rows] the mean |score| of each row's top-k scores `top` [rows, k], finite ones only
+    (NaN where none is): the scale a relative band multiplies. A mean, not the largest: one
+    attention-sink key scored far above the rest would otherwise set the band for the keys at
+    the k-th score, whose rounding error is that of scores like theirs."""
+    top = top.float()
+    finite = torch.isfinite(top)
+    return torch.where(finite, top.abs(), 0.0).sum(-1) / finite.sum(-1)
 
 
 def _kth_from_top(
@@ -137,10 +163,10 @@ def _kth_from_top(
     return kth, kth - best_left_out
 
 
-def _near(scores: torch.Tensor, kth: torch.Tensor, band: float, sparse: torch.Tensor) -> torch.Tensor:
-    # No isfinite test: a non-finite score, or a non-finite k-th score, puts an infinite or
-    # NaN distance there, which is never within a finite band.
-    return ((scores - kth[:, None]).abs_() <= band) & sparse[:, None]
+def _near(scores: torch.Tensor, kth: torch.Tensor, band: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    # No isfinite test: a non-finite score, a non-finite k-th score or a NaN band (no scale)
+    # puts an infinite or NaN distance or bound there, which is never within.
+    return ((scores - kth[:, None]).abs_() <= band[:, None]) & sparse[:, None]
 
 
 def compare(
@@ -162,7 +188,8 @@ def compare(
     """Compares production's selection `prod_topk` [T, n] (keys by position, any padding)
     with the top-k of `shadow_scores` [T, keys] (-inf where masked), query t seeing keys
     s <= q_pos[t]. `prod_scores` (production's recomputed scores) give its k-th score,
-    margin and boundary candidates; `sampled` [T] bool marks rows whose full production
+    margin and boundary candidates; `band` is relative (a fraction of each row's
+    `score_scale`; module docs); `sampled` [T] bool marks rows whose full production
     list is kept. `prod_top_values` [T, k]: the scores production's own top-k call returned
     with `prod_topk`, when `prod_scores` are that call's input (captured, not recomputed);
     its k-th score is then read from them instead of a second top-k. With `check`, and
@@ -237,12 +264,12 @@ def _compare_chunk(
     ints = dict.fromkeys(_INTS, zero)
     floats = dict.fromkeys(_FLOATS, nan)
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scores, k-th, selection
-    prod_kth = None
+    prod_kth = scale = None
     if prod_scores is not None:
         if prod_top_values is None:
-            prod_kth, floats["prod_kth_margin"], _ = _kth(prod_scores, k)
+            prod_kth, floats["prod_kth_margin"], _, scale = _kth(prod_scores, k)
         else:
-            prod_kth = prod_top_values[:, k - 1].float()
+            prod_kth, scale = prod_top_values[:, k - 1].float(), score_scale(prod_top_values)
         floats["prod_kth_score"] = prod_kth
         paths["prod_boundary"] = (prod_scores, prod_kth, prod)
     check = None
@@ -256,15 +283,19 @@ def _compare_chunk(
         )
     shadow = shadow_kth = None
     if shadow_scores is not None:
-        shadow_kth, floats["shadow_kth_margin"], chosen = _kth(shadow_scores, k)
+        # the reference path's scale where there is one: production's own cannot widen its band
+        shadow_kth, floats["shadow_kth_margin"], chosen, scale = _kth(shadow_scores, k)
         shadow = _membership(chosen, visible, keys)
         floats["shadow_kth_score"] = shadow_kth
         paths["shadow_boundary"] = (shadow_scores, shadow_kth, shadow)
+    band = None
+    if spec.band is not None and scale is not None:
+        band = floats["boundary_band"] = spec.band * scale
     done, _ = kernels.attempt(
         "compare_masks", prod,
         lambda: kernels.compare_masks(
             spec.lists, prod, shadow, prod_scores, shadow_scores, prod_kth, shadow_kth,
-            visible, k, spec.band, sampled,
+            visible, k, band, STORED, sampled,
         ),
     )  # fmt: skip
     if done is not None:
@@ -282,13 +313,14 @@ def _compare_chunk(
         both = prod & shadow
         ints["shared"] = both.sum(-1, dtype=torch.int32)
         masks["prod_only"], masks["shadow_only"] = prod & ~shadow, shadow & ~both
-    if spec.band is not None:
+    if band is not None:
         for name, (scores, kth, _) in paths.items():
-            masks[name] = _near(scores, kth, spec.band, sparse)
+            masks[name] = _near(scores, kth, STORED * band, sparse)
     if spec.churn:
+        assert band is not None
         churn = torch.zeros_like(prod)
-        for name in paths:
-            churn |= masks[name]
+        for scores, kth, _ in paths.values():
+            churn |= _near(scores, kth, band, sparse)
         in_prod, in_shadow = churn & prod, churn & shadow
         ints["churn_shared"] = (in_prod & shadow).sum(-1, dtype=torch.int32)
         ints["churn_prod_only"] = (in_prod & ~shadow).sum(-1, dtype=torch.int32)
@@ -437,6 +469,9 @@ def columns(
     def scalar(values: np.ndarray, null: np.ndarray) -> np.ndarray:
         return np.ma.masked_array(values, mask=null) if null.any() else values
 
+    # A row without a finite band (no finite score among the reference's top-k) has no
+    # candidates and no churn: null, never a count of zero.
+    unbanded = dense | ~np.isfinite(floats[6])
     if spec.has_prod_scores:
         cols["prod_kth_score"] = scalar(floats[0], dense)
         cols["prod_kth_margin"] = scalar(floats[1], dense)
@@ -447,10 +482,10 @@ def columns(
         cols["jaccard"] = floats[4]
         if spec.churn:
             for i, name in enumerate(_INTS[3:], start=3):
-                cols[name] = scalar(ints[i], dense)
-            cols["jaccard_no_churn"] = floats[5]
+                cols[name] = scalar(ints[i], unbanded)
+            cols["jaccard_no_churn"] = scalar(floats[5], unbanded & ~dense)
     if spec.band is not None and (spec.has_prod_scores or spec.has_shadow):
-        cols["boundary_band"] = spec.band
+        cols["boundary_band"] = scalar(floats[6], unbanded)
     # Each list's entries sit in every chunk as one run, in `spec.lists` order.
     pieces: dict[str, list] = {name: [[], [], [], []] for name in spec.lists}
     for chunk in spec.chunks:
@@ -471,7 +506,7 @@ def columns(
             cols["prod_gaps"] = _list_column(gap_values, per_row, None if sampled is None else ~sampled)
         else:
             path = name.removesuffix("_boundary")
-            cols[f"{path}_boundary_gaps"] = _list_column(gap_values, per_row, dense)
-            cols[f"{path}_boundary_offsets"] = _list_column(np.concatenate(offsets), per_row, dense)
-            cols[f"{path}_boundary_selected"] = _list_column(np.concatenate(selected), per_row, dense)
+            cols[f"{path}_boundary_gaps"] = _list_column(gap_values, per_row, unbanded)
+            cols[f"{path}_boundary_offsets"] = _list_column(np.concatenate(offsets), per_row, unbanded)
+            cols[f"{path}_boundary_selected"] = _list_column(np.concatenate(selected), per_row, unbanded)
     return cols

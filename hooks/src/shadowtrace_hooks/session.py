@@ -157,6 +157,8 @@ class Settings:
             "sites": self.values["SHADOWTRACE_SITES"],
             "tokens": self.tokens,
             "boundary_band": self.band,
+            "boundary_band_scale": selection.BAND_SCALE,
+            "boundary_stored": self.band * selection.STORED,
             "logits_top_n": self.top_n,
             "topk_lists": self.topk_lists,
         }

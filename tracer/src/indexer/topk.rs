@@ -29,6 +29,10 @@ pub struct TopkSelection {
     pub kth_margin: Tensor,
     /// `[T]` bool: at most k visible keys, so the row selects all of them.
     pub dense: Tensor,
+    /// `[T]` fp32 mean |score| of the row's top-k, finite scores only: what a
+    /// relative band multiplies (`shadowtrace_schemas::selection::BAND_SCALE`);
+    /// NaN for a dense row and where no top-k score is finite.
+    pub score_scale: Tensor,
 }
 
 /// Selects the top `k` keys of each row of `scores` `[T, S]`, where row t
@@ -79,7 +83,8 @@ pub fn topk_with_margin(
             return Ok(TopkSelection {
                 indices: dense_indices,
                 kth_score: nan.f_detach_copy()?,
-                kth_margin: nan,
+                kth_margin: nan.f_detach_copy()?,
+                score_scale: nan,
                 dense,
             });
         }
@@ -104,10 +109,20 @@ pub fn topk_with_margin(
         let kth = values.f_select(1, k - 1)?;
         let margin = kth.f_sub(&values.f_select(1, k)?)?;
         let sparse_indices = indices.f_narrow(1, 0, k)?;
+        // A mean, not the largest: one sink key far above the rest would set
+        // the band of the keys at the k-th score. Dense rows hold NaN: 0 / 0.
+        let top = values.f_narrow(1, 0, k)?;
+        let finite = top.f_isfinite()?;
+        let scale = top
+            .f_abs()?
+            .f_where_self(&finite, &top.f_zeros_like()?)?
+            .f_sum_dim_intlist(1, false, Kind::Float)?
+            .f_div(&finite.f_sum_dim_intlist(1, false, Kind::Float)?)?;
         Ok(TopkSelection {
             indices: dense_indices.f_where_self(&dense.f_unsqueeze(1)?, &sparse_indices)?,
             kth_score: nan.f_where_self(&dense, &kth)?,
             kth_margin: nan.f_where_self(&dense, &margin)?,
+            score_scale: nan.f_where_self(&dense, &scale)?,
             dense,
         })
     };
@@ -130,7 +145,8 @@ impl TopkSelection {
     }
 
     /// Row `t` in the stored form: valid indices ascending; with `band`, the
-    /// keys whose score in `scores` lies within `band` of the k-th score.
+    /// keys whose score in `scores` lies within `band` (in scores) of the
+    /// k-th score.
     ///
     /// # Errors
     /// When `t` is out of range or libtorch fails.
@@ -163,11 +179,16 @@ impl TopkSelection {
 
 impl TopkSelection {
     /// Every row in the stored form, as [`TopkSelection::row`] gives them,
-    /// with a handful of transfers instead of several per row.
+    /// with a handful of transfers instead of several per row; `band` `[T]`
+    /// in scores, row by row (NaN: no key is near).
     ///
     /// # Errors
     /// When libtorch fails.
-    pub fn rows(&self, scores: &Tensor, band: Option<f32>) -> Result<Vec<Selection>, TraceError> {
+    pub fn rows(
+        &self,
+        scores: &Tensor,
+        band: Option<&Tensor>,
+    ) -> Result<Vec<Selection>, TraceError> {
         let run = || -> Result<Vec<Selection>, tch::TchError> {
             let cpu = tch::Device::Cpu;
             let size = self.indices.size();
@@ -180,11 +201,11 @@ impl TopkSelection {
             let mut boundary: Vec<Boundary> = vec![Boundary::default(); t];
             if let Some(band) = band {
                 // NaN k-th scores (dense rows, and sparse rows whose scores
-                // are NaN) compare false: no key is near them.
+                // are NaN) and NaN bands compare false: no key is near them.
                 let near = scores
                     .f_sub(&self.kth_score.f_unsqueeze(1)?)?
                     .f_abs()?
-                    .f_le(f64::from(band))?;
+                    .f_le_tensor(&band.f_unsqueeze(1)?)?;
                 let at = Vec::<i64>::try_from(flat(&near.f_nonzero()?)?)?;
                 let values = Vec::<f32>::try_from(flat(&scores.f_masked_select(&near)?)?)?;
                 for (pair, value) in at.chunks(2).zip(values) {
@@ -245,7 +266,9 @@ mod tests {
             .view([2, 4]);
         let visible = Tensor::from_slice(&[1_i64, 4]);
         let selection = topk_with_margin(&scores, 2, &visible).unwrap();
-        let rows = selection.rows(&scores, Some(0.5)).unwrap();
+        let rows = selection
+            .rows(&scores, Some(&Tensor::from_slice(&[0.5_f32, 0.5])))
+            .unwrap();
         let one = selection.row(1, &scores, Some(0.5)).unwrap();
         for (what, sparse) in [("rows", &rows[1]), ("row", &one)] {
             assert!(

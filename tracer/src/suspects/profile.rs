@@ -6,7 +6,8 @@
 //! - top-k: per query row with more visible keys than k, the Jaccard of
 //!   production's selection against the fp32 reference indexer's on the
 //!   same layer input (the `local` shadow's, as a traced run records it),
-//!   boundary churn within the band excluded; per layer the mean over those
+//!   boundary churn within the band excluded (relative: the band times the
+//!   reference row's score scale, as a trace records it); per layer the mean over those
 //!   rows ([`crate::indexer::TopkSelection::rows`],
 //!   [`shadowtrace_schemas::selection::row_overlap`]);
 //! - hidden: per token the relative L2 error of the layer output against the
@@ -19,7 +20,7 @@
 //!   of the last tokens ([`shadowtrace_schemas::stats::agreement`]).
 
 use serde::Serialize;
-use shadowtrace_schemas::selection::{RowSide, row_overlap};
+use shadowtrace_schemas::selection::{BAND_STORED, RowSide, row_overlap};
 use shadowtrace_schemas::stats::{Agreement, Summary};
 use tch::{Kind, Tensor};
 
@@ -133,10 +134,14 @@ pub struct Rows {
     pub dense: usize,
     /// The informative rows, from row k on, in order.
     pub informative: Vec<Selection>,
+    /// Their score scales (mean |score| of the row's top-k), what a relative
+    /// band multiplies.
+    pub scales: Vec<f32>,
 }
 
 /// One layer's selection as rows: keys, k-th scores and the boundary keys
-/// within `band`, for the rows with more than `k` visible keys (the
+/// within `band` (relative to each row's own score scale; the lists reach
+/// [`BAND_STORED`] times it), for the rows with more than `k` visible keys (the
 /// others select everything and carry no information). `scores` `[S, S]`
 /// (fp32, -inf masked) and the keys the layer attended to, `topk`
 /// `[S, min(k, S)]`. Each row is what the whole layer's selection gives
@@ -156,16 +161,31 @@ pub fn selection_rows(
         return Ok(Rows {
             dense: s as usize,
             informative: Vec::new(),
+            scales: Vec::new(),
         });
     }
     let (scores, topk) = (scores.narrow(0, k, s - k), topk.narrow(0, k, s - k));
     let visible = Tensor::arange_start(k + 1, s + 1, (Kind::Int64, scores.device()));
-    let informative = topk_with_margin(&scores, k, &visible)?
-        .attended(&topk)
-        .rows(&scores, Some(band))?;
+    let selection = topk_with_margin(&scores, k, &visible)?.attended(&topk);
+    let torch = |source| TraceError::Torch {
+        op: "selection_rows",
+        source,
+    };
+    let reach = selection
+        .score_scale
+        .f_mul_scalar(f64::from(band * BAND_STORED))
+        .map_err(torch)?;
+    let scales = Vec::<f32>::try_from(
+        selection
+            .score_scale
+            .f_to_device(tch::Device::Cpu)
+            .map_err(torch)?,
+    )
+    .map_err(torch)?;
     Ok(Rows {
         dense: dense as usize,
-        informative,
+        informative: selection.rows(&scores, Some(&reach))?,
+        scales,
     })
 }
 
@@ -182,6 +202,9 @@ fn side(row: &Selection) -> RowSide<'_> {
 
 /// Mean churn-free and churn-included Jaccard of `prod` against `reference`
 /// over the informative rows, and the informative and dense row counts.
+/// Churn lies within `band` times the reference row's score scale, as a
+/// trace's churn does (production's lists reach that wherever its own scale
+/// is at least half the reference's).
 #[must_use]
 pub fn mean_jaccard(
     prod: &Rows,
@@ -190,8 +213,13 @@ pub fn mean_jaccard(
 ) -> (Option<f64>, Option<f64>, usize, usize) {
     let mut scratch = Vec::new();
     let (mut clean, mut all) = (Vec::new(), Vec::new());
-    for (p, r) in prod.informative.iter().zip(&reference.informative) {
-        let (with, without) = row_overlap(side(p), side(r), band, &mut scratch);
+    for ((p, r), scale) in prod
+        .informative
+        .iter()
+        .zip(&reference.informative)
+        .zip(&reference.scales)
+    {
+        let (with, without) = row_overlap(side(p), side(r), band * scale, &mut scratch);
         all.push(with.jaccard());
         clean.push(without.jaccard());
     }

@@ -458,7 +458,7 @@ mod tests {
             layers: 3,
             prod: ProdLinears::Fp8,
             base: "none".to_owned(),
-            band: 1e-3,
+            band: 1e-4,
             paths: cells.iter().map(|c| c.path.clone()).collect(),
             not_run: Vec::new(),
             cells,

@@ -97,7 +97,7 @@ impl Report {
                 thresholds.hidden
             ),
             format!(
-                "top-k divergence: first layer whose mean Jaccard against the fp32 indexer on the same layer input (churn within {:e} of the k-th score excluded; rows with at most {} visible keys left out) falls below {}",
+                "top-k divergence: first layer whose mean Jaccard against the fp32 indexer on the same layer input (churn within {:e} of each row's score scale, the mean |score| of the reference's top-k, of the k-th score excluded; rows with at most {} visible keys left out) falls below {}",
                 sweep.band, sweep.index_topk, thresholds.topk
             ),
             "first divergence: the earliest of the non-finite onset, the hidden and the top-k divergence".to_owned(),

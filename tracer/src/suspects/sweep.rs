@@ -136,7 +136,8 @@ pub struct SweepOptions {
     pub base: Option<Fp8Indexer>,
     /// Its name, for the report.
     pub base_name: String,
-    /// Boundary band around the k-th score: churn within it is excluded.
+    /// Boundary band around the k-th score, relative to each row's score
+    /// scale (as `SHADOWTRACE_BOUNDARY_BAND`): churn within it is excluded.
     pub band: f32,
     /// Top-N of each logits row.
     pub top_n: i64,
@@ -148,7 +149,7 @@ impl Default for SweepOptions {
             prod: ProdLinears::Fp8,
             base: None,
             base_name: "none".to_owned(),
-            band: 1e-3,
+            band: 1e-4,
             top_n: 20,
         }
     }

@@ -194,7 +194,7 @@ fn identity(
     let c = &model.config;
     let mut settings = serde_json::Map::new();
     settings.insert("fp8_indexer".to_owned(), "none".into());
-    settings.insert("boundary_band".to_owned(), f64::from(opts.band).into());
+    super::band_settings(&mut settings, opts.band);
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),

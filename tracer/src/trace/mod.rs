@@ -25,6 +25,7 @@ use shadowtrace_schemas::manifest::{
 };
 
 use shadowtrace_schemas::Convention;
+use shadowtrace_schemas::selection::{BAND_SCALE, BAND_STORED};
 
 use crate::identity::{config_hash, default_device, directory_salt, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
@@ -427,9 +428,25 @@ fn record_topk(
         .shadow
         .map(|(sc, topk)| topk_with_margin(sc, k, &visible).map(|sel| sel.attended(topk)))
         .transpose()?;
-    let prod_rows = prod.rows(prod_scores, Some(band))?;
+    // The relative band in scores, row by row: times the reference's score
+    // scale (the shadow's where there is one: production's own, scaled or NaN
+    // by the fault being traced, must not widen its band).
+    let scale = &shadow.as_ref().unwrap_or(&prod).score_scale;
+    let (bands, reach) = (|| -> Result<(Vec<f32>, Tensor), tch::TchError> {
+        let bands = scale.f_mul_scalar(f64::from(band))?;
+        let reach = bands.f_mul_scalar(f64::from(BAND_STORED))?;
+        Ok((
+            Vec::<f32>::try_from(bands.f_to_device(tch::Device::Cpu)?)?,
+            reach,
+        ))
+    })()
+    .map_err(|source| TraceError::Torch {
+        op: "boundary band",
+        source,
+    })?;
+    let prod_rows = prod.rows(prod_scores, Some(&reach))?;
     let mut shadow_rows = match (&shadow, shadow_scores) {
-        (Some(sel), Some(sc)) => sel.rows(sc, Some(band))?.into_iter().map(Some).collect(),
+        (Some(sel), Some(sc)) => sel.rows(sc, Some(&reach))?.into_iter().map(Some).collect(),
         _ => vec![None; prod_rows.len()],
     };
     for (t, prod_row) in prod_rows.into_iter().enumerate() {
@@ -445,10 +462,22 @@ fn record_topk(
             visible: ((t + 1) / i64::from(unit.tokens)) as i32,
             prod: prod_row,
             shadow: shadow_row,
-            boundary_band: Some(band),
+            // a dense row, or no finite score to scale by: no band, churn unknown
+            boundary_band: Some(bands[t as usize]).filter(|b| b.is_finite()),
         });
     }
     Ok(())
+}
+
+/// The manifest's record of a relative boundary band `band`: the band, what
+/// it is relative to, and how far the boundary lists reach (relative too).
+pub(crate) fn band_settings(settings: &mut serde_json::Map<String, serde_json::Value>, band: f32) {
+    settings.insert("boundary_band".to_owned(), f64::from(band).into());
+    settings.insert("boundary_band_scale".to_owned(), BAND_SCALE.into());
+    settings.insert(
+        "boundary_stored".to_owned(),
+        (f64::from(band) * f64::from(BAND_STORED)).into(),
+    );
 }
 
 /// The prompt-hash salt of the directory `run_dir` lies in
@@ -494,7 +523,7 @@ fn identity(
         "fp8_indexer".to_owned(),
         opts.fp8_indexer_name.clone().into(),
     );
-    settings.insert("boundary_band".to_owned(), f64::from(opts.band).into());
+    band_settings(&mut settings, opts.band);
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),

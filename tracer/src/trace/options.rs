@@ -99,7 +99,7 @@ impl TraceOptions {
             layers: None,
             sites: None,
             tokens_setting: serde_json::json!({"kind": "all"}),
-            band: 1e-3,
+            band: 1e-4,
             top_n: 20,
             prod: Numerics::Fp8,
             fp8_indexer: Some(Fp8Indexer::trtllm()),
@@ -182,7 +182,7 @@ impl TraceOptions {
         o.band = v
             .get("SHADOWTRACE_BOUNDARY_BAND")
             .and_then(Value::as_f64)
-            .unwrap_or(1e-3) as f32;
+            .unwrap_or(1e-4) as f32;
         o.top_n = v
             .get("SHADOWTRACE_LOGITS_TOP_N")
             .and_then(Value::as_i64)

@@ -153,12 +153,7 @@ fn limits(
 }
 
 fn churn_text(t: &Thresholds) -> String {
-    match t.churn_margin {
-        Some(m) => {
-            format!("churn within {m:e} of the k-th score (at most the recorded band) excluded")
-        }
-        None => "churn within the recorded band excluded".to_owned(),
-    }
+    crate::verdict::churn_rule(t.churn_band)
 }
 
 /// Mean churn-free Jaccard per layer, one line per grid group (each run's
