@@ -3,7 +3,7 @@
 //! comes from here.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use polars::prelude::DataFrame;
 use rayon::prelude::*;
@@ -40,6 +40,9 @@ pub struct Options {
     pub group_by: Vec<String>,
     /// Fail on the first bad run instead of skipping it.
     pub strict: bool,
+    /// Where the top-k summary check's results are remembered per part file
+    /// ([`crate::metrics::check_memo`]); `None`: every part is checked.
+    pub check_memo: Option<PathBuf>,
 }
 
 /// The default grouping of the grid.
@@ -264,7 +267,7 @@ pub fn analyze(
         })?;
         skipped.extend(dataset.skipped.iter().map(|e| format!("baseline {e}")));
         for (i, run) in dataset.runs.iter().enumerate() {
-            let a = analyze_run(run, t, None)?;
+            let a = analyze_run(run, t, None, options.check_memo.as_deref())?;
             // Matched by the manifest's model name, whatever a user tag says.
             let model = run.manifest.identity.model.name.clone();
             floors
@@ -279,7 +282,12 @@ pub fn analyze(
     let mut runs = Vec::with_capacity(dataset.runs.len());
     for (i, run) in dataset.runs.iter().enumerate() {
         let model = run.manifest.identity.model.name.clone();
-        runs.push(analyze_run(run, t, floors.get(&model))?);
+        runs.push(analyze_run(
+            run,
+            t,
+            floors.get(&model),
+            options.check_memo.as_deref(),
+        )?);
         progress("analysing", i + 1, dataset.runs.len());
     }
     let runs = ranks::merge(runs, t, &floors);
@@ -304,7 +312,7 @@ pub fn analyze(
     })
 }
 
-/// Analyses one run.
+/// Analyses one run; `check_memo` as [`Options::check_memo`].
 ///
 /// # Errors
 /// When a table cannot be read or lacks a column.
@@ -312,6 +320,7 @@ pub fn analyze_run(
     run: &Run,
     t: &Thresholds,
     floor: Option<&NoiseFloor>,
+    check_memo: Option<&Path>,
 ) -> Result<RunAnalysis, AnalyzeError> {
     let parts: Vec<&PartFile> = run.files.get(&Table::Topk).into_iter().flatten().collect();
     type PartOverlaps = (
@@ -399,7 +408,7 @@ pub fn analyze_run(
 
     let (hidden_verdict, hidden_rule) = hidden_verdict(&hidden, t, floor);
     let (topk_verdict, topk_rule) = topk_verdict(&topk, t, floor);
-    let topk_summary_check = topk_check::check_run(run)?;
+    let topk_summary_check = topk_check::check_run(run, check_memo)?;
     let conventions = recorded_conventions(m);
     let convention_mismatches = convention_verdict(&conventions);
     let counters = judged::run_counters(m);

@@ -212,6 +212,7 @@ fn a_writer_run_s_summaries_agree_with_its_lists() {
     assert_eq!(
         check,
         SummaryCheck {
+            parts: 1,
             rows_checked: check.rows_checked,
             ..SummaryCheck::default()
         }
@@ -221,6 +222,81 @@ fn a_writer_run_s_summaries_agree_with_its_lists() {
             .unwrap()
             .is_none()
     );
+}
+
+fn checked_with_memo(dir: &Path, memo: &Path) -> SummaryCheck {
+    let options = Options {
+        check_memo: Some(memo.to_owned()),
+        ..Options::default()
+    };
+    let a = analyze(&[dir.to_owned()], &[], &options, |_, _, _| {}).unwrap();
+    a.runs[0].topk_summary_check.unwrap()
+}
+
+/// The memo's one entry, as JSON, and where it is.
+fn memo_entry(memo: &Path) -> (PathBuf, serde_json::Value) {
+    let entries: Vec<PathBuf> = std::fs::read_dir(memo)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(entries.len(), 1, "one entry per part: {entries:?}");
+    let text = std::fs::read(&entries[0]).unwrap();
+    (entries[0].clone(), serde_json::from_slice(&text).unwrap())
+}
+
+#[test]
+fn a_check_is_remembered_for_its_part_and_redone_once_the_part_or_the_definition_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, at) = run_with_lists(tmp.path(), TopkLists::None, |name, c, row| {
+        (name == "shared").then(|| with_i32(c, row, |v| v - 1))
+    });
+    let memo = tmp.path().join("memo");
+    let first = checked_with_memo(&dir, &memo);
+    assert_eq!((first.parts, first.parts_remembered), (1, 0));
+    assert_eq!((first.shared, first.first_disagreeing), (1, Some(at)));
+    let second = checked_with_memo(&dir, &memo);
+    assert_eq!(second.parts_remembered, 1, "the same bytes: remembered");
+    assert_eq!(
+        SummaryCheck {
+            parts_remembered: 0,
+            ..second
+        },
+        first,
+        "the remembered result is the checked one"
+    );
+    // What the memo says is what analyze reports while the part is the
+    // same: the part was not decoded again.
+    let (entry, mut json) = memo_entry(&memo);
+    json["check"]["shared"] = 7.into();
+    std::fs::write(&entry, serde_json::to_vec(&json).unwrap()).unwrap();
+    assert_eq!(checked_with_memo(&dir, &memo).shared, 7);
+    // The part touched (same bytes, a new modification time): checked again.
+    let part = topk_part(&dir);
+    let later =
+        std::fs::metadata(&part).unwrap().modified().unwrap() + std::time::Duration::from_secs(1);
+    File::options()
+        .write(true)
+        .open(&part)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let third = checked_with_memo(&dir, &memo);
+    assert_eq!((third.shared, third.parts_remembered), (1, 0));
+    // An entry of another check definition is not this check's result.
+    let (entry, mut json) = memo_entry(&memo);
+    json["check"]["shared"] = 7.into();
+    json["key"]["definition"] = "0 0.0.0".into();
+    std::fs::write(&entry, serde_json::to_vec(&json).unwrap()).unwrap();
+    let fourth = checked_with_memo(&dir, &memo);
+    assert_eq!((fourth.shared, fourth.parts_remembered), (1, 0));
+    // A memo that cannot be written (a file where its directory would be)
+    // costs a check every time, never a result.
+    let blocked = tmp.path().join("blocked");
+    std::fs::write(&blocked, b"not a directory").unwrap();
+    for _ in 0..2 {
+        let check = checked_with_memo(&dir, &blocked);
+        assert_eq!((check.shared, check.parts_remembered), (1, 0));
+    }
 }
 
 #[test]

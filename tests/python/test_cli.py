@@ -280,6 +280,29 @@ def test_the_churn_band_is_relative_and_narrows_or_widens_within_the_stored_list
     assert "its boundary lists reach 2e-4" in beyond.stderr, beyond.stderr
 
 
+def test_analyze_remembers_each_parts_summary_check_and_says_so(demo_run: Path, tmp_path: Path) -> None:
+    """The top-k summary check runs once per part (issue 28, item 6): a second analyze of the
+    same bytes takes it from the memo, prints how many parts it took, and gives the same
+    analysis; --recheck decodes every part again and prints nothing of the memo."""
+    run = tmp_path / demo_run.name
+    shutil.copytree(demo_run, run)
+    memo = tmp_path / "memo"
+    first = shadowtrace("analyze", run, "--format", "json", "--check-memo", memo)
+    assert first.returncode == 0, first.stderr
+    assert "remembered" not in first.stderr
+    second = shadowtrace("analyze", run, "--format", "json", "--check-memo", memo)
+    parts = len(list((run / "topk").glob("*.parquet")))
+    assert f"top-k summary check: {parts} of {parts} parts remembered" in second.stderr, second.stderr
+    analyses = [json.loads(out.stdout) for out in (first, second)]
+    checks = [a["runs"][0].pop("topk_summary_check") for a in analyses]
+    assert checks[1]["parts_remembered"] == parts
+    assert {**checks[1], "parts_remembered": 0} == checks[0]
+    assert analyses[0] == analyses[1], "the same analysis otherwise"
+    again = shadowtrace("analyze", run, "--format", "json", "--recheck")
+    assert "remembered" not in again.stderr
+    assert json.loads(again.stdout)["runs"][0]["topk_summary_check"] == checks[0]
+
+
 def test_demo_refuses_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: Path) -> None:
     """The suspects section runs after the grid: its arguments are checked before, not minutes
     into the demo; so is the folder of trained checkpoints."""

@@ -1,9 +1,10 @@
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::ValueEnum;
 use shadowtrace_analyzer::judged::{Question, why_not_judged};
+use shadowtrace_analyzer::metrics::check_memo;
 use shadowtrace_analyzer::report::{render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::verdict::{
     DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
@@ -86,6 +87,18 @@ pub(crate) struct AnalyzeArgs {
     /// manifest, instead of reporting and skipping it (or noting it).
     #[arg(long)]
     strict: bool,
+    /// Where the top-k summary check (every row's counts against its lists)
+    /// is remembered per part file, so a part unchanged since it was checked
+    /// (path, size, modification time and Parquet footer) is not decoded
+    /// again [default: $XDG_CACHE_HOME/shadowtrace/topk-checks, else
+    /// ~/.cache/shadowtrace/topk-checks]. How many parts were remembered is
+    /// printed; `inspect` always checks every part.
+    #[arg(long, value_name = "DIR")]
+    check_memo: Option<PathBuf>,
+    /// Check every top-k part's summary again, whatever the memo holds (and
+    /// leave the memo as it is).
+    #[arg(long, conflicts_with = "check_memo")]
+    recheck: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -137,6 +150,11 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
         },
         group_by: args.group_by.clone(),
         strict: args.strict,
+        check_memo: if args.recheck {
+            None
+        } else {
+            args.check_memo.clone().or_else(check_memo::default_dir)
+        },
     };
     let show_progress = std::io::stderr().is_terminal();
     let analysis = analyze(
@@ -169,6 +187,9 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     }
     for s in &analysis.skipped {
         eprintln!("warning: skipped {s}");
+    }
+    if let Some(line) = remembered_line(&analysis, options.check_memo.as_deref()) {
+        eprintln!("{line}");
     }
     if fails(&analysis, &args.fail_on) {
         return Ok(ExitCode::from(1));
@@ -219,6 +240,22 @@ fn questions(f: FailOn) -> &'static [Question] {
 
 /// One line per run and question asked for by `fail_on` whose verdict is
 /// not judged: `run r1: top-k divergence not judged: <why>`.
+/// One line saying how many top-k parts took their summary check from the
+/// memo, where any did: a result not decoded in this call is never silent.
+fn remembered_line(a: &Analysis, memo: Option<&Path>) -> Option<String> {
+    let (mut parts, mut remembered) = (0, 0);
+    for check in a.runs.iter().filter_map(|r| r.topk_summary_check.as_ref()) {
+        parts += check.parts;
+        remembered += check.parts_remembered;
+    }
+    (remembered > 0).then(|| {
+        format!(
+            "top-k summary check: {remembered} of {parts} parts remembered from an earlier check of the same bytes ({}; --recheck checks them again)",
+            memo.map_or_else(String::new, |m| m.display().to_string())
+        )
+    })
+}
+
 fn not_judged_lines(a: &Analysis, fail_on: &[FailOn]) -> Vec<String> {
     let mut asked: Vec<Question> = fail_on
         .iter()

@@ -1,6 +1,7 @@
 //! Metrics: one per file, each with its definition in the module docs.
 //! Producers record raw facts; every derived number is computed here.
 
+pub mod check_memo;
 pub mod hidden_error;
 pub mod logits;
 pub mod nonfinite;

@@ -23,13 +23,16 @@
 //! this check makes the drift a counted disagreement (`analyze`) and a
 //! problem (`inspect`).
 
+use std::path::Path;
+
 use rayon::prelude::*;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::columns::topk as c;
 use shadowtrace_schemas::selection::{
     BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
+use super::check_memo;
 use crate::load::{ListColumn, Nullable, PartFile, RowBatch, Run};
 use crate::{AnalyzeError, RunProblem};
 
@@ -66,7 +69,7 @@ pub const COLUMNS: [&str; 24] = [
 ];
 
 /// Where a row is: its step, layer and query token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RowAt {
     /// Forward step.
     pub step: i32,
@@ -77,8 +80,15 @@ pub struct RowAt {
 }
 
 /// Rows checked and the disagreements found, by check.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SummaryCheck {
+    /// Part files the check covers.
+    #[serde(default)]
+    pub parts: usize,
+    /// Of those, the parts whose result came from the memo of an earlier
+    /// check of the same bytes ([`super::check_memo`]), not decoded now.
+    #[serde(default)]
+    pub parts_remembered: usize,
     /// Rows with a shadow (the rows a summary describes).
     pub rows_checked: usize,
     /// Rows with at least one disagreement.
@@ -104,6 +114,8 @@ pub struct SummaryCheck {
 
 impl SummaryCheck {
     fn add(&mut self, other: &SummaryCheck) {
+        self.parts += other.parts;
+        self.parts_remembered += other.parts_remembered;
         self.rows_checked += other.rows_checked;
         self.rows_disagreeing += other.rows_disagreeing;
         self.shared += other.shared;
@@ -374,11 +386,13 @@ pub fn check(batch: &RowBatch<'_>) -> Result<SummaryCheck, AnalyzeError> {
 /// Row groups are checked in parallel, each a batch of rows at a time with
 /// every column of a batch decoded as a task of its own
 /// ([`crate::load::RowGroupBatches`]), so one batch's lists per row group
-/// being checked are in memory at once.
+/// being checked are in memory at once. With `memo`, a part checked before
+/// and unchanged since takes its remembered result, and each part checked
+/// now is remembered ([`super::check_memo`]).
 ///
 /// # Errors
 /// When a part cannot be read or a column is missing.
-pub fn check_run(run: &Run) -> Result<Option<SummaryCheck>, AnalyzeError> {
+pub fn check_run(run: &Run, memo: Option<&Path>) -> Result<Option<SummaryCheck>, AnalyzeError> {
     if run.manifest.schema_version < 2 {
         return Ok(None);
     }
@@ -388,30 +402,64 @@ pub fn check_run(run: &Run) -> Result<Option<SummaryCheck>, AnalyzeError> {
         .into_iter()
         .flatten()
         .collect();
-    let metadata = parts
+    let keys: Vec<_> = parts
+        .iter()
+        .map(|part| memo.and_then(|_| check_memo::key(part)))
+        .collect();
+    let mut total = SummaryCheck::default();
+    let mut unchecked = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        match memo
+            .zip(key.as_ref())
+            .and_then(|(dir, key)| check_memo::recall(dir, key))
+        {
+            Some(mut remembered) => {
+                remembered.parts = 1;
+                remembered.parts_remembered = 1;
+                total.add(&remembered);
+            }
+            None => unchecked.push(i),
+        }
+    }
+    let metadata = unchecked
         .par_iter()
-        .map(|part| part.parquet_metadata())
+        .map(|&i| parts[i].parquet_metadata())
         .collect::<Result<Vec<_>, _>>()?;
-    let groups: Vec<(&PartFile, _, usize)> = parts
+    let groups: Vec<(usize, _, usize)> = unchecked
         .iter()
         .zip(&metadata)
-        .flat_map(|(part, m)| (0..m.num_row_groups()).map(move |g| (*part, m, g)))
+        .enumerate()
+        .flat_map(|(slot, (_, m))| (0..m.num_row_groups()).map(move |g| (slot, m, g)))
         .collect();
-    groups
+    let per_group = groups
         .par_iter()
-        .map(|(part, metadata, index)| {
+        .map(|(slot, metadata, index)| {
+            let part = parts[unchecked[*slot]];
             let mut batches = part.row_group_batches(metadata, *index, &COLUMNS)?;
-            let mut total = SummaryCheck::default();
+            let mut sum = SummaryCheck::default();
             while let Some(batch) = batches.next_batch() {
-                total.add(&check(&batch?)?);
+                sum.add(&check(&batch?)?);
             }
-            Ok(total)
+            Ok((*slot, sum))
         })
-        .try_reduce(SummaryCheck::default, |mut a, b| {
-            a.add(&b);
-            Ok(a)
-        })
-        .map(Some)
+        .collect::<Result<Vec<_>, AnalyzeError>>()?;
+    let mut per_part = vec![
+        SummaryCheck {
+            parts: 1,
+            ..SummaryCheck::default()
+        };
+        unchecked.len()
+    ];
+    for (slot, sum) in &per_group {
+        per_part[*slot].add(sum);
+    }
+    for (slot, checked) in per_part.iter().enumerate() {
+        if let (Some(dir), Some(key)) = (memo, keys[unchecked[slot]].as_ref()) {
+            check_memo::remember(dir, key, checked);
+        }
+        total.add(checked);
+    }
+    Ok(Some(total))
 }
 
 /// The problem `inspect` reports for a run whose top-k summaries disagree
@@ -420,10 +468,10 @@ pub fn check_run(run: &Run) -> Result<Option<SummaryCheck>, AnalyzeError> {
 /// # Errors
 /// When a part cannot be read or a column is missing.
 pub fn problem(run: &Run) -> Result<Option<RunProblem>, AnalyzeError> {
-    Ok(check_run(run)?.filter(|c| c.rows_disagreeing > 0).map(|c| {
-        RunProblem::SummaryDisagreement {
+    Ok(check_run(run, None)?
+        .filter(|c| c.rows_disagreeing > 0)
+        .map(|c| RunProblem::SummaryDisagreement {
             manifest: run.dir.join(shadowtrace_schemas::MANIFEST_FILE),
             detail: c.text(),
-        }
-    }))
+        }))
 }
