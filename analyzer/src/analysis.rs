@@ -332,14 +332,29 @@ pub fn analyze_run(
     let overlaps = |part: &PartFile| -> Result<PartOverlaps, AnalyzeError> {
         let mut frame = read_topk(part, band_factor)?;
         let mut out = (
-            Vec::new(),
+            // Sized once: grown by doubling, a GLM-5.1 run's rows were
+            // copied into fresh pages again and again.
+            Vec::with_capacity(frame.height()),
             topk_overlap::Skipped::default(),
             BTreeMap::new(),
         );
-        // Row group by row group, as decoded: no copy into one chunk.
-        for chunk in frame.split_chunks() {
-            selection_unit::merge(&mut out.2, selection_unit::per_layer(&chunk)?)?;
-            let (rows, skipped) = topk_overlap::row_overlaps(&chunk, part.version, band_factor)?;
+        // Row group by row group, as decoded: no copy into one chunk. v2's
+        // row groups in parallel (in order), v1's one at a time (memory).
+        let chunks: Vec<DataFrame> = frame.split_chunks().collect();
+        let one = |chunk: &DataFrame| -> Result<_, AnalyzeError> {
+            Ok((
+                selection_unit::per_layer(chunk)?,
+                topk_overlap::row_overlaps(chunk, part.version, band_factor)?,
+            ))
+        };
+        let done: Vec<_> = if part.version >= 2 {
+            chunks.par_iter().map(one).collect()
+        } else {
+            chunks.iter().map(one).collect()
+        };
+        for result in done {
+            let (units, (rows, skipped)) = result?;
+            selection_unit::merge(&mut out.2, units)?;
             out.0.extend(rows);
             out.1.add(&skipped);
         }
@@ -360,11 +375,25 @@ pub fn analyze_run(
         let (rows, skipped, part_units) = result?;
         // A layer's rows are summarised together: one selection unit each.
         selection_unit::merge(&mut units, part_units)?;
-        topk_rows.extend(rows);
+        // Moved, not copied, where there is one part: a GLM-5.1 run's rows
+        // are tens of MB of fresh pages for the kernel to zero.
+        if topk_rows.is_empty() {
+            topk_rows = rows;
+        } else {
+            topk_rows.extend(rows);
+        }
         skipped_rows.add(&skipped);
     }
-    let (dequant_rows, topk_rows): (Vec<_>, Vec<_>) =
-        topk_rows.into_iter().partition(|r| r.dequant);
+    // Split only where there is a dequant row: a copy of every row otherwise.
+    let dequant_rows: Vec<RowOverlap> = if topk_rows.iter().any(|r| r.dequant) {
+        let (dequant, reference) = std::mem::take(&mut topk_rows)
+            .into_iter()
+            .partition(|r| r.dequant);
+        topk_rows = reference;
+        dequant
+    } else {
+        Vec::new()
+    };
     let mut topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
     let mut topk_dequant =
         topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);

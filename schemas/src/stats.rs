@@ -53,7 +53,8 @@ impl Summary {
         if values.is_empty() {
             return None;
         }
-        values.sort_by(f64::total_cmp);
+        // Unstable is exact here: values total_cmp calls equal are the same bits.
+        values.sort_unstable_by(f64::total_cmp);
         let n = values.len();
         let mean = values.iter().sum::<f64>() / n as f64;
         Some(Summary {

@@ -29,7 +29,7 @@ use serde::Serialize;
 use shadowtrace_schemas::columns::topk as c;
 
 use crate::AnalyzeError;
-use crate::frame::{i32s, opt_i32s, opt_strs};
+use crate::frame::{i32s, null_view, str_refs};
 
 /// The v2 column naming a selection's unit.
 pub const UNIT: &str = "unit";
@@ -76,33 +76,44 @@ impl fmt::Display for SelectionUnit {
 pub fn per_layer(frame: &DataFrame) -> Result<BTreeMap<i32, SelectionUnit>, AnalyzeError> {
     let layers = i32s(frame, c::LAYER)?;
     let has = |name: &str| frame.get_column_names().iter().any(|n| n.as_str() == name);
-    let units = if has(UNIT) {
-        opt_strs(frame, UNIT)?
+    // Borrowed, not a String per row: this runs over every top-k row.
+    let units: Vec<Option<&str>> = if has(UNIT) {
+        str_refs(frame, UNIT)?
     } else {
         vec![None; frame.height()]
     };
     let tokens = if has(UNIT_TOKENS) {
-        opt_i32s(frame, UNIT_TOKENS)?
+        Some(null_view::<i32>(frame, UNIT_TOKENS)?)
     } else {
-        vec![None; frame.height()]
+        None
     };
     let mut out: BTreeMap<i32, SelectionUnit> = BTreeMap::new();
     for (i, &layer) in layers.iter().enumerate() {
-        let unit = SelectionUnit {
-            unit: units[i].clone().unwrap_or_else(|| "token".to_owned()),
-            tokens: tokens[i].unwrap_or(1),
-        };
+        let (unit, tokens) = (
+            units[i].unwrap_or("token"),
+            tokens.and_then(|t| t.get(i)).unwrap_or(1),
+        );
         match out.get(&layer) {
-            Some(first) if *first != unit => {
+            Some(first) if first.unit != unit || first.tokens != tokens => {
                 return Err(AnalyzeError::MixedUnits {
                     layer,
                     first: first.to_string(),
-                    other: unit.to_string(),
+                    other: SelectionUnit {
+                        unit: unit.to_owned(),
+                        tokens,
+                    }
+                    .to_string(),
                 });
             }
             Some(_) => {}
             None => {
-                out.insert(layer, unit);
+                out.insert(
+                    layer,
+                    SelectionUnit {
+                        unit: unit.to_owned(),
+                        tokens,
+                    },
+                );
             }
         }
     }

@@ -333,7 +333,11 @@ fn row_overlaps_v1(
 /// Per-layer summaries of row overlaps; `threshold` is the Jaccard below
 /// which a row counts in [`LayerOverlap::share_below`].
 #[must_use]
-pub fn by_layer(rows: &[RowOverlap], skipped: &Uninformative, threshold: f64) -> Vec<LayerOverlap> {
+pub fn by_layer<'a>(
+    rows: impl IntoIterator<Item = &'a RowOverlap>,
+    skipped: &Uninformative,
+    threshold: f64,
+) -> Vec<LayerOverlap> {
     let mut groups: BTreeMap<i32, Vec<&RowOverlap>> =
         skipped.keys().map(|&l| (l, Vec::new())).collect();
     for row in rows {

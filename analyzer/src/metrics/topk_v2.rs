@@ -21,7 +21,9 @@ use shadowtrace_schemas::selection::{
 
 use super::topk_overlap::{RowOverlap, Skipped, SkippedRow};
 use crate::AnalyzeError;
-use crate::frame::{BoolListView, ListView, bool_list, i32s, list, opt_f32s, opt_i32s, opt_strs};
+use crate::frame::{
+    BoolListView, ListView, NullView, bool_list, i32s, list, null_view, str_equals,
+};
 
 /// The summary columns: enough for every row whose recorded churn answers
 /// the margin asked for.
@@ -65,10 +67,10 @@ struct Summary<'a> {
     visible: &'a [i32],
     dequant: Vec<bool>,
     prod_selected: &'a [i32],
-    shadow_selected: Vec<Option<i32>>,
-    shared: Vec<Option<i32>>,
-    band: Vec<Option<f32>>,
-    churn: [Vec<Option<i32>>; 4],
+    shadow_selected: NullView<'a, i32>,
+    shared: NullView<'a, i32>,
+    band: NullView<'a, f32>,
+    churn: [NullView<'a, i32>; 4],
 }
 
 impl<'a> Summary<'a> {
@@ -79,41 +81,38 @@ impl<'a> Summary<'a> {
             token: i32s(frame, c::TOKEN)?,
             k: i32s(frame, c::K)?,
             visible: i32s(frame, c::VISIBLE)?,
-            dequant: opt_strs(frame, c::SHADOW_INPUT)?
-                .iter()
-                .map(|s| s.as_deref() == Some("dequant"))
-                .collect(),
+            dequant: str_equals(frame, c::SHADOW_INPUT, "dequant")?,
             prod_selected: i32s(frame, c::PROD_SELECTED)?,
-            shadow_selected: opt_i32s(frame, c::SHADOW_SELECTED)?,
-            shared: opt_i32s(frame, c::SHARED)?,
-            band: opt_f32s(frame, c::BOUNDARY_BAND)?,
+            shadow_selected: null_view(frame, c::SHADOW_SELECTED)?,
+            shared: null_view(frame, c::SHARED)?,
+            band: null_view(frame, c::BOUNDARY_BAND)?,
             churn: [
-                opt_i32s(frame, c::CHURN_SHARED)?,
-                opt_i32s(frame, c::CHURN_PROD_ONLY)?,
-                opt_i32s(frame, c::CHURN_SHADOW_ONLY)?,
-                opt_i32s(frame, c::CHURN_UNSELECTED)?,
+                null_view(frame, c::CHURN_SHARED)?,
+                null_view(frame, c::CHURN_PROD_ONLY)?,
+                null_view(frame, c::CHURN_SHADOW_ONLY)?,
+                null_view(frame, c::CHURN_UNSELECTED)?,
             ],
         })
     }
 
     fn informative(&self, i: usize) -> bool {
-        self.visible[i] > self.k[i] && self.shadow_selected[i].is_some()
+        self.visible[i] > self.k[i] && self.shadow_selected.get(i).is_some()
     }
 
     /// The recorded churn of row `i`, `None` where the producer left it null.
     fn recorded_churn(&self, i: usize) -> Option<ChurnCounts> {
         let [shared, prod_only, shadow_only, unselected] = &self.churn;
         Some(ChurnCounts {
-            shared: count(shared[i]?),
-            prod_only: count(prod_only[i]?),
-            shadow_only: count(shadow_only[i]?),
-            unselected: count(unselected[i]?),
+            shared: count(shared.get(i)?),
+            prod_only: count(prod_only.get(i)?),
+            shadow_only: count(shadow_only.get(i)?),
+            unselected: count(unselected.get(i)?),
         })
     }
 
     /// Whether row `i` needs its lists to answer `band_factor`.
     fn needs_lists(&self, i: usize, band_factor: Option<f32>) -> bool {
-        let Some(band) = self.band[i] else {
+        let Some(band) = self.band.get(i) else {
             // No band: no candidate was recorded, whatever the margin.
             return false;
         };
@@ -232,7 +231,7 @@ pub fn row_overlaps(
         None
     };
     let mut left_out = Vec::new();
-    let mut rows = Vec::new();
+    let mut rows = Vec::with_capacity(frame.height());
     let mut scratch = Scratch::default();
     for i in 0..frame.height() {
         let skip = |dense: bool| SkippedRow {
@@ -246,11 +245,12 @@ pub fn row_overlaps(
             left_out.push(skip(true));
             continue;
         }
-        let (Some(shadow_selected), Some(shared)) = (s.shadow_selected[i], s.shared[i]) else {
+        let (Some(shadow_selected), Some(shared)) = (s.shadow_selected.get(i), s.shared.get(i))
+        else {
             left_out.push(skip(false));
             continue;
         };
-        let (churn, churn_unknown) = match (s.band[i], s.needs_lists(i, band_factor), &lists) {
+        let (churn, churn_unknown) = match (s.band.get(i), s.needs_lists(i, band_factor), &lists) {
             (None, _, _) => (ChurnCounts::default(), true),
             (Some(band), true, Some(lists)) => {
                 let margin = band_factor.map_or(band, |f| f * band);
