@@ -60,6 +60,12 @@ pub const META_SCHEMA_VERSION: &str = "shadowtrace.schema_version";
 pub const META_TABLE: &str = "shadowtrace.table";
 /// Parquet key-value metadata key holding the run id.
 pub const META_RUN_ID: &str = "shadowtrace.run_id";
+/// Parquet key-value metadata key of a top-k part holding its boundary band
+/// rule, so a part moved out of its run still says what its per-row
+/// `boundary_band` is: JSON `{"band", "scale", "stored"}` from the run's
+/// settings (`boundary_band`, `boundary_band_scale`, `boundary_stored`);
+/// absent where the run records no relative band.
+pub const META_BOUNDARY_BAND: &str = "shadowtrace.boundary_band";
 
 /// File name of a run's manifest, at the root of the run directory.
 pub const MANIFEST_FILE: &str = "manifest.json";

@@ -65,6 +65,15 @@ def test_every_part_file_has_the_defined_arrow_schema(demo_run: Path, table: str
         metadata = pq.read_metadata(part).metadata
         assert metadata[b"shadowtrace.schema_version"] == b"2"
         assert metadata[b"shadowtrace.table"] == table.encode()
+        # A top-k part says what its per-row boundary_band is, as the run's settings do.
+        settings = json.loads((demo_run / "manifest.json").read_text())["settings"]
+        rule = json.loads(metadata[b"shadowtrace.boundary_band"]) if table == "topk" else None
+        assert rule == (
+            {"band": settings["boundary_band"], "scale": settings["boundary_band_scale"],
+             "stored": settings["boundary_stored"]}
+            if table == "topk" else None
+        )  # fmt: skip
+        assert table == "topk" or b"shadowtrace.boundary_band" not in metadata
 
 
 def test_the_manifest_validates_against_its_json_schema(demo_run: Path) -> None:

@@ -173,6 +173,10 @@ def test_the_relative_band_finds_the_same_churn_on_a_model_whose_scores_are_eigh
     assert manifest["settings"]["boundary_band"] == pytest.approx(0.02)
     assert manifest["settings"]["boundary_band_scale"] == "mean_abs_reference_topk_score"
     assert manifest["settings"]["boundary_stored"] == pytest.approx(0.04)
+    # each top-k part says so too, for a part read away from its run
+    (part,) = (tmp_path / "x1").glob("*/topk/*.parquet")
+    rule = json.loads(pq.read_metadata(part).metadata[b"shadowtrace.boundary_band"])
+    assert rule == {"band": 0.02, "scale": "mean_abs_reference_topk_score", "stored": 0.04}
     scaled = build(index_topk=K)
     with torch.no_grad():
         for layer in scaled.model.layers:

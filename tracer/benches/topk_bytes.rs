@@ -141,7 +141,7 @@ fn file_per_row(path: &Path) -> Result<f64, Error> {
 /// The part rewritten with the writer's properties at another zstd level.
 fn at_level(path: &Path, level: i32, out: &Path) -> Result<f64, Error> {
     let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?.build()?;
-    let props = writer_properties(Table::Topk, SCHEMA_VERSION, "topk-bytes")?
+    let props = writer_properties(Table::Topk, SCHEMA_VERSION, "topk-bytes", Vec::new())?
         .into_builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(level)?))
         .build();

@@ -8,6 +8,9 @@ from shadowtrace_hooks import definitions
 META_SCHEMA_VERSION = "shadowtrace.schema_version"
 META_TABLE = "shadowtrace.table"
 META_RUN_ID = "shadowtrace.run_id"
+# A top-k part's boundary band rule, so a part moved out of its run still says what its
+# per-row boundary_band is: JSON {"band", "scale", "stored"} from the run's settings.
+META_BOUNDARY_BAND = "shadowtrace.boundary_band"
 
 _ARROW_TYPES = {
     "i32": pa.int32(),

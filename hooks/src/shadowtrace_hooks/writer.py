@@ -131,8 +131,9 @@ class ByteBudget:
 class _Table:
     """Rows of one table: buffered, written in batches, rolled into parts by size."""
 
-    def __init__(self, run_dir: Path, name: str, run_id: str, on_part: Any) -> None:
+    def __init__(self, run_dir: Path, name: str, run_id: str, on_part: Any, footer: Any = None) -> None:
         self.run_dir, self.name, self.run_id, self.on_part = run_dir, name, run_id, on_part
+        self.footer = footer  # () -> further footer keys of a new part, or None
         self.schema = format.arrow_schema(name)
         self.names = [c["name"] for c in format.columns(name)]
         self.buffer: list[dict] = []
@@ -184,7 +185,7 @@ class _Table:
             self.next_part += 1
             self.part_path = self.run_dir / (relative + TMP_SUFFIX)
             self.part_path.parent.mkdir(parents=True, exist_ok=True)
-            metadata = {format.META_RUN_ID: self.run_id}
+            metadata = {format.META_RUN_ID: self.run_id, **(self.footer() if self.footer else {})}
             self.part = pq.ParquetWriter(
                 self.part_path,
                 self.schema.with_metadata({**self.schema.metadata, **metadata}),
@@ -309,8 +310,10 @@ class RunWriter:
             "counters": {},
         }
         run_id = identity["run_id"]
+        footers = {"topk": self._band_footer}
         self.tables = {
-            name: _Table(self.run_dir, name, run_id, self._write_manifest) for name in definitions.TABLES
+            name: _Table(self.run_dir, name, run_id, self._write_manifest, footers.get(name))
+            for name in definitions.TABLES
         }
         self._write_manifest()
         self._worker = threading.Thread(target=self._run, name=f"shadowtrace-writer-{run_id}", daemon=True)
@@ -553,6 +556,20 @@ class RunWriter:
         """Sets manifest counters to totals counted elsewhere (the run's, the process's)."""
         with self._lock:
             self.counters.update(values)
+
+    def _band_footer(self) -> dict[str, str]:
+        """The boundary band rule for a new top-k part's footer, from the settings as they
+        are when the part opens; none where the run records no relative band."""
+        with self._lock:
+            settings = self.manifest["settings"]
+            if "boundary_band_scale" not in settings:
+                return {}
+            rule = {
+                "band": settings.get("boundary_band"),
+                "scale": settings["boundary_band_scale"],
+                "stored": settings.get("boundary_stored"),
+            }
+        return {format.META_BOUNDARY_BAND: json.dumps(rule, sort_keys=True)}
 
     def set_setting(self, key: str, value: Any, *, keep: bool = False) -> None:
         """Records `settings.<key>`; with `keep`, only when not yet recorded."""

@@ -32,6 +32,7 @@ impl PartWriter {
         version: u32,
         index: u32,
         run_id: &str,
+        footer: Vec<parquet::file::metadata::KeyValue>,
     ) -> Result<PartWriter, TraceError> {
         let relative = part_path(table, index);
         let final_path = run_dir.join(&relative);
@@ -48,7 +49,7 @@ impl PartWriter {
         let schema = table
             .arrow_schema_for(version)
             .ok_or(TraceError::UnknownVersion { version })?;
-        let props = writer_properties(table, version, run_id).map_err(parquet_err)?;
+        let props = writer_properties(table, version, run_id, footer).map_err(parquet_err)?;
         let file = File::create(&tmp_path).map_err(|source| TraceError::Io {
             path: tmp_path.clone(),
             source,

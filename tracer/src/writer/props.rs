@@ -57,6 +57,7 @@ pub fn writer_properties(
     table: Table,
     version: u32,
     run_id: &str,
+    extra: Vec<KeyValue>,
 ) -> Result<WriterProperties, ParquetError> {
     let (Some(spec), Some(schema)) = (table.spec_for(version), table.arrow_schema_for(version))
     else {
@@ -65,11 +66,12 @@ pub fn writer_properties(
         )));
     };
     let descriptor = ArrowSchemaConverter::new().convert(&schema)?;
-    let metadata = vec![
+    let mut metadata = vec![
         KeyValue::new(META_SCHEMA_VERSION.to_owned(), version.to_string()),
         KeyValue::new(META_TABLE.to_owned(), table.name().to_owned()),
         KeyValue::new(META_RUN_ID.to_owned(), run_id.to_owned()),
     ];
+    metadata.extend(extra);
     let mut builder = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(zstd_level(
             table, version,

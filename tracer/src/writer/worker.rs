@@ -185,12 +185,18 @@ impl Worker {
         }
         let batch = state.buffer.take_batch()?;
         if state.part.is_none() {
+            let footer = if table == Table::Topk {
+                band_footer(&self.manifest.identity.settings)
+            } else {
+                Vec::new()
+            };
             state.part = Some(PartWriter::create(
                 &self.dir,
                 table,
                 self.manifest.schema_version,
                 state.next_part,
                 self.manifest.run_id(),
+                footer,
             )?);
             state.next_part += 1;
         }
@@ -334,4 +340,24 @@ pub(crate) fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A top-k part's boundary band rule for its footer
+/// ([`shadowtrace_schemas::META_BOUNDARY_BAND`]), from the run's settings;
+/// none where the run records no relative band.
+fn band_footer(
+    settings: &serde_json::Map<String, serde_json::Value>,
+) -> Vec<parquet::file::metadata::KeyValue> {
+    let Some(scale) = settings.get("boundary_band_scale") else {
+        return Vec::new();
+    };
+    let rule = serde_json::json!({
+        "band": settings.get("boundary_band"),
+        "scale": scale,
+        "stored": settings.get("boundary_stored"),
+    });
+    vec![parquet::file::metadata::KeyValue::new(
+        shadowtrace_schemas::META_BOUNDARY_BAND.to_owned(),
+        rule.to_string(),
+    )]
 }
