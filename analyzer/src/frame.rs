@@ -2,7 +2,7 @@
 //! [`crate::Dataset::read_table`], which rechunks, so each column is one
 //! contiguous arrow array.
 
-use polars::prelude::{DataFrame, Series};
+use polars::prelude::{DataFrame, Series, StringChunked};
 use polars_arrow::array::{Array, BooleanArray, ListArray, PrimitiveArray};
 
 use crate::AnalyzeError;
@@ -82,15 +82,21 @@ pub(crate) fn opt_bools(df: &DataFrame, name: &str) -> Result<Vec<Option<bool>>,
     Ok(ca.iter().collect())
 }
 
-/// A string column, nulls as `None`.
-pub(crate) fn opt_strs(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>, AnalyzeError> {
-    let ca = series(df, name)?
+fn strings<'a>(df: &'a DataFrame, name: &str) -> Result<&'a StringChunked, AnalyzeError> {
+    series(df, name)?
         .str()
         .map_err(|source| AnalyzeError::Frame {
             column: name.to_owned(),
             source,
-        })?;
-    Ok(ca.iter().map(|v| v.map(str::to_owned)).collect())
+        })
+}
+
+/// A string column, nulls as `None`.
+pub(crate) fn opt_strs(df: &DataFrame, name: &str) -> Result<Vec<Option<String>>, AnalyzeError> {
+    Ok(strings(df, name)?
+        .iter()
+        .map(|v| v.map(str::to_owned))
+        .collect())
 }
 
 /// A nullable primitive column read in place: its values and validity, no
@@ -116,21 +122,14 @@ pub(crate) fn null_view<'a, T: polars_arrow::types::NativeType>(
     df: &'a DataFrame,
     name: &str,
 ) -> Result<NullView<'a, T>, AnalyzeError> {
-    let bad = |detail: &str| AnalyzeError::Layout {
-        column: name.to_owned(),
-        detail: detail.to_owned(),
-    };
-    let series = series(df, name)?;
-    let mut chunks = series.chunks().iter();
-    let array = match (chunks.next(), chunks.next()) {
-        (Some(array), None) => Some(
+    let array = match one_chunk(series(df, name)?.chunks().iter(), name)? {
+        Some(array) => Some(
             array
                 .as_any()
                 .downcast_ref::<PrimitiveArray<T>>()
-                .ok_or_else(|| bad("a column of an unexpected type"))?,
+                .ok_or_else(|| layout(name, "a column of an unexpected type"))?,
         ),
-        (None, _) => None,
-        _ => return Err(bad("more than one chunk: rechunk first")),
+        None => None,
     };
     Ok(NullView { array })
 }
@@ -140,13 +139,7 @@ pub(crate) fn str_refs<'a>(
     df: &'a DataFrame,
     name: &str,
 ) -> Result<Vec<Option<&'a str>>, AnalyzeError> {
-    let ca = series(df, name)?
-        .str()
-        .map_err(|source| AnalyzeError::Frame {
-            column: name.to_owned(),
-            source,
-        })?;
-    Ok(ca.iter().collect())
+    Ok(strings(df, name)?.iter().collect())
 }
 
 /// Whether each row of a string column equals `value` (null: no), without
@@ -156,13 +149,29 @@ pub(crate) fn str_equals(
     name: &str,
     value: &str,
 ) -> Result<Vec<bool>, AnalyzeError> {
-    let ca = series(df, name)?
-        .str()
-        .map_err(|source| AnalyzeError::Frame {
-            column: name.to_owned(),
-            source,
-        })?;
-    Ok(ca.iter().map(|v| v == Some(value)).collect())
+    Ok(strings(df, name)?
+        .iter()
+        .map(|v| v == Some(value))
+        .collect())
+}
+
+fn layout(name: &str, detail: &str) -> AnalyzeError {
+    AnalyzeError::Layout {
+        column: name.to_owned(),
+        detail: detail.to_owned(),
+    }
+}
+
+/// A column's one chunk; `None` for a column with none (an empty frame).
+fn one_chunk<'a, A>(
+    mut chunks: impl Iterator<Item = &'a A>,
+    name: &str,
+) -> Result<Option<&'a A>, AnalyzeError> {
+    match (chunks.next(), chunks.next()) {
+        (Some(chunk), None) => Ok(Some(chunk)),
+        (None, _) => Ok(None),
+        _ => Err(layout(name, "more than one chunk: rechunk first")),
+    }
 }
 
 /// A list column of primitive values, row by row as slices into one
@@ -192,21 +201,15 @@ fn list_array<'a, V: Array + 'static>(
     df: &'a DataFrame,
     name: &str,
 ) -> Result<Option<(&'a ListArray<i64>, &'a V)>, AnalyzeError> {
-    let bad = |detail: &str| AnalyzeError::Layout {
-        column: name.to_owned(),
-        detail: detail.to_owned(),
-    };
+    let bad = |detail: &str| layout(name, detail);
     let ca = series(df, name)?
         .list()
         .map_err(|source| AnalyzeError::Frame {
             column: name.to_owned(),
             source,
         })?;
-    let mut chunks = ca.downcast_iter();
-    let list = match (chunks.next(), chunks.next()) {
-        (Some(list), None) => list,
-        (None, _) => return Ok(None),
-        _ => return Err(bad("more than one chunk: rechunk first")),
+    let Some(list) = one_chunk(ca.downcast_iter(), name)? else {
+        return Ok(None);
     };
     let values = list
         .values()

@@ -238,8 +238,6 @@ fn questions(f: FailOn) -> &'static [Question] {
     }
 }
 
-/// One line per run and question asked for by `fail_on` whose verdict is
-/// not judged: `run r1: top-k divergence not judged: <why>`.
 /// One line saying how many top-k parts took their summary check from the
 /// memo, where any did: a result not decoded in this call is never silent.
 fn remembered_line(a: &Analysis, memo: Option<&Path>) -> Option<String> {
@@ -256,6 +254,8 @@ fn remembered_line(a: &Analysis, memo: Option<&Path>) -> Option<String> {
     })
 }
 
+/// One line per run and question asked for by `fail_on` whose verdict is
+/// not judged: `run r1: top-k divergence not judged: <why>`.
 fn not_judged_lines(a: &Analysis, fail_on: &[FailOn]) -> Vec<String> {
     let mut asked: Vec<Question> = fail_on
         .iter()

@@ -20,7 +20,8 @@
 //! default), with their scores. A margin can narrow the band or widen it that
 //! far, no further (the caller refuses a wider one); and a row without
 //! boundary lists (no band recorded, or a path's list null) has no score of
-//! any differing key to measure, so no margin can find its churn. Such rows are counted as churn unknown ([`RowOverlap::churn_unknown`],
+//! any differing key to measure, so no margin can find its churn. Such rows
+//! are counted as churn unknown ([`RowOverlap::churn_unknown`],
 //! [`LayerOverlap::churn_unknown_rows`]) and reported beside the verdict;
 //! what churn is known there (one path's list) is removed, and every other
 //! difference counts, so their churn-free Jaccard is a lower bound.
@@ -58,7 +59,7 @@ use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
 use super::selection_unit::SelectionUnit;
 use super::summary::Summary;
 use crate::AnalyzeError;
-use crate::frame::{i32s, list, opt_f32s, opt_strs};
+use crate::frame::{i32s, list, opt_f32s, str_equals};
 
 /// Columns this metric reads from a trace format v1 `topk` table (both full
 /// selections per row). A v2 table: [`super::topk_v2`].
@@ -253,10 +254,7 @@ fn row_overlaps_v1(
     let shadow_bi = list::<i32>(frame, c::SHADOW_BOUNDARY_INDICES)?;
     let shadow_bs = list::<f32>(frame, c::SHADOW_BOUNDARY_SCORES)?;
     let band = opt_f32s(frame, c::BOUNDARY_BAND)?;
-    let dequant: Vec<bool> = opt_strs(frame, c::SHADOW_INPUT)?
-        .iter()
-        .map(|s| s.as_deref() == Some("dequant"))
-        .collect();
+    let dequant = str_equals(frame, c::SHADOW_INPUT, "dequant")?;
 
     let mut left_out = Vec::new();
     for i in 0..frame.height() {

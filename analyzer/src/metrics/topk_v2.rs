@@ -9,8 +9,8 @@
 //!
 //! The lists ([`LIST_COLUMNS`]: differences and boundary candidates) are read
 //! only where the counts cannot answer: a churn band other than a row's
-//! recorded one (churn recounted within it from the candidates' offsets), or a row
-//! with a band whose churn the producer left null because one path listed no
+//! recorded one (churn recounted within it from the candidates' offsets), or
+//! a row with a band whose churn the producer left null because one path listed no
 //! candidates (what the other path's list shows is removed, as v1 does, and
 //! the row stays churn unknown). [`needs_lists`] says when.
 
