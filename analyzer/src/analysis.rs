@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use polars::prelude::DataFrame;
 use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::manifest::Status;
@@ -21,10 +20,10 @@ use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
-use crate::metrics::selection_unit::{self, SelectionUnit};
+use crate::metrics::selection_unit;
 use crate::metrics::topk_check::{self, SummaryCheck};
-use crate::metrics::topk_overlap::{self, LayerOverlap, RowOverlap, SkippedRow};
-use crate::metrics::topk_v2;
+use crate::metrics::topk_overlap::{self, LayerOverlap, Rows, SkippedRow};
+use crate::metrics::topk_v2::{self, PartOverlaps};
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
     CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
@@ -121,10 +120,10 @@ pub struct RunAnalysis {
     pub ranks: Option<RankAgreement>,
     /// Per-row overlaps, for heatmaps and the metrics Parquet.
     #[serde(skip)]
-    pub topk_rows: Vec<RowOverlap>,
+    pub topk_rows: Rows,
     /// Per-row overlaps against the dequantized operands.
     #[serde(skip)]
-    pub topk_dequant_rows: Vec<RowOverlap>,
+    pub topk_dequant_rows: Rows,
     /// The top-k rows left out of the averages (dense, or without a
     /// shadow), by key: ranks that scored different rows of one request
     /// are united from these and `topk_rows` ([`crate::ranks`]).
@@ -323,77 +322,37 @@ pub fn analyze_run(
     check_memo: Option<&Path>,
 ) -> Result<RunAnalysis, AnalyzeError> {
     let parts: Vec<&PartFile> = run.files.get(&Table::Topk).into_iter().flatten().collect();
-    type PartOverlaps = (
-        Vec<RowOverlap>,
-        topk_overlap::Skipped,
-        BTreeMap<i32, SelectionUnit>,
-    );
     let band_factor = band_factor(run, t.churn_band)?;
-    let overlaps = |part: &PartFile| -> Result<PartOverlaps, AnalyzeError> {
-        let mut frame = read_topk(part, band_factor)?;
-        let mut out = (
-            // Sized once: grown by doubling, a GLM-5.1 run's rows were
-            // copied into fresh pages again and again.
-            Vec::with_capacity(frame.height()),
-            topk_overlap::Skipped::default(),
-            BTreeMap::new(),
-        );
-        // Row group by row group, as decoded: no copy into one chunk. v2's
-        // row groups in parallel (in order), v1's one at a time (memory).
-        let chunks: Vec<DataFrame> = frame.split_chunks().collect();
-        let one = |chunk: &DataFrame| -> Result<_, AnalyzeError> {
-            Ok((
-                selection_unit::per_layer(chunk)?,
-                topk_overlap::row_overlaps(chunk, part.version, band_factor)?,
-            ))
-        };
-        let done: Vec<_> = if part.version >= 2 {
-            chunks.par_iter().map(one).collect()
-        } else {
-            chunks.iter().map(one).collect()
-        };
-        for result in done {
-            let (units, (rows, skipped)) = result?;
-            selection_unit::merge(&mut out.2, units)?;
-            out.0.extend(rows);
-            out.1.add(&skipped);
-        }
-        Ok(out)
-    };
     // v1: part by part, since a GLM-5.1 prefill's full selections are tens of
     // GB decoded and one part file at a time bounds memory by the writer's
     // part size. v2's summaries are small: parts are read in parallel.
-    let per_part: Vec<_> = if run.manifest.schema_version >= 2 {
+    let overlaps = |part: &PartFile| {
+        if part.version >= 2 {
+            topk_v2::part_overlaps(part, band_factor)
+        } else {
+            overlaps_v1(part, band_factor)
+        }
+    };
+    let per_part: Vec<Result<PartOverlaps, AnalyzeError>> = if run.manifest.schema_version >= 2 {
         parts.par_iter().map(|p| overlaps(p)).collect()
     } else {
         parts.iter().map(|p| overlaps(p)).collect()
     };
-    let mut topk_rows = Vec::new();
+    let mut topk_rows = Rows::default();
     let mut skipped_rows = topk_overlap::Skipped::default();
     let mut units = BTreeMap::new();
     for result in per_part {
-        let (rows, skipped, part_units) = result?;
+        let PartOverlaps {
+            rows,
+            skipped,
+            units: part_units,
+        } = result?;
         // A layer's rows are summarised together: one selection unit each.
         selection_unit::merge(&mut units, part_units)?;
-        // Moved, not copied, where there is one part: a GLM-5.1 run's rows
-        // are tens of MB of fresh pages for the kernel to zero.
-        if topk_rows.is_empty() {
-            topk_rows = rows;
-        } else {
-            topk_rows.extend(rows);
-        }
-        skipped_rows.add(&skipped);
+        topk_rows.append(rows);
+        skipped_rows.add(skipped);
     }
-    // Split only where there is a dequant row: a copy of every row otherwise.
-    let dequant_rows: Vec<RowOverlap> = if topk_rows.iter().any(|r| r.dequant) {
-        let (dequant, reference) = std::mem::take(&mut topk_rows)
-            .into_iter()
-            .partition(|r| r.dequant);
-        topk_rows = reference;
-        dequant
-    } else {
-        Vec::new()
-    };
+    let (dequant_rows, topk_rows) = topk_rows.partition(|r| r.dequant);
     let mut topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
     let mut topk_dequant =
         topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);
@@ -557,20 +516,18 @@ fn band_factor(run: &Run, asked: Option<f32>) -> Result<Option<f32>, AnalyzeErro
     Ok(Some((f64::from(asked) / recorded) as f32))
 }
 
-/// The columns of a top-k part the overlap needs: v1's full selections; v2's
-/// summary, and its lists only where the summary cannot answer the churn
-/// band (`topk_v2::needs_lists`).
-fn read_topk(part: &PartFile, band_factor: Option<f32>) -> Result<DataFrame, AnalyzeError> {
-    if part.version < 2 {
-        return Ok(part.read(Some(&topk_overlap::COLUMNS_V1))?);
+/// Per-row overlap of a v1 `topk` part (its full selections), row group by
+/// row group as decoded: no copy into one chunk.
+fn overlaps_v1(part: &PartFile, band_factor: Option<f32>) -> Result<PartOverlaps, AnalyzeError> {
+    let mut frame = part.read(Some(&topk_overlap::COLUMNS_V1))?;
+    let mut out = PartOverlaps::default();
+    for chunk in frame.split_chunks() {
+        selection_unit::merge(&mut out.units, selection_unit::per_layer(&chunk)?)?;
+        let (rows, skipped) = topk_overlap::row_overlaps_v1(&chunk, band_factor)?;
+        out.rows.push(rows);
+        out.skipped.add(skipped);
     }
-    let summary = part.read(Some(&topk_v2::SUMMARY_COLUMNS))?;
-    if !topk_v2::needs_lists(&summary, band_factor)? {
-        return Ok(summary);
-    }
-    let mut columns = topk_v2::SUMMARY_COLUMNS.to_vec();
-    columns.extend(topk_v2::LIST_COLUMNS);
-    Ok(part.read(Some(&columns))?)
+    Ok(out)
 }
 
 /// The prefix under which an identity value a user tag displaced is kept.

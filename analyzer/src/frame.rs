@@ -3,7 +3,7 @@
 //! contiguous arrow array.
 
 use polars::prelude::{DataFrame, Series, StringChunked};
-use polars_arrow::array::{Array, BooleanArray, ListArray, PrimitiveArray};
+use polars_arrow::array::{Array, ListArray, PrimitiveArray};
 
 use crate::AnalyzeError;
 
@@ -238,43 +238,5 @@ pub(crate) fn list<'a, T: polars_arrow::types::NativeType>(
             offsets: &[0],
             values: &[],
         },
-    })
-}
-
-/// A `list<bool>` column, row by row. Booleans are bit-packed, so a row is
-/// copied out into a caller's buffer rather than borrowed.
-#[derive(Debug)]
-pub(crate) struct BoolListView<'a> {
-    /// `None` for a column with no chunk (an empty frame).
-    list: Option<&'a ListArray<i64>>,
-    values: Option<&'a BooleanArray>,
-}
-
-impl BoolListView<'_> {
-    /// Copies row `i` into `out` (cleared first); `false` where the list is null.
-    pub(crate) fn fill(&self, i: usize, out: &mut Vec<bool>) -> bool {
-        out.clear();
-        let (Some(list), Some(values)) = (self.list, self.values) else {
-            return false;
-        };
-        if !list.is_valid(i) {
-            return false;
-        }
-        let offsets = list.offsets().as_slice();
-        let (start, end) = (offsets[i] as usize, offsets[i + 1] as usize);
-        out.extend((start..end).map(|j| values.value(j)));
-        true
-    }
-}
-
-/// A `list<bool>` column as a [`BoolListView`]. The frame must be rechunked.
-pub(crate) fn bool_list<'a>(
-    df: &'a DataFrame,
-    name: &str,
-) -> Result<BoolListView<'a>, AnalyzeError> {
-    let array = list_array::<BooleanArray>(df, name)?;
-    Ok(BoolListView {
-        list: array.map(|(list, _)| list),
-        values: array.map(|(_, values)| values),
     })
 }

@@ -266,8 +266,8 @@ fn apply_united(
     if let Some(slot) = first.rules.get_mut(1) {
         *slot = rule.text;
     }
-    first.topk_rows = reference;
-    first.topk_dequant_rows = dequant;
+    first.topk_rows = reference.into();
+    first.topk_dequant_rows = dequant.into();
     first.topk_skipped = skipped.rows;
     let loss = format!("counted {OTHER_RANKS} = ");
     first.not_measured.retain(|n| !n.why.contains(&loss));
@@ -304,7 +304,7 @@ fn agreement(first: &RunAnalysis, others: &[RunAnalysis], sharded: bool) -> Rank
                     .filter(|o| keys.contains(&(o.step, o.layer, o.token, o.dequant)))
                 {
                     let e = sums.entry(o.layer).or_default();
-                    e.0 += o.jaccard_no_churn;
+                    e.0 += o.jaccard_no_churn();
                     e.1 += 1;
                 }
                 #[allow(clippy::cast_precision_loss)] // row counts far below 2^52

@@ -12,7 +12,10 @@ use std::path::{Path, PathBuf};
 use part_file::spec_of;
 pub use part_file::{PartFile, polars_type};
 use polars::prelude::DataFrame;
-pub use row_group::{BATCH_ROWS, Leaf, ListColumn, Nullable, RowBatch, RowGroupBatches, Values};
+pub use row_group::{
+    BATCH_ROWS, Leaf, ListColumn, Nullable, RowBatch, RowGroupBatches, Values, has_column,
+    same_string,
+};
 pub use run::Run;
 use shadowtrace_schemas::{MANIFEST_FILE, SCHEMA_VERSION, Table};
 

@@ -5,7 +5,12 @@
 //! Why not polars here: the summary check (`metrics::topk_check`) reads
 //! every difference and boundary list of a v2 top-k part, and polars'
 //! nested Parquet decoding costs about 30 ns a value on them, which made the
-//! check nearly all of `analyze`'s time on a v2 run.
+//! check nearly all of `analyze`'s time on a v2 run. The overlap
+//! (`metrics::topk_v2`) reads a v2 part's summary here too: decoded whole by
+//! polars, its strings as 16-byte views a row, it was fresh memory the
+//! kernel zeroed for longer than the rest of a remembered `analyze` took.
+//! A string column whose row group holds one value (the footer's exact
+//! minimum equals its maximum, no null: [`same_string`]) is not decoded.
 //!
 //! Why not arrow-rs arrays either: building Arrow lists from the levels
 //! (offsets, validity bitmaps of lists and items, booleans packed into bits
@@ -18,19 +23,21 @@
 //! 350 MB, and a fresh process spent as much time having the kernel zero
 //! those pages as decoding them. [`BATCH_ROWS`] rows at a time, the same
 //! buffers serve every batch of a row group, and the allocator (mimalloc)
-//! keeps their pages for the next row group (README, analyze throughput). Flat columns the
-//! metrics stack across parts stay with polars ([`super::PartFile::read`]).
+//! keeps their pages for the next row group (README, analyze throughput).
+//! The other tables, small and stacked across parts, stay with polars
+//! ([`super::PartFile::read`]).
 
 use std::fs::File;
 use std::sync::Arc;
 
 use parquet::basic::{ConvertedType, LogicalType, Repetition, Type as PhysicalType};
 use parquet::column::reader::{ColumnReader, ColumnReaderImpl, get_column_reader};
-use parquet::data_type::{BoolType, FloatType, Int32Type};
+use parquet::data_type::{BoolType, ByteArray, ByteArrayType, FloatType, Int32Type};
 use parquet::errors::ParquetError;
 use parquet::file::metadata::ParquetMetaData;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use parquet::file::serialized_reader::SerializedPageReader;
+use parquet::file::statistics::Statistics;
 use parquet::schema::types::Type as SchemaType;
 use rayon::prelude::*;
 
@@ -51,6 +58,9 @@ pub enum Values {
     F32(Vec<f32>),
     /// BOOLEAN.
     Bool(Vec<bool>),
+    /// BYTE_ARRAY (strings): each value shares its page's or dictionary's
+    /// bytes, no copy per row.
+    Bytes(Vec<ByteArray>),
 }
 
 impl Values {
@@ -59,12 +69,13 @@ impl Values {
             Values::I32(v) => v.len(),
             Values::F32(v) => v.len(),
             Values::Bool(v) => v.len(),
+            Values::Bytes(v) => v.len(),
         }
     }
 }
 
 /// A primitive type a column's values can be read as.
-pub trait Leaf: Copy {
+pub trait Leaf: Sized {
     /// The values, when the column holds this type.
     fn of(values: &Values) -> Option<&[Self]>;
 }
@@ -96,10 +107,20 @@ impl Leaf for bool {
     }
 }
 
+impl Leaf for ByteArray {
+    fn of(values: &Values) -> Option<&[ByteArray]> {
+        match values {
+            Values::Bytes(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
 enum Reader {
     I32(ColumnReaderImpl<Int32Type>),
     F32(ColumnReaderImpl<FloatType>),
     Bool(ColumnReaderImpl<BoolType>),
+    Bytes(ColumnReaderImpl<ByteArrayType>),
 }
 
 /// How a column nests: a flat value or a list of them, and which
@@ -144,6 +165,10 @@ impl Column {
                 r.read_records(rows, def, rep, v)
             }
             (Reader::Bool(r), Values::Bool(v)) => {
+                v.clear();
+                r.read_records(rows, def, rep, v)
+            }
+            (Reader::Bytes(r), Values::Bytes(v)) => {
                 v.clear();
                 r.read_records(rows, def, rep, v)
             }
@@ -309,8 +334,7 @@ impl PartFile {
                 ParquetError::General(detail),
             )
         };
-        let mut leaves = (0..schema.num_columns())
-            .filter(|&i| schema.column(i).path().parts().first().map(String::as_str) == Some(name));
+        let mut leaves = leaves_of(metadata, name);
         let (Some(leaf), None) = (leaves.next(), leaves.next()) else {
             return Err(LoadError::MissingColumn {
                 path: self.path.clone(),
@@ -333,9 +357,10 @@ impl PartFile {
             ColumnReader::Int32ColumnReader(r) => (Reader::I32(r), Values::I32(Vec::new())),
             ColumnReader::FloatColumnReader(r) => (Reader::F32(r), Values::F32(Vec::new())),
             ColumnReader::BoolColumnReader(r) => (Reader::Bool(r), Values::Bool(Vec::new())),
+            ColumnReader::ByteArrayColumnReader(r) => (Reader::Bytes(r), Values::Bytes(Vec::new())),
             _ => {
                 return Err(fail(format!(
-                    "values of Parquet type {}, expected INT32, FLOAT or BOOLEAN",
+                    "values of Parquet type {}, expected INT32, FLOAT, BOOLEAN or BYTE_ARRAY",
                     descr.physical_type()
                 )));
             }
@@ -369,6 +394,40 @@ impl PartFile {
             source,
         }
     }
+}
+
+/// The leaf columns under the top-level column `name`: one for a value or a
+/// list of values, none where the file lacks it.
+fn leaves_of<'a>(metadata: &'a ParquetMetaData, name: &'a str) -> impl Iterator<Item = usize> + 'a {
+    let schema = metadata.file_metadata().schema_descr();
+    (0..schema.num_columns())
+        .filter(move |&i| schema.column(i).path().parts().first().map(String::as_str) == Some(name))
+}
+
+/// Whether the file (`metadata` from [`PartFile::parquet_metadata`]) has
+/// the top-level column `name`.
+#[must_use]
+pub fn has_column(metadata: &ParquetMetaData, name: &str) -> bool {
+    leaves_of(metadata, name).next().is_some()
+}
+
+/// The one value of the string column `name` in row group `index`, where
+/// the footer's statistics say every row holds it (exact minimum equal to
+/// exact maximum, no null): a column such a row group need not decode.
+/// `None` where they do not say so, or the file lacks the column.
+#[must_use]
+pub fn same_string(metadata: &ParquetMetaData, index: usize, name: &str) -> Option<String> {
+    let mut leaves = leaves_of(metadata, name);
+    let (Some(leaf), None) = (leaves.next(), leaves.next()) else {
+        return None;
+    };
+    let Some(Statistics::ByteArray(stats)) = metadata.row_group(index).column(leaf).statistics()
+    else {
+        return None;
+    };
+    let (min, max) = (stats.min_opt()?, stats.max_opt()?);
+    let whole = stats.min_is_exact() && stats.max_is_exact() && stats.null_count_opt() == Some(0);
+    (whole && min == max).then(|| min.as_utf8().ok().map(str::to_owned))?
 }
 
 /// How the column under `root` nests, from its schema path: one value per
@@ -522,11 +581,13 @@ impl RowBatch<'_> {
     /// A column not read or of another type.
     pub fn nullable<T: Leaf>(&self, name: &str) -> Result<Nullable<'_, T>, AnalyzeError> {
         let (column, values) = self.typed::<T>(name, false)?;
-        Ok(Nullable(ListColumn {
+        // A batch without a null reads as a column that never holds one.
+        let whole = values.len() == self.rows;
+        Ok(Nullable {
             values,
             starts: &column.starts,
-            valid: &column.valid,
-        }))
+            valid: if whole { &[] } else { &column.valid },
+        })
     }
 
     /// A list column of primitive values, row by row as slices.
@@ -553,16 +614,37 @@ fn layout(column: &str, detail: &str) -> AnalyzeError {
     }
 }
 
-/// A nullable primitive column of a [`RowBatch`]: a list of at most one
-/// value per row, read as one.
+/// A nullable primitive column of a [`RowBatch`]: row `i`'s value, where
+/// present, is `values[starts[i]]`. Read on every row of a v2 summary, so
+/// one flag and one index, not a list's slice.
 #[derive(Debug, Clone, Copy)]
-pub struct Nullable<'a, T>(ListColumn<'a, T>);
+pub struct Nullable<'a, T> {
+    values: &'a [T],
+    starts: &'a [u32],
+    /// Empty for a column that never holds a null: then `values[i]`.
+    valid: &'a [bool],
+}
 
-impl<T: Copy> Nullable<'_, T> {
+impl<'a, T> Nullable<'a, T> {
     /// Row `i`, `None` where null.
     #[must_use]
-    pub fn get(&self, i: usize) -> Option<T> {
-        self.0.get(i)?.first().copied()
+    pub fn get(&self, i: usize) -> Option<T>
+    where
+        T: Copy,
+    {
+        self.get_ref(i).copied()
+    }
+
+    /// Row `i` by reference, `None` where null.
+    #[must_use]
+    pub fn get_ref(&self, i: usize) -> Option<&'a T> {
+        if self.valid.is_empty() {
+            return self.values.get(i);
+        }
+        if !*self.valid.get(i)? {
+            return None;
+        }
+        self.values.get(*self.starts.get(i)? as usize)
     }
 }
 

@@ -89,35 +89,47 @@ pub fn per_layer(frame: &DataFrame) -> Result<BTreeMap<i32, SelectionUnit>, Anal
     };
     let mut out: BTreeMap<i32, SelectionUnit> = BTreeMap::new();
     for (i, &layer) in layers.iter().enumerate() {
-        let (unit, tokens) = (
-            units[i].unwrap_or("token"),
-            tokens.and_then(|t| t.get(i)).unwrap_or(1),
-        );
-        match out.get(&layer) {
-            Some(first) if first.unit != unit || first.tokens != tokens => {
-                return Err(AnalyzeError::MixedUnits {
-                    layer,
-                    first: first.to_string(),
-                    other: SelectionUnit {
-                        unit: unit.to_owned(),
-                        tokens,
-                    }
-                    .to_string(),
-                });
-            }
-            Some(_) => {}
-            None => {
-                out.insert(
-                    layer,
-                    SelectionUnit {
-                        unit: unit.to_owned(),
-                        tokens,
-                    },
-                );
-            }
-        }
+        add_row(&mut out, layer, units[i], tokens.and_then(|t| t.get(i)))?;
     }
     Ok(out)
+}
+
+/// Adds one row's unit to `out` under the rule of [`per_layer`]: `unit`
+/// absent is `token`, `tokens` absent is 1.
+///
+/// # Errors
+/// A layer whose unit in `out` differs ([`AnalyzeError::MixedUnits`]).
+pub fn add_row(
+    out: &mut BTreeMap<i32, SelectionUnit>,
+    layer: i32,
+    unit: Option<&str>,
+    tokens: Option<i32>,
+) -> Result<(), AnalyzeError> {
+    let (unit, tokens) = (unit.unwrap_or("token"), tokens.unwrap_or(1));
+    match out.get(&layer) {
+        Some(first) if first.unit != unit || first.tokens != tokens => {
+            Err(AnalyzeError::MixedUnits {
+                layer,
+                first: first.to_string(),
+                other: SelectionUnit {
+                    unit: unit.to_owned(),
+                    tokens,
+                }
+                .to_string(),
+            })
+        }
+        Some(_) => Ok(()),
+        None => {
+            out.insert(
+                layer,
+                SelectionUnit {
+                    unit: unit.to_owned(),
+                    tokens,
+                },
+            );
+            Ok(())
+        }
+    }
 }
 
 /// Merges one frame's units into a run's, with the same rule across frames.

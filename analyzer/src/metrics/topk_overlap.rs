@@ -54,7 +54,7 @@ use polars::prelude::DataFrame;
 use rayon::prelude::*;
 use serde::Serialize;
 use shadowtrace_schemas::columns::topk_v1 as c;
-use shadowtrace_schemas::selection::{churn, overlap_with_and_without};
+use shadowtrace_schemas::selection::{Overlap, churn, overlap_with_and_without};
 
 use super::selection_unit::SelectionUnit;
 use super::summary::Summary;
@@ -134,15 +134,22 @@ impl Skipped {
         out
     }
 
-    /// Adds another chunk's counts.
-    pub fn add(&mut self, other: &Skipped) {
-        self.rows.extend_from_slice(&other.rows);
+    /// Adds another chunk's rows and counts after these. The rows are moved
+    /// where there is no room reserved yet: each copy of a GLM-5.1 prefill's
+    /// skipped rows into a larger vector had the kernel zero fresh pages
+    /// again.
+    pub fn add(&mut self, other: Skipped) {
+        if self.rows.capacity() == 0 {
+            self.rows = other.rows;
+        } else {
+            self.rows.extend_from_slice(&other.rows);
+        }
         for (mine, theirs) in [
-            (&mut self.reference, &other.reference),
-            (&mut self.dequant, &other.dequant),
+            (&mut self.reference, other.reference),
+            (&mut self.dequant, other.dequant),
         ] {
             for (layer, (dense, no_shadow)) in theirs {
-                let entry = mine.entry(*layer).or_default();
+                let entry = mine.entry(layer).or_default();
                 entry.0 += dense;
                 entry.1 += no_shadow;
             }
@@ -150,8 +157,10 @@ impl Skipped {
     }
 }
 
-/// Overlap of one informative row.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// Overlap of one informative row: its counts, from which each metric is
+/// computed when read. Counts in u32, not the metrics in f64: 48 bytes a
+/// row, not 72, for the half million rows a GLM-5.1 prefill keeps in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowOverlap {
     /// Forward step.
     pub step: i32,
@@ -161,23 +170,204 @@ pub struct RowOverlap {
     pub token: i32,
     /// The shadow scored the dequantized FP8 operands (`shadow_input` dequant).
     pub dequant: bool,
-    /// Jaccard, churn included.
-    pub jaccard: f64,
-    /// Recall of the shadow's keys, churn included.
-    pub recall: f64,
-    /// Jaccard with boundary churn removed.
-    pub jaccard_no_churn: f64,
-    /// Recall with boundary churn removed.
-    pub recall_no_churn: f64,
-    /// Keys removed as churn.
-    pub churn_keys: usize,
-    /// Keys one path selected and the other did not.
-    pub differing_keys: usize,
-    /// Of those, the keys that were churn.
-    pub differing_churn: usize,
     /// The row lacks the band or a path's boundary list: its churn could
     /// not be (fully) computed, and its churn-free values are lower bounds.
     pub churn_unknown: bool,
+    all: Count3,
+    clean: Count3,
+    churn_keys: u32,
+    differing_churn: u32,
+}
+
+/// An [`Overlap`] in u32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Count3 {
+    intersection: u32,
+    union: u32,
+    reference_len: u32,
+}
+
+/// A count as kept: counts are of keys, far below 2^32.
+fn narrow(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+impl From<Overlap> for Count3 {
+    fn from(o: Overlap) -> Count3 {
+        Count3 {
+            intersection: narrow(o.intersection),
+            union: narrow(o.union),
+            reference_len: narrow(o.reference_len),
+        }
+    }
+}
+
+impl From<Count3> for Overlap {
+    fn from(c: Count3) -> Overlap {
+        Overlap {
+            intersection: c.intersection as usize,
+            union: c.union as usize,
+            reference_len: c.reference_len as usize,
+        }
+    }
+}
+
+/// Where a row is and what its shadow scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowAt {
+    /// Forward step.
+    pub step: i32,
+    /// Layer.
+    pub layer: i32,
+    /// Query token.
+    pub token: i32,
+    /// The shadow scored the dequantized FP8 operands.
+    pub dequant: bool,
+}
+
+impl RowOverlap {
+    /// A row at `at` whose selections overlap as `all`, and as `clean` with
+    /// `churn_keys` churn keys removed, `differing_churn` of them keys one
+    /// path selected and the other did not.
+    #[must_use]
+    pub fn new(
+        at: RowAt,
+        all: Overlap,
+        clean: Overlap,
+        churn_keys: usize,
+        differing_churn: usize,
+        churn_unknown: bool,
+    ) -> RowOverlap {
+        RowOverlap {
+            step: at.step,
+            layer: at.layer,
+            token: at.token,
+            dequant: at.dequant,
+            churn_unknown,
+            all: all.into(),
+            clean: clean.into(),
+            churn_keys: narrow(churn_keys),
+            differing_churn: narrow(differing_churn),
+        }
+    }
+
+    /// Jaccard, churn included.
+    #[must_use]
+    pub fn jaccard(&self) -> f64 {
+        Overlap::from(self.all).jaccard()
+    }
+
+    /// Recall of the shadow's keys, churn included.
+    #[must_use]
+    pub fn recall(&self) -> f64 {
+        Overlap::from(self.all).recall()
+    }
+
+    /// Jaccard with boundary churn removed.
+    #[must_use]
+    pub fn jaccard_no_churn(&self) -> f64 {
+        Overlap::from(self.clean).jaccard()
+    }
+
+    /// Recall with boundary churn removed.
+    #[must_use]
+    pub fn recall_no_churn(&self) -> f64 {
+        Overlap::from(self.clean).recall()
+    }
+
+    /// Keys removed as churn.
+    #[must_use]
+    pub fn churn_keys(&self) -> usize {
+        self.churn_keys as usize
+    }
+
+    /// Keys one path selected and the other did not.
+    #[must_use]
+    pub fn differing_keys(&self) -> usize {
+        (self.all.union - self.all.intersection) as usize
+    }
+
+    /// Of those, the keys that were churn.
+    #[must_use]
+    pub fn differing_churn(&self) -> usize {
+        self.differing_churn as usize
+    }
+}
+
+/// A run's row overlaps, kept in the pieces they were computed in (one per
+/// v2 row group): joined by moving the pieces, never by copying their rows
+/// into one vector. A GLM-5.1 prefill has half a million informative rows,
+/// some 35 MB, and copying them into fresh pages one thread at a time took
+/// a third of a remembered `analyze` (README, analyze throughput).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Rows {
+    pieces: Vec<Vec<RowOverlap>>,
+}
+
+impl Rows {
+    /// Every row, piece by piece in order.
+    pub fn iter(&self) -> impl Iterator<Item = &RowOverlap> + Clone {
+        self.pieces.iter().flatten()
+    }
+
+    /// How many rows.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(Vec::len).sum()
+    }
+
+    /// Whether there is no row.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.pieces.iter().all(Vec::is_empty)
+    }
+
+    /// Appends `piece` after the rows there are.
+    pub fn push(&mut self, piece: Vec<RowOverlap>) {
+        if !piece.is_empty() {
+            self.pieces.push(piece);
+        }
+    }
+
+    /// Appends `other`'s rows after these.
+    pub fn append(&mut self, other: Rows) {
+        self.pieces.extend(other.pieces);
+    }
+
+    /// The rows where `f` holds, and the others, each in order.
+    #[must_use]
+    pub fn partition(self, f: impl Fn(&RowOverlap) -> bool) -> (Rows, Rows) {
+        let (mut yes, mut no) = (Rows::default(), Rows::default());
+        for piece in self.pieces {
+            if piece.iter().all(&f) {
+                yes.push(piece);
+            } else if !piece.iter().any(&f) {
+                no.push(piece);
+            } else {
+                let (y, n): (Vec<RowOverlap>, Vec<RowOverlap>) = piece.into_iter().partition(&f);
+                yes.push(y);
+                no.push(n);
+            }
+        }
+        (yes, no)
+    }
+}
+
+impl From<Vec<RowOverlap>> for Rows {
+    fn from(piece: Vec<RowOverlap>) -> Rows {
+        let mut rows = Rows::default();
+        rows.push(piece);
+        rows
+    }
+}
+
+impl<'a> IntoIterator for &'a Rows {
+    type Item = &'a RowOverlap;
+    type IntoIter = std::iter::Flatten<std::slice::Iter<'a, Vec<RowOverlap>>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.pieces.iter().flatten()
+    }
 }
 
 /// What a layer's rows amount to.
@@ -215,28 +405,15 @@ pub struct LayerOverlap {
     pub unit: Option<SelectionUnit>,
 }
 
-/// Per-row overlap of a `topk` frame of trace format `version`: v1 here, v2
-/// in [`super::topk_v2::row_overlaps`]. `band_factor` scales each row's
-/// recorded band. Also returns the dense and shadow-less row counts per layer.
+/// Per-row overlap of a v1 `topk` frame ([`COLUMNS_V1`]; one chunk per
+/// column, see [`crate::frame::list`]), in parallel over rows, with no
+/// allocation per row; v2 parts: [`super::topk_v2::part_overlaps`].
+/// `band_factor` scales each row's recorded band. Also returns the dense and
+/// shadow-less row counts per layer.
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
-pub fn row_overlaps(
-    frame: &DataFrame,
-    version: u32,
-    band_factor: Option<f32>,
-) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
-    if version >= 2 {
-        super::topk_v2::row_overlaps(frame, band_factor)
-    } else {
-        row_overlaps_v1(frame, band_factor)
-    }
-}
-
-/// Per-row overlap of a v1 `topk` frame ([`COLUMNS_V1`]; one chunk per
-/// column, see [`crate::frame::list`]), in parallel over rows, with no
-/// allocation per row.
-fn row_overlaps_v1(
+pub fn row_overlaps_v1(
     frame: &DataFrame,
     band_factor: Option<f32>,
 ) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
@@ -307,42 +484,74 @@ fn row_overlaps_v1(
             excluded.sort_unstable();
             excluded.dedup();
             let (all, clean) = overlap_with_and_without(p, s, excluded);
-            Some(RowOverlap {
+            let at = RowAt {
                 step: step[i],
                 layer: layer[i],
                 token: token[i],
                 dequant: dequant[i],
-                jaccard: all.jaccard(),
-                recall: all.recall(),
-                jaccard_no_churn: clean.jaccard(),
-                recall_no_churn: clean.recall(),
-                churn_keys: excluded.len(),
-                differing_keys: all.union - all.intersection,
-                differing_churn: (all.union - all.intersection)
-                    - (clean.union - clean.intersection),
+            };
+            let differing = |o: Overlap| o.union - o.intersection;
+            Some(RowOverlap::new(
+                at,
+                all,
+                clean,
+                excluded.len(),
+                differing(all) - differing(clean),
                 churn_unknown,
-            })
+            ))
         })
         .flatten()
         .collect();
     Ok((rows, skipped))
 }
 
+/// Each run of consecutive rows of one layer: (layer, rows).
+fn layer_runs<'a>(rows: impl IntoIterator<Item = &'a RowOverlap>) -> Vec<(i32, usize)> {
+    let mut runs: Vec<(i32, usize)> = Vec::new();
+    for row in rows {
+        match runs.last_mut() {
+            Some((layer, n)) if *layer == row.layer => *n += 1,
+            _ => runs.push((row.layer, 1)),
+        }
+    }
+    runs
+}
+
 /// Per-layer summaries of row overlaps; `threshold` is the Jaccard below
 /// which a row counts in [`LayerOverlap::share_below`].
 #[must_use]
 pub fn by_layer<'a>(
-    rows: impl IntoIterator<Item = &'a RowOverlap>,
+    rows: impl IntoIterator<Item = &'a RowOverlap> + Clone,
     skipped: &Uninformative,
     threshold: f64,
 ) -> Vec<LayerOverlap> {
-    let mut groups: BTreeMap<i32, Vec<&RowOverlap>> =
-        skipped.keys().map(|&l| (l, Vec::new())).collect();
-    for row in rows {
-        groups.entry(row.layer).or_default().push(row);
+    // Counted first, so each layer's rows are gathered into a vector of its
+    // size: grown by doubling, they were copied into fresh pages again and
+    // again. A layer's rows come in runs: one map lookup per run.
+    let mut counts: BTreeMap<i32, usize> = skipped.keys().map(|&l| (l, 0)).collect();
+    for (layer, n) in layer_runs(rows.clone()) {
+        *counts.entry(layer).or_default() += n;
     }
-    groups
+    let mut groups: BTreeMap<i32, Vec<&RowOverlap>> = counts
         .into_iter()
+        .map(|(layer, n)| (layer, Vec::with_capacity(n)))
+        .collect();
+    let mut current: Option<(i32, &mut Vec<&RowOverlap>)> = None;
+    for row in rows {
+        match &mut current {
+            Some((layer, group)) if *layer == row.layer => group.push(row),
+            _ => {
+                let group = groups.entry(row.layer).or_default();
+                group.push(row);
+                current = Some((row.layer, group));
+            }
+        }
+    }
+    // Layers in parallel (in order): sorting each layer's values for its
+    // quantiles was a fifth of a remembered analyze, on one core.
+    let groups: Vec<(i32, Vec<&RowOverlap>)> = groups.into_iter().collect();
+    groups
+        .into_par_iter()
         .map(|(layer, rows)| {
             let take = |f: fn(&RowOverlap) -> f64| Summary::of(rows.iter().map(|r| f(r)).collect());
             let n = rows.len();
@@ -354,30 +563,94 @@ pub fn by_layer<'a>(
                 dense_rows,
                 rows_without_shadow,
                 churn_unknown_rows: rows.iter().filter(|r| r.churn_unknown).count(),
-                jaccard: take(|r| r.jaccard),
-                recall: take(|r| r.recall),
-                jaccard_no_churn: take(|r| r.jaccard_no_churn),
-                recall_no_churn: take(|r| r.recall_no_churn),
+                jaccard: take(RowOverlap::jaccard),
+                recall: take(RowOverlap::recall),
+                jaccard_no_churn: take(RowOverlap::jaccard_no_churn),
+                recall_no_churn: take(RowOverlap::recall_no_churn),
                 share_below: if n == 0 {
                     0.0
                 } else {
                     rows.iter()
-                        .filter(|r| r.jaccard_no_churn < threshold)
+                        .filter(|r| r.jaccard_no_churn() < threshold)
                         .count() as f64
                         / n as f64
                 },
                 churn_keys_mean: if n == 0 {
                     0.0
                 } else {
-                    rows.iter().map(|r| r.churn_keys as f64).sum::<f64>() / n as f64
+                    rows.iter().map(|r| r.churn_keys() as f64).sum::<f64>() / n as f64
                 },
                 churn_share: {
-                    let differing: usize = rows.iter().map(|r| r.differing_keys).sum();
-                    let churn: usize = rows.iter().map(|r| r.differing_churn).sum();
+                    let differing: usize = rows.iter().map(|r| r.differing_keys()).sum();
+                    let churn: usize = rows.iter().map(|r| r.differing_churn()).sum();
                     (differing > 0).then(|| churn as f64 / differing as f64)
                 },
                 unit: None,
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(token: i32, dequant: bool) -> RowOverlap {
+        let at = RowAt {
+            step: 0,
+            layer: 0,
+            token,
+            dequant,
+        };
+        RowOverlap::new(at, Overlap::default(), Overlap::default(), 0, 0, false)
+    }
+
+    fn tokens(rows: &Rows) -> Vec<i32> {
+        rows.iter().map(|r| r.token).collect()
+    }
+
+    #[test]
+    fn rows_split_by_a_rule_keep_their_order_across_whole_and_mixed_pieces() {
+        let mut rows = Rows::default();
+        rows.push(vec![row(0, true), row(1, true)]);
+        rows.push(Vec::new());
+        rows.push(vec![row(2, false), row(3, true), row(4, false)]);
+        rows.push(vec![row(5, false)]);
+        assert_eq!(rows.len(), 6);
+        let (dequant, reference) = rows.partition(|r| r.dequant);
+        assert_eq!(tokens(&dequant), [0, 1, 3]);
+        assert_eq!(tokens(&reference), [2, 4, 5]);
+        assert!(Rows::default().is_empty());
+        assert!(!dequant.is_empty());
+    }
+
+    #[test]
+    fn a_row_keeps_the_metrics_of_its_counts() {
+        let all = Overlap {
+            intersection: 3,
+            union: 5,
+            reference_len: 4,
+        };
+        let clean = Overlap {
+            intersection: 3,
+            union: 4,
+            reference_len: 3,
+        };
+        let at = RowAt {
+            step: 1,
+            layer: 2,
+            token: 3,
+            dequant: false,
+        };
+        let r = RowOverlap::new(at, all, clean, 2, 1, true);
+        assert_eq!(r.jaccard(), 3.0 / 5.0);
+        assert_eq!(r.recall(), 3.0 / 4.0);
+        assert_eq!(r.jaccard_no_churn(), 3.0 / 4.0);
+        assert_eq!(r.recall_no_churn(), 1.0);
+        assert_eq!(
+            (r.churn_keys(), r.differing_keys(), r.differing_churn()),
+            (2, 2, 1)
+        );
+        assert!(r.churn_unknown);
+    }
 }

@@ -12,18 +12,29 @@
 //! recorded one (churn recounted within it from the candidates' offsets), or
 //! a row with a band whose churn the producer left null because one path listed no
 //! candidates (what the other path's list shows is removed, as v1 does, and
-//! the row stays churn unknown). [`needs_lists`] says when.
+//! the row stays churn unknown). Rows that need them are found while the
+//! summary is read, and only their row groups are read again with the lists.
+//!
+//! Read with the `parquet` crate's column readers a batch at a time
+//! ([`crate::load::RowGroupBatches`]), row groups in parallel, not as polars
+//! frames: a GLM-5.1 prefill's summary is 0.64 M rows, and decoding it whole
+//! into fresh arrays (strings as views, 16 bytes a row) had the kernel zero
+//! more pages than the rest of `analyze` took (README, analyze throughput).
 
+use std::collections::BTreeMap;
+
+use parquet::data_type::ByteArray;
+use parquet::file::metadata::ParquetMetaData;
+use rayon::prelude::*;
 use shadowtrace_schemas::columns::topk as c;
 use shadowtrace_schemas::selection::{
     BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
-use super::topk_overlap::{RowOverlap, Skipped, SkippedRow};
+use super::selection_unit::{self, SelectionUnit, UNIT, UNIT_TOKENS};
+use super::topk_overlap::{RowAt, RowOverlap, Rows, Skipped, SkippedRow};
 use crate::AnalyzeError;
-use crate::frame::{
-    BoolListView, ListView, NullView, bool_list, i32s, list, null_view, str_equals,
-};
+use crate::load::{ListColumn, Nullable, PartFile, RowBatch, has_column, same_string};
 
 /// The summary columns: enough for every row whose recorded churn answers
 /// the margin asked for.
@@ -58,45 +69,136 @@ pub const LIST_COLUMNS: [&str; 8] = [
     c::SHADOW_BOUNDARY_SELECTED,
 ];
 
-/// The summary columns of one frame.
+/// A string column of one row group.
+enum Strings<'a> {
+    /// Not in the part (written before the column was).
+    Absent,
+    /// The one value of every row, from the footer's statistics: not decoded.
+    Same(&'a str),
+    /// Decoded, with the column's name for errors.
+    Decoded(Nullable<'a, ByteArray>, &'static str),
+}
+
+impl<'a> Strings<'a> {
+    /// The column of `batch`, or its one value `same` (from [`same_string`]).
+    fn of(
+        batch: &'a RowBatch<'_>,
+        name: &'static str,
+        same: Option<&'a str>,
+        present: bool,
+    ) -> Result<Strings<'a>, AnalyzeError> {
+        Ok(match (present, same) {
+            (false, _) => Strings::Absent,
+            (true, Some(value)) => Strings::Same(value),
+            (true, None) => Strings::Decoded(batch.nullable(name)?, name),
+        })
+    }
+
+    /// Row `i`, `None` where null or absent.
+    fn get(&self, i: usize) -> Result<Option<&'a str>, AnalyzeError> {
+        match self {
+            Strings::Absent => Ok(None),
+            Strings::Same(value) => Ok(Some(value)),
+            Strings::Decoded(values, column) => values
+                .get_ref(i)
+                .map(|v| {
+                    v.as_utf8().map_err(|_| AnalyzeError::Layout {
+                        column: (*column).to_owned(),
+                        detail: "a value that is not UTF-8".to_owned(),
+                    })
+                })
+                .transpose(),
+        }
+    }
+}
+
+/// What one row group reads: the columns present, and the string columns
+/// whose one value its footer gives.
+struct GroupPlan {
+    units: bool,
+    same_input: Option<String>,
+    same_unit: Option<String>,
+}
+
+impl GroupPlan {
+    fn of(metadata: &ParquetMetaData, index: usize) -> GroupPlan {
+        // Parts written before units were recorded are over tokens.
+        let units = has_column(metadata, UNIT) && has_column(metadata, UNIT_TOKENS);
+        GroupPlan {
+            units,
+            same_input: same_string(metadata, index, c::SHADOW_INPUT),
+            same_unit: units.then(|| same_string(metadata, index, UNIT)).flatten(),
+        }
+    }
+
+    fn columns(&self, with_lists: bool) -> Vec<&'static str> {
+        let mut columns: Vec<&str> = SUMMARY_COLUMNS
+            .iter()
+            .copied()
+            .filter(|&name| match name {
+                c::SHADOW_INPUT => self.same_input.is_none(),
+                UNIT => self.units && self.same_unit.is_none(),
+                UNIT_TOKENS => self.units,
+                _ => true,
+            })
+            .collect();
+        if with_lists {
+            columns.extend(LIST_COLUMNS);
+        }
+        columns
+    }
+}
+
+/// The summary columns of one batch.
 struct Summary<'a> {
     step: &'a [i32],
     layer: &'a [i32],
     token: &'a [i32],
     k: &'a [i32],
     visible: &'a [i32],
-    dequant: Vec<bool>,
+    shadow_input: Strings<'a>,
     prod_selected: &'a [i32],
-    shadow_selected: NullView<'a, i32>,
-    shared: NullView<'a, i32>,
-    band: NullView<'a, f32>,
-    churn: [NullView<'a, i32>; 4],
+    shadow_selected: Nullable<'a, i32>,
+    shared: Nullable<'a, i32>,
+    band: Nullable<'a, f32>,
+    churn: [Nullable<'a, i32>; 4],
+    unit: Strings<'a>,
+    unit_tokens: Option<Nullable<'a, i32>>,
 }
 
 impl<'a> Summary<'a> {
-    fn of(frame: &'a polars::prelude::DataFrame) -> Result<Summary<'a>, AnalyzeError> {
+    fn of(batch: &'a RowBatch<'_>, plan: &'a GroupPlan) -> Result<Summary<'a>, AnalyzeError> {
         Ok(Summary {
-            step: i32s(frame, c::STEP)?,
-            layer: i32s(frame, c::LAYER)?,
-            token: i32s(frame, c::TOKEN)?,
-            k: i32s(frame, c::K)?,
-            visible: i32s(frame, c::VISIBLE)?,
-            dequant: str_equals(frame, c::SHADOW_INPUT, "dequant")?,
-            prod_selected: i32s(frame, c::PROD_SELECTED)?,
-            shadow_selected: null_view(frame, c::SHADOW_SELECTED)?,
-            shared: null_view(frame, c::SHARED)?,
-            band: null_view(frame, c::BOUNDARY_BAND)?,
+            step: batch.values(c::STEP)?,
+            layer: batch.values(c::LAYER)?,
+            token: batch.values(c::TOKEN)?,
+            k: batch.values(c::K)?,
+            visible: batch.values(c::VISIBLE)?,
+            shadow_input: Strings::of(batch, c::SHADOW_INPUT, plan.same_input.as_deref(), true)?,
+            prod_selected: batch.values(c::PROD_SELECTED)?,
+            shadow_selected: batch.nullable(c::SHADOW_SELECTED)?,
+            shared: batch.nullable(c::SHARED)?,
+            band: batch.nullable(c::BOUNDARY_BAND)?,
             churn: [
-                null_view(frame, c::CHURN_SHARED)?,
-                null_view(frame, c::CHURN_PROD_ONLY)?,
-                null_view(frame, c::CHURN_SHADOW_ONLY)?,
-                null_view(frame, c::CHURN_UNSELECTED)?,
+                batch.nullable(c::CHURN_SHARED)?,
+                batch.nullable(c::CHURN_PROD_ONLY)?,
+                batch.nullable(c::CHURN_SHADOW_ONLY)?,
+                batch.nullable(c::CHURN_UNSELECTED)?,
             ],
+            unit: Strings::of(batch, UNIT, plan.same_unit.as_deref(), plan.units)?,
+            unit_tokens: plan
+                .units
+                .then(|| batch.nullable(UNIT_TOKENS))
+                .transpose()?,
         })
     }
 
-    fn informative(&self, i: usize) -> bool {
-        self.visible[i] > self.k[i] && self.shadow_selected.get(i).is_some()
+    /// Whether row `i`'s shadow scored the dequantized FP8 operands.
+    fn dequant(&self, i: usize) -> Result<bool, AnalyzeError> {
+        match self.shadow_input {
+            Strings::Same(value) => Ok(value == "dequant"),
+            _ => Ok(self.shadow_input.get(i)? == Some("dequant")),
+        }
     }
 
     /// The recorded churn of row `i`, `None` where the producer left it null.
@@ -109,16 +211,6 @@ impl<'a> Summary<'a> {
             unselected: count(unselected.get(i)?),
         })
     }
-
-    /// Whether row `i` needs its lists to answer `band_factor`.
-    fn needs_lists(&self, i: usize, band_factor: Option<f32>) -> bool {
-        let Some(band) = self.band.get(i) else {
-            // No band: no candidate was recorded, whatever the margin.
-            return false;
-        };
-        self.informative(i)
-            && (self.recorded_churn(i).is_none() || band_factor.is_some_and(|f| f * band != band))
-    }
 }
 
 /// A count as stored (i32, never negative from a producer); a negative one
@@ -127,60 +219,44 @@ fn count(v: i32) -> usize {
     usize::try_from(v).unwrap_or(0)
 }
 
-/// Whether some row of a summary frame ([`SUMMARY_COLUMNS`]) needs
-/// [`LIST_COLUMNS`] too for `band_factor`.
-///
-/// # Errors
-/// When a summary column is missing or has an unexpected layout.
-pub fn needs_lists(
-    frame: &polars::prelude::DataFrame,
-    band_factor: Option<f32>,
-) -> Result<bool, AnalyzeError> {
-    // Row group by row group: a part's columns hold one chunk per row group.
-    for chunk in frame.clone().split_chunks() {
-        let s = Summary::of(&chunk)?;
-        if (0..chunk.height()).any(|i| s.needs_lists(i, band_factor)) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
-
-/// The list columns of one frame.
+/// The list columns of one batch.
 struct Lists<'a> {
-    prod_only: ListView<'a, i32>,
-    shadow_only: ListView<'a, i32>,
-    boundary: [(ListView<'a, i32>, ListView<'a, f32>, BoolListView<'a>); 2],
+    prod_only: ListColumn<'a, i32>,
+    shadow_only: ListColumn<'a, i32>,
+    boundary: [(
+        ListColumn<'a, i32>,
+        ListColumn<'a, f32>,
+        ListColumn<'a, bool>,
+    ); 2],
 }
 
 impl<'a> Lists<'a> {
-    fn of(frame: &'a polars::prelude::DataFrame) -> Result<Lists<'a>, AnalyzeError> {
+    fn of(batch: &'a RowBatch<'_>) -> Result<Lists<'a>, AnalyzeError> {
         Ok(Lists {
-            prod_only: list(frame, c::PROD_ONLY_GAPS)?,
-            shadow_only: list(frame, c::SHADOW_ONLY_GAPS)?,
+            prod_only: batch.list(c::PROD_ONLY_GAPS)?,
+            shadow_only: batch.list(c::SHADOW_ONLY_GAPS)?,
             boundary: [
                 (
-                    list(frame, c::PROD_BOUNDARY_GAPS)?,
-                    list(frame, c::PROD_BOUNDARY_OFFSETS)?,
-                    bool_list(frame, c::PROD_BOUNDARY_SELECTED)?,
+                    batch.list(c::PROD_BOUNDARY_GAPS)?,
+                    batch.list(c::PROD_BOUNDARY_OFFSETS)?,
+                    batch.list(c::PROD_BOUNDARY_SELECTED)?,
                 ),
                 (
-                    list(frame, c::SHADOW_BOUNDARY_GAPS)?,
-                    list(frame, c::SHADOW_BOUNDARY_OFFSETS)?,
-                    bool_list(frame, c::SHADOW_BOUNDARY_SELECTED)?,
+                    batch.list(c::SHADOW_BOUNDARY_GAPS)?,
+                    batch.list(c::SHADOW_BOUNDARY_OFFSETS)?,
+                    batch.list(c::SHADOW_BOUNDARY_SELECTED)?,
                 ),
             ],
         })
     }
 }
 
-/// Per-worker buffers for one row's decoded lists: no allocation per row.
+/// Buffers for one row's decoded keys: no allocation per row.
 #[derive(Default)]
 struct Scratch {
     prod_only: Vec<i32>,
     shadow_only: Vec<i32>,
     keys: [Vec<i32>; 2],
-    selected: [Vec<bool>; 2],
 }
 
 /// Row `i`'s churn within `margin`, recounted from its lists; `false` as the
@@ -192,101 +268,301 @@ fn recount_churn(lists: &Lists<'_>, i: usize, margin: f32, s: &mut Scratch) -> (
     extend_keys_from_gaps(lists.shadow_only.get(i).unwrap_or(&[]), &mut s.shadow_only);
     let mut complete = true;
     let mut offsets: [&[f32]; 2] = [&[], &[]];
-    for (path, (gaps, offs, selected)) in lists.boundary.iter().enumerate() {
+    let mut selected: [&[bool]; 2] = [&[], &[]];
+    for (path, (gaps, offs, flags)) in lists.boundary.iter().enumerate() {
         s.keys[path].clear();
-        let listed = gaps.get(i).is_some() && offs.get(i).is_some();
-        complete &= listed && selected.fill(i, &mut s.selected[path]);
-        if !listed {
-            s.selected[path].clear();
+        let (Some(gaps), Some(offs)) = (gaps.get(i), offs.get(i)) else {
+            complete = false;
             continue;
-        }
-        extend_keys_from_gaps(gaps.get(i).unwrap_or(&[]), &mut s.keys[path]);
-        offsets[path] = offs.get(i).unwrap_or(&[]);
+        };
+        let flags = flags.get(i);
+        complete &= flags.is_some();
+        extend_keys_from_gaps(gaps, &mut s.keys[path]);
+        offsets[path] = offs;
+        selected[path] = flags.unwrap_or(&[]);
     }
     let view = |path: usize| BoundaryView {
         keys: &s.keys[path],
         offsets: offsets[path],
-        selected: &s.selected[path],
+        selected: selected[path],
     };
     let churn = churn_from_boundaries(&s.prod_only, &s.shadow_only, view(0), view(1), margin);
     (churn, complete)
 }
 
-/// Per-row overlap of a v2 `topk` frame: [`SUMMARY_COLUMNS`], plus
-/// [`LIST_COLUMNS`] where [`needs_lists`] says so. `band_factor` scales
-/// each row's recorded band, as for v1 (the caller has checked it against
-/// how far the lists reach).
+/// What one part's rows amount to: the overlap of each informative row (in
+/// the part's order), the rows left out, and each layer's selection unit.
+#[derive(Debug, Default)]
+pub struct PartOverlaps {
+    /// Informative rows.
+    pub rows: Rows,
+    /// Dense rows and rows without a shadow.
+    pub skipped: Skipped,
+    /// Each layer's unit ([`selection_unit`]).
+    pub units: BTreeMap<i32, SelectionUnit>,
+}
+
+/// Per-row overlap of a v2 `topk` part, row groups in parallel:
+/// [`SUMMARY_COLUMNS`], and [`LIST_COLUMNS`] for each row group where a row
+/// needs them for `band_factor`. `band_factor` scales each row's recorded
+/// band (the caller has checked it against how far the lists reach).
 ///
 /// # Errors
-/// When a column is missing or has an unexpected layout, or a row needs the
-/// lists and the frame lacks them.
-pub fn row_overlaps(
-    frame: &polars::prelude::DataFrame,
+/// When the part cannot be read, a column is missing or has an unexpected
+/// layout, or a layer's rows are over different units.
+pub fn part_overlaps(
+    part: &PartFile,
     band_factor: Option<f32>,
-) -> Result<(Vec<RowOverlap>, Skipped), AnalyzeError> {
-    let s = Summary::of(frame)?;
-    let lists = if frame.column(c::PROD_ONLY_GAPS).is_ok() {
-        Some(Lists::of(frame)?)
-    } else {
-        None
-    };
-    let mut left_out = Vec::new();
-    let mut rows = Vec::with_capacity(frame.height());
-    let mut scratch = Scratch::default();
-    for i in 0..frame.height() {
-        let skip = |dense: bool| SkippedRow {
-            step: s.step[i],
-            layer: s.layer[i],
-            token: s.token[i],
-            dequant: s.dequant[i],
-            dense,
-        };
-        if s.visible[i] <= s.k[i] {
-            left_out.push(skip(true));
-            continue;
-        }
-        let (Some(shadow_selected), Some(shared)) = (s.shadow_selected.get(i), s.shared.get(i))
-        else {
-            left_out.push(skip(false));
-            continue;
-        };
-        let (churn, churn_unknown) = match (s.band.get(i), s.needs_lists(i, band_factor), &lists) {
-            (None, _, _) => (ChurnCounts::default(), true),
-            (Some(band), true, Some(lists)) => {
-                let margin = band_factor.map_or(band, |f| f * band);
-                let (churn, complete) = recount_churn(lists, i, margin, &mut scratch);
-                (churn, !complete)
+) -> Result<PartOverlaps, AnalyzeError> {
+    let metadata = part.parquet_metadata()?;
+    let groups: Vec<Result<PartOverlaps, AnalyzeError>> = (0..metadata.num_row_groups())
+        .into_par_iter()
+        .map(|index| {
+            if let Some(group) = group_overlaps(part, &metadata, index, band_factor, false)? {
+                return Ok(group);
             }
-            (Some(_), true, None) => {
-                return Err(AnalyzeError::Layout {
+            // A row of this group needs its lists: read it again with them.
+            group_overlaps(part, &metadata, index, band_factor, true)?.ok_or_else(|| {
+                AnalyzeError::Layout {
                     column: c::PROD_ONLY_GAPS.to_owned(),
-                    detail: "row needs its lists to count churn and the frame lacks them"
-                        .to_owned(),
-                });
-            }
-            (Some(_), false, _) => (s.recorded_churn(i).unwrap_or_default(), false),
-        };
-        let counts = Counts {
-            prod_selected: count(s.prod_selected[i]),
-            shadow_selected: count(shadow_selected),
-            shared: count(shared),
-            churn,
-        };
-        let (all, clean) = (counts.overlap(), counts.overlap_no_churn());
-        rows.push(RowOverlap {
-            step: s.step[i],
-            layer: s.layer[i],
-            token: s.token[i],
-            dequant: s.dequant[i],
-            jaccard: all.jaccard(),
-            recall: all.recall(),
-            jaccard_no_churn: clean.jaccard(),
-            recall_no_churn: clean.recall(),
-            churn_keys: churn.total(),
-            differing_keys: all.union - all.intersection,
-            differing_churn: churn.prod_only + churn.shadow_only,
-            churn_unknown,
-        });
+                    detail: "lists read and still asked for (a defect)".to_owned(),
+                }
+            })
+        })
+        .collect();
+    let groups: Vec<PartOverlaps> = groups.into_iter().collect::<Result<_, _>>()?;
+    let mut out = PartOverlaps::default();
+    // Sized once: grown by doubling, the rows were copied into fresh pages
+    // again and again.
+    out.skipped
+        .rows
+        .reserve_exact(groups.iter().map(|g| g.skipped.rows.len()).sum());
+    for group in groups {
+        selection_unit::merge(&mut out.units, group.units)?;
+        out.rows.append(group.rows);
+        out.skipped.add(group.skipped);
     }
-    Ok((rows, Skipped::of(left_out)))
+    Ok(out)
+}
+
+/// Row group `index` of a part, a batch at a time; `None` when a row needs
+/// its lists and `with_lists` is false.
+fn group_overlaps(
+    part: &PartFile,
+    metadata: &ParquetMetaData,
+    index: usize,
+    band_factor: Option<f32>,
+    with_lists: bool,
+) -> Result<Option<PartOverlaps>, AnalyzeError> {
+    let plan = GroupPlan::of(metadata, index);
+    let columns = plan.columns(with_lists);
+    let mut batches = part.row_group_batches(metadata, index, &columns)?;
+    let rows = usize::try_from(metadata.row_group(index).num_rows()).unwrap_or(0);
+    let mut out = PartOverlaps::default();
+    let mut overlaps = Vec::with_capacity(rows);
+    let mut left_out = Vec::new();
+    let mut scratch = Scratch::default();
+    while let Some(batch) = batches.next_batch() {
+        let batch = batch?;
+        let s = Summary::of(&batch, &plan)?;
+        let lists = if with_lists {
+            Some(Lists::of(&batch)?)
+        } else {
+            None
+        };
+        let mut last_unit = None;
+        for i in 0..batch.rows {
+            let unit = (
+                s.layer[i],
+                s.unit.get(i)?,
+                s.unit_tokens.and_then(|t| t.get(i)),
+            );
+            // A layer's rows come together: one map lookup per run of them.
+            if last_unit != Some(unit) {
+                selection_unit::add_row(&mut out.units, unit.0, unit.1, unit.2)?;
+                last_unit = Some(unit);
+            }
+            let dequant = s.dequant(i)?;
+            let skip = |dense: bool| SkippedRow {
+                step: s.step[i],
+                layer: s.layer[i],
+                token: s.token[i],
+                dequant,
+                dense,
+            };
+            if s.visible[i] <= s.k[i] {
+                left_out.push(skip(true));
+                continue;
+            }
+            let (Some(shadow_selected), Some(shared)) = (s.shadow_selected.get(i), s.shared.get(i))
+            else {
+                left_out.push(skip(false));
+                continue;
+            };
+            let recorded = s.recorded_churn(i);
+            let (churn, churn_unknown) = match s.band.get(i) {
+                // No band: no candidate was recorded, whatever the margin.
+                None => (ChurnCounts::default(), true),
+                // The recorded churn answers the recorded band.
+                Some(band)
+                    if recorded.is_some() && band_factor.is_none_or(|f| f * band == band) =>
+                {
+                    (recorded.unwrap_or_default(), false)
+                }
+                Some(band) => {
+                    let Some(lists) = &lists else {
+                        return Ok(None);
+                    };
+                    let margin = band_factor.map_or(band, |f| f * band);
+                    let (churn, complete) = recount_churn(lists, i, margin, &mut scratch);
+                    (churn, !complete)
+                }
+            };
+            let counts = Counts {
+                prod_selected: count(s.prod_selected[i]),
+                shadow_selected: count(shadow_selected),
+                shared: count(shared),
+                churn,
+            };
+            let at = RowAt {
+                step: s.step[i],
+                layer: s.layer[i],
+                token: s.token[i],
+                dequant,
+            };
+            overlaps.push(RowOverlap::new(
+                at,
+                counts.overlap(),
+                counts.overlap_no_churn(),
+                churn.total(),
+                churn.prod_only + churn.shadow_only,
+                churn_unknown,
+            ));
+        }
+    }
+    out.rows.push(overlaps);
+    out.skipped = Skipped::of(left_out);
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::fs::File;
+    use std::sync::Arc;
+
+    use arrow_array::{ArrayRef, Float32Array, Int32Array, RecordBatch, StringArray};
+    use parquet::arrow::ArrowWriter;
+    use parquet::file::properties::WriterProperties;
+    use shadowtrace_schemas::Table;
+
+    use super::*;
+
+    const GROUP: usize = 40;
+
+    /// The shadow input of row `i`: the first row group all `dequant`, the
+    /// second `reference` and `dequant` in turn.
+    fn input(i: usize) -> &'static str {
+        if i < GROUP || i.is_multiple_of(2) {
+            "dequant"
+        } else {
+            "reference"
+        }
+    }
+
+    /// A v2 summary of two row groups written by arrow-rs: rows with k = 4
+    /// of 10 visible keys (every fifth dense, 3 visible), each path
+    /// selecting 4 and sharing `i % 5`, no churn.
+    fn part(dir: &std::path::Path) -> PartFile {
+        let rows = 2 * GROUP;
+        let int = |f: fn(usize) -> i32| -> ArrayRef {
+            Arc::new(Int32Array::from_iter_values((0..rows).map(f)))
+        };
+        let columns: Vec<(&str, ArrayRef)> = vec![
+            (
+                c::SHADOW_INPUT,
+                Arc::new(StringArray::from_iter_values((0..rows).map(input))),
+            ),
+            (c::STEP, int(|_| 0)),
+            (c::LAYER, int(|i| i32::try_from(i / 20).unwrap())),
+            (c::TOKEN, int(|i| i32::try_from(i).unwrap())),
+            (
+                UNIT,
+                Arc::new(StringArray::from_iter_values((0..rows).map(|_| "token"))),
+            ),
+            (UNIT_TOKENS, int(|_| 1)),
+            (c::K, int(|_| 4)),
+            (c::VISIBLE, int(|i| if i % 5 == 4 { 3 } else { 10 })),
+            (c::PROD_SELECTED, int(|_| 4)),
+            (c::SHADOW_SELECTED, int(|_| 4)),
+            (c::SHARED, int(|i| i32::try_from(i % 5).unwrap())),
+            (
+                c::BOUNDARY_BAND,
+                Arc::new(Float32Array::from_iter_values((0..rows).map(|_| 0.5))),
+            ),
+            (c::CHURN_SHARED, int(|_| 0)),
+            (c::CHURN_PROD_ONLY, int(|_| 0)),
+            (c::CHURN_SHADOW_ONLY, int(|_| 0)),
+            (c::CHURN_UNSELECTED, int(|_| 0)),
+        ];
+        let batch = RecordBatch::try_from_iter(columns).unwrap();
+        let path = dir.join("part.parquet");
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(GROUP))
+            .build();
+        let mut writer =
+            ArrowWriter::try_new(File::create(&path).unwrap(), batch.schema(), Some(props))
+                .unwrap();
+        writer.write(&batch).unwrap();
+        writer.close().unwrap();
+        PartFile {
+            bytes: std::fs::metadata(&path).unwrap().len(),
+            path,
+            table: Table::Topk,
+            version: 2,
+            rows: rows as u64,
+        }
+    }
+
+    #[test]
+    fn a_row_group_of_one_shadow_input_is_read_from_its_footer_and_a_mixed_one_decoded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let part = part(tmp.path());
+        let metadata = part.parquet_metadata().unwrap();
+        assert_eq!(metadata.num_row_groups(), 2);
+        assert_eq!(
+            same_string(&metadata, 0, c::SHADOW_INPUT).as_deref(),
+            Some("dequant")
+        );
+        assert_eq!(same_string(&metadata, 1, c::SHADOW_INPUT), None);
+        assert_eq!(same_string(&metadata, 1, UNIT).as_deref(), Some("token"));
+
+        let got = part_overlaps(&part, None).unwrap();
+        // Every row in order, dense ones left out, each with the input it
+        // was written with and the overlap its counts give: shared / (8 - shared).
+        let informative: Vec<usize> = (0..2 * GROUP).filter(|i| i % 5 != 4).collect();
+        assert_eq!(got.rows.len(), informative.len());
+        for (row, &i) in got.rows.iter().zip(&informative) {
+            let shared = (i % 5) as f64;
+            assert_eq!(row.token, i32::try_from(i).unwrap());
+            assert_eq!(row.dequant, input(i) == "dequant", "row {i}");
+            assert_eq!(row.jaccard(), shared / (8.0 - shared), "row {i}");
+            assert_eq!(row.recall(), shared / 4.0, "row {i}");
+            assert_eq!(row.jaccard_no_churn(), row.jaccard());
+        }
+        let dense: Vec<(i32, bool)> = got
+            .skipped
+            .rows
+            .iter()
+            .map(|r| (r.token, r.dequant))
+            .collect();
+        let expected: Vec<(i32, bool)> = (0..2 * GROUP)
+            .filter(|i| i % 5 == 4)
+            .map(|i| (i32::try_from(i).unwrap(), input(i) == "dequant"))
+            .collect();
+        assert_eq!(dense, expected);
+        assert_eq!(got.units.len(), 4);
+        assert!(got.units.values().all(|u| *u == SelectionUnit::token()));
+    }
 }

@@ -9,6 +9,7 @@ use polars::prelude::{Column, DataFrame, ParquetWriter};
 
 use crate::judged::{Question, why_not_judged};
 use crate::metrics::summary::Summary;
+use crate::metrics::topk_overlap::RowOverlap;
 use crate::{Analysis, AnalyzeError};
 
 pub(super) fn write_metrics(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, AnalyzeError> {
@@ -155,19 +156,25 @@ fn topk_layers(a: &Analysis) -> Frame {
 }
 
 fn topk_rows(a: &Analysis) -> Frame {
-    let rows = per_run(a, |r| &r.topk_rows);
+    let rows: Vec<(&str, &RowOverlap)> = a
+        .runs
+        .iter()
+        .flat_map(|r| r.topk_rows.iter().map(move |x| (r.run_id.as_str(), x)))
+        .collect();
     frame(vec![
         col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
         col_map("step", &rows, |(_, x)| x.step),
         col_map("layer", &rows, |(_, x)| x.layer),
         col_map("token", &rows, |(_, x)| x.token),
-        col_map("jaccard", &rows, |(_, x)| x.jaccard),
-        col_map("recall", &rows, |(_, x)| x.recall),
-        col_map("jaccard_no_churn", &rows, |(_, x)| x.jaccard_no_churn),
-        col_map("recall_no_churn", &rows, |(_, x)| x.recall_no_churn),
-        col_map("churn_keys", &rows, |(_, x)| x.churn_keys as u64),
-        col_map("differing_keys", &rows, |(_, x)| x.differing_keys as u64),
-        col_map("differing_churn", &rows, |(_, x)| x.differing_churn as u64),
+        col_map("jaccard", &rows, |(_, x)| x.jaccard()),
+        col_map("recall", &rows, |(_, x)| x.recall()),
+        col_map("jaccard_no_churn", &rows, |(_, x)| x.jaccard_no_churn()),
+        col_map("recall_no_churn", &rows, |(_, x)| x.recall_no_churn()),
+        col_map("churn_keys", &rows, |(_, x)| x.churn_keys() as u64),
+        col_map("differing_keys", &rows, |(_, x)| x.differing_keys() as u64),
+        col_map("differing_churn", &rows, |(_, x)| {
+            x.differing_churn() as u64
+        }),
         col_map("churn_unknown", &rows, |(_, x)| x.churn_unknown),
     ])
 }

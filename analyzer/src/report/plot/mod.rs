@@ -40,7 +40,9 @@ pub fn heatmap_file(run_id: &str) -> String {
 /// Whether a run gets an overlap heatmap: it has a finite informative
 /// top-k row (some query saw more than k keys).
 pub(crate) fn has_heatmap(run: &RunAnalysis) -> bool {
-    run.topk_rows.iter().any(|r| r.jaccard_no_churn.is_finite())
+    run.topk_rows
+        .iter()
+        .any(|r| r.jaccard_no_churn().is_finite())
 }
 
 /// Writes the plots into `dir`: the two line charts, and a heatmap per run
@@ -316,7 +318,7 @@ pub(crate) fn overlap_heatmap(a: &Analysis, run: &RunAnalysis) -> Option<Heatmap
     let binned = Binned::from_rows(
         run.topk_rows
             .iter()
-            .map(|r| (r.layer, r.token, r.jaccard_no_churn)),
+            .map(|r| (r.layer, r.token, r.jaccard_no_churn())),
         MAX_BINS,
     )?;
     let t = &a.thresholds;
