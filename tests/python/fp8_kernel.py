@@ -24,11 +24,19 @@ E4M3 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(E4M3).max
 
 
+def _k_padded(k: int) -> int:
+    """K padded to whole 128-groups, and to two at least: with one group, the scales'
+    shapes, (M, 1) and (1, N), are those of row-wise scaling, which `_scaled_mm` takes them
+    for and cuBLASLt refuses with an fp32 output (CUBLAS_STATUS_NOT_SUPPORTED on an H100).
+    The padding is zero codes: the product is the same, exactly."""
+    return max(-(-k // 128), 2) * 128
+
+
 def _rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] per token in 1x128 groups: e4m3 codes [rows, Kp] and fp32 scales
-    [rows, Kp/128], zero rows past M (rows >= M), K padded to whole groups."""
+    [rows, Kp/128], zero rows past M (rows >= M), K padded (`_k_padded`)."""
     (m, k) = x.shape
-    kp = -(-k // 128) * 128
+    kp = _k_padded(k)
     xp = torch.nn.functional.pad(x.float(), (0, kp - k, 0, rows - m)).view(rows, kp // 128, 128)
     scale = (xp.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
     codes = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3).view(rows, kp)
@@ -40,13 +48,16 @@ def _weight(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> tuple[torch
     padded to whole blocks, transposed (a view), and the scales repeated over their rows,
     (K/128, Np) row-major."""
     n, k = weight.shape
-    kp, np_ = -(-k // 128) * 128, -(-n // 128) * 128
+    kp, np_ = _k_padded(k), -(-n // 128) * 128
     w = (
         weight
         if (kp, np_) == (k, n)
         else torch.nn.functional.pad(weight.view(torch.uint8), (0, kp - k, 0, np_ - n))
     )
-    scale_b = weight_scale_inv.float().repeat_interleave(128, 0)
+    # A padded K block's codes are zero: any scale gives zero; 1.
+    scale = weight_scale_inv.float()
+    scale = torch.nn.functional.pad(scale, (0, kp // 128 - scale.shape[1]), value=1.0)
+    scale_b = scale.repeat_interleave(128, 0)
     scale_b = torch.nn.functional.pad(scale_b, (0, 0, 0, np_ - scale_b.shape[0]))[:np_]
     return w.view(E4M3).t(), scale_b.t().contiguous()
 
