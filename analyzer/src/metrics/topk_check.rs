@@ -29,10 +29,11 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::columns::topk as c;
 use shadowtrace_schemas::selection::{
-    BoundaryView, ChurnCounts, Counts, churn_from_boundaries, extend_keys_from_gaps,
+    BoundaryView, Counts, churn_from_boundaries, extend_keys_from_gaps,
 };
 
 use super::check_memo;
+use super::topk_v2::{Lists, count, recorded_churn};
 use crate::load::{ListColumn, Nullable, PartFile, RowBatch, Run};
 use crate::{AnalyzeError, RunProblem};
 
@@ -162,10 +163,6 @@ impl SummaryCheck {
     }
 }
 
-fn count(v: i32) -> usize {
-    usize::try_from(v).unwrap_or(0)
-}
-
 /// Whether `keys` are strictly ascending, as v2 stores every key list.
 fn ascending(keys: &[i32]) -> bool {
     keys.windows(2).all(|w| w[0] < w[1])
@@ -189,13 +186,7 @@ struct Columns<'a> {
     churn: [Nullable<'a, i32>; 4],
     jaccard: Nullable<'a, f32>,
     jaccard_no_churn: Nullable<'a, f32>,
-    prod_only: ListColumn<'a, i32>,
-    shadow_only: ListColumn<'a, i32>,
-    boundary: [(
-        ListColumn<'a, i32>,
-        ListColumn<'a, f32>,
-        ListColumn<'a, bool>,
-    ); 2],
+    lists: Lists<'a>,
     prod_gaps: ListColumn<'a, i32>,
 }
 
@@ -219,20 +210,7 @@ impl<'a> Columns<'a> {
             ],
             jaccard: g.nullable::<f32>(c::JACCARD)?,
             jaccard_no_churn: g.nullable::<f32>(c::JACCARD_NO_CHURN)?,
-            prod_only: g.list::<i32>(c::PROD_ONLY_GAPS)?,
-            shadow_only: g.list::<i32>(c::SHADOW_ONLY_GAPS)?,
-            boundary: [
-                (
-                    g.list::<i32>(c::PROD_BOUNDARY_GAPS)?,
-                    g.list::<f32>(c::PROD_BOUNDARY_OFFSETS)?,
-                    g.list::<bool>(c::PROD_BOUNDARY_SELECTED)?,
-                ),
-                (
-                    g.list::<i32>(c::SHADOW_BOUNDARY_GAPS)?,
-                    g.list::<f32>(c::SHADOW_BOUNDARY_OFFSETS)?,
-                    g.list::<bool>(c::SHADOW_BOUNDARY_SELECTED)?,
-                ),
-            ],
+            lists: Lists::of(g)?,
             prod_gaps: g.list::<i32>(c::PROD_GAPS)?,
         })
     }
@@ -264,8 +242,8 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
         rows_checked: 1,
         ..SummaryCheck::default()
     };
-    let prod_only_listed = decode(&t.prod_only, i, &mut s.prod_only);
-    let differences = prod_only_listed & decode(&t.shadow_only, i, &mut s.shadow_only);
+    let prod_only_listed = decode(&t.lists.prod_only, i, &mut s.prod_only);
+    let differences = prod_only_listed & decode(&t.lists.shadow_only, i, &mut s.shadow_only);
     row.missing_lists = usize::from(!differences);
     if differences {
         let from_prod = i64::from(t.prod_selected[i]) - s.prod_only.len() as i64;
@@ -273,15 +251,7 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
         row.shared =
             usize::from(from_prod != i64::from(shared_n) || from_shadow != i64::from(shared_n));
     }
-    let recorded = (|| {
-        let [a, b, c, d] = &t.churn;
-        Some(ChurnCounts {
-            shared: count(a.get(i)?),
-            prod_only: count(b.get(i)?),
-            shadow_only: count(c.get(i)?),
-            unselected: count(d.get(i)?),
-        })
-    })();
+    let recorded = recorded_churn(&t.churn, i);
     let counts = Counts {
         prod_selected: count(t.prod_selected[i]),
         shadow_selected: count(shadow_n),
@@ -301,7 +271,7 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
         let mut listed = true;
         let mut offsets: [&[f32]; 2] = [&[], &[]];
         let mut selected: [&[bool]; 2] = [&[], &[]];
-        for (path, (gaps, offs, flags)) in t.boundary.iter().enumerate() {
+        for (path, (gaps, offs, flags)) in t.lists.boundary.iter().enumerate() {
             listed &= decode(gaps, i, &mut s.keys[path]);
             match (offs.get(i), flags.get(i)) {
                 (Some(o), Some(f)) => (offsets[path], selected[path]) = (o, f),

@@ -203,27 +203,36 @@ impl<'a> Summary<'a> {
 
     /// The recorded churn of row `i`, `None` where the producer left it null.
     fn recorded_churn(&self, i: usize) -> Option<ChurnCounts> {
-        let [shared, prod_only, shadow_only, unselected] = &self.churn;
-        Some(ChurnCounts {
-            shared: count(shared.get(i)?),
-            prod_only: count(prod_only.get(i)?),
-            shadow_only: count(shadow_only.get(i)?),
-            unselected: count(unselected.get(i)?),
-        })
+        recorded_churn(&self.churn, i)
     }
 }
 
 /// A count as stored (i32, never negative from a producer); a negative one
 /// from a damaged file counts as zero rather than wrapping.
-fn count(v: i32) -> usize {
+pub(super) fn count(v: i32) -> usize {
     usize::try_from(v).unwrap_or(0)
 }
 
-/// The list columns of one batch.
-struct Lists<'a> {
-    prod_only: ListColumn<'a, i32>,
-    shadow_only: ListColumn<'a, i32>,
-    boundary: [(
+/// Row `i`'s churn counts as recorded in the four churn columns (shared,
+/// prod-only, shadow-only, unselected), `None` where the producer left any
+/// of them null.
+pub(super) fn recorded_churn(churn: &[Nullable<'_, i32>; 4], i: usize) -> Option<ChurnCounts> {
+    let [shared, prod_only, shadow_only, unselected] = churn;
+    Some(ChurnCounts {
+        shared: count(shared.get(i)?),
+        prod_only: count(prod_only.get(i)?),
+        shadow_only: count(shadow_only.get(i)?),
+        unselected: count(unselected.get(i)?),
+    })
+}
+
+/// The list columns of one batch ([`LIST_COLUMNS`]): the keys only one
+/// path selected, and each path's boundary candidates (keys, offsets from
+/// its k-th score, whether it selected them).
+pub(super) struct Lists<'a> {
+    pub(super) prod_only: ListColumn<'a, i32>,
+    pub(super) shadow_only: ListColumn<'a, i32>,
+    pub(super) boundary: [(
         ListColumn<'a, i32>,
         ListColumn<'a, f32>,
         ListColumn<'a, bool>,
@@ -231,7 +240,7 @@ struct Lists<'a> {
 }
 
 impl<'a> Lists<'a> {
-    fn of(batch: &'a RowBatch<'_>) -> Result<Lists<'a>, AnalyzeError> {
+    pub(super) fn of(batch: &'a RowBatch<'_>) -> Result<Lists<'a>, AnalyzeError> {
         Ok(Lists {
             prod_only: batch.list(c::PROD_ONLY_GAPS)?,
             shadow_only: batch.list(c::SHADOW_ONLY_GAPS)?,

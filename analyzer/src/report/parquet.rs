@@ -9,7 +9,6 @@ use polars::prelude::{Column, DataFrame, ParquetWriter};
 
 use crate::judged::{Question, why_not_judged};
 use crate::metrics::summary::Summary;
-use crate::metrics::topk_overlap::RowOverlap;
 use crate::{Analysis, AnalyzeError};
 
 pub(super) fn write_metrics(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, AnalyzeError> {
@@ -111,13 +110,13 @@ fn stat(s: Option<Summary>, f: fn(&Summary) -> f64) -> Option<f64> {
 }
 
 /// Each run's items, tagged with the run id.
-fn per_run<'a, T>(
+fn per_run<'a, T: 'a, I: IntoIterator<Item = &'a T>>(
     a: &'a Analysis,
-    items: impl Fn(&'a crate::RunAnalysis) -> &'a [T],
+    items: impl Fn(&'a crate::RunAnalysis) -> I,
 ) -> Vec<(&'a str, &'a T)> {
     a.runs
         .iter()
-        .flat_map(|r| items(r).iter().map(move |x| (r.run_id.as_str(), x)))
+        .flat_map(|r| items(r).into_iter().map(move |x| (r.run_id.as_str(), x)))
         .collect()
 }
 
@@ -156,11 +155,7 @@ fn topk_layers(a: &Analysis) -> Frame {
 }
 
 fn topk_rows(a: &Analysis) -> Frame {
-    let rows: Vec<(&str, &RowOverlap)> = a
-        .runs
-        .iter()
-        .flat_map(|r| r.topk_rows.iter().map(move |x| (r.run_id.as_str(), x)))
-        .collect();
+    let rows = per_run(a, |r| &r.topk_rows);
     frame(vec![
         col_map("run_id", &rows, |(r, _)| (*r).to_owned()),
         col_map("step", &rows, |(_, x)| x.step),
