@@ -22,7 +22,7 @@ use crate::metrics::logits::{self, Agreement, TopN};
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::selection_unit;
 use crate::metrics::topk_check::{self, SummaryCheck};
-use crate::metrics::topk_overlap::{self, LayerOverlap, Rows, SkippedRow};
+use crate::metrics::topk_overlap::{self, LayerOverlap, Pieces, Rows, SkippedRow};
 use crate::metrics::topk_v2::{self, PartOverlaps};
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
@@ -128,7 +128,7 @@ pub struct RunAnalysis {
     /// shadow), by key: ranks that scored different rows of one request
     /// are united from these and `topk_rows` ([`crate::ranks`]).
     #[serde(skip)]
-    pub topk_skipped: Vec<SkippedRow>,
+    pub topk_skipped: Pieces<SkippedRow>,
     /// Per-token error at the hidden verdict's site, for heatmaps.
     #[serde(skip)]
     pub hidden_tokens: Vec<hidden_error::TokenError>,
@@ -339,23 +339,26 @@ pub fn analyze_run(
         parts.iter().map(|p| overlaps(p)).collect()
     };
     let mut topk_rows = Rows::default();
+    let mut dequant_rows = Rows::default();
     let mut skipped_rows = topk_overlap::Skipped::default();
     let mut units = BTreeMap::new();
     for result in per_part {
         let PartOverlaps {
             rows,
+            dequant_rows: dequant,
             skipped,
             units: part_units,
         } = result?;
         // A layer's rows are summarised together: one selection unit each.
         selection_unit::merge(&mut units, part_units)?;
         topk_rows.append(rows);
+        dequant_rows.append(dequant);
         skipped_rows.add(skipped);
     }
-    let (dequant_rows, topk_rows) = topk_rows.partition(|r| r.dequant);
-    let mut topk = topk_overlap::by_layer(&topk_rows, &skipped_rows.reference, t.topk_jaccard);
+    let mut topk =
+        topk_overlap::by_layer(topk_rows.pieces(), &skipped_rows.reference, t.topk_jaccard);
     let mut topk_dequant =
-        topk_overlap::by_layer(&dequant_rows, &skipped_rows.dequant, t.topk_jaccard);
+        topk_overlap::by_layer(dequant_rows.pieces(), &skipped_rows.dequant, t.topk_jaccard);
     for layer in topk.iter_mut().chain(topk_dequant.iter_mut()) {
         layer.unit = units.get(&layer.layer).cloned();
     }
@@ -524,7 +527,9 @@ fn overlaps_v1(part: &PartFile, band_factor: Option<f32>) -> Result<PartOverlaps
     for chunk in frame.split_chunks() {
         selection_unit::merge(&mut out.units, selection_unit::per_layer(&chunk)?)?;
         let (rows, skipped) = topk_overlap::row_overlaps_v1(&chunk, band_factor)?;
-        out.rows.push(rows);
+        let (dequant, reference) = Rows::from(rows).partition(|r| r.dequant);
+        out.rows.append(reference);
+        out.dequant_rows.append(dequant);
         out.skipped.add(skipped);
     }
     Ok(out)

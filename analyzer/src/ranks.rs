@@ -253,7 +253,7 @@ fn apply_united(
     let (dequant, reference): (Vec<RowOverlap>, Vec<RowOverlap>) =
         united.rows.into_iter().partition(|r| r.dequant);
     let layers = |rows: &[RowOverlap], uninformative| -> Vec<LayerOverlap> {
-        let mut out = topk_overlap::by_layer(rows, uninformative, t.topk_jaccard);
+        let mut out = topk_overlap::by_layer([rows], uninformative, t.topk_jaccard);
         for layer in &mut out {
             layer.unit = units.get(&layer.layer).cloned();
         }

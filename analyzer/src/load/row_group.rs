@@ -28,14 +28,17 @@
 //! ([`super::PartFile::read`]).
 
 use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
+
+use bytes::{Buf, Bytes};
 
 use parquet::basic::{ConvertedType, LogicalType, Repetition, Type as PhysicalType};
 use parquet::column::reader::{ColumnReader, ColumnReaderImpl, get_column_reader};
 use parquet::data_type::{BoolType, ByteArray, ByteArrayType, FloatType, Int32Type};
 use parquet::errors::ParquetError;
-use parquet::file::metadata::ParquetMetaData;
-use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::file::metadata::{ColumnChunkMetaData, ParquetMetaData};
+use parquet::file::reader::{ChunkReader, FileReader, Length, SerializedFileReader};
 use parquet::file::serialized_reader::SerializedPageReader;
 use parquet::file::statistics::Statistics;
 use parquet::schema::types::Type as SchemaType;
@@ -64,6 +67,16 @@ pub enum Values {
 }
 
 impl Values {
+    /// Spreads packed values to one a row ([`spread`]).
+    fn spread(&mut self, valid: &[bool]) {
+        match self {
+            Values::I32(v) => spread(v, valid),
+            Values::F32(v) => spread(v, valid),
+            Values::Bool(v) => spread(v, valid),
+            Values::Bytes(v) => spread(v, valid),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Values::I32(v) => v.len(),
@@ -142,9 +155,11 @@ struct Column {
     def: Vec<i16>,
     rep: Vec<i16>,
     values: Values,
-    /// `rows + 1` entries: row `i`'s values are `values[starts[i]..starts[i + 1]]`.
+    /// A list's `rows + 1` entries: row `i`'s values are
+    /// `values[starts[i]..starts[i + 1]]`; empty for a flat column, whose row
+    /// `i` is value `i`.
     starts: Vec<u32>,
-    /// Whether row `i` is not null; empty for a column that never is.
+    /// Whether row `i` is not null; empty for a batch without a null.
     valid: Vec<bool>,
     null_items: bool,
 }
@@ -181,7 +196,11 @@ impl Column {
         self.index_rows(rows)
     }
 
-    /// Fills `starts` and `valid` from the levels.
+    /// Indexes the batch's rows from the levels. A list column: `starts` and
+    /// `valid`. A flat column: its values spread to one a row (a null row's
+    /// value a default), with `valid` where some row is null; read on every
+    /// row of a v2 summary, so a flag and a value there, not an index into
+    /// packed values (README, analyze throughput).
     fn index_rows(&mut self, rows: usize) -> Result<(), String> {
         let Shape {
             list,
@@ -192,7 +211,6 @@ impl Column {
         self.starts.clear();
         self.valid.clear();
         self.null_items = false;
-        let mut count = 0_u32;
         if !list && max_def == 0 {
             if self.values.len() != rows {
                 return Err(format!(
@@ -200,27 +218,40 @@ impl Column {
                     self.values.len()
                 ));
             }
-            self.starts
-                .extend(0..=u32::try_from(rows).map_err(|e| e.to_string())?);
             return Ok(());
         }
         if !list {
-            for &d in &self.def {
-                self.starts.push(count);
-                self.valid.push(d == max_def);
-                count += u32::from(d == max_def);
+            if self.def.len() != rows {
+                return Err(format!(
+                    "{} rows in the levels, expected {rows}",
+                    self.def.len()
+                ));
             }
-        } else {
-            for (&d, &r) in self.def.iter().zip(&self.rep) {
-                if r == 0 {
-                    self.starts.push(count);
-                    self.valid.push(d >= empty_def);
-                }
-                if d == max_def {
-                    count += 1;
-                } else if item_optional && d == max_def - 1 {
-                    self.null_items = true;
-                }
+            self.valid.extend(self.def.iter().map(|&d| d == max_def));
+            let count = self.valid.iter().filter(|&&v| v).count();
+            if count != self.values.len() {
+                return Err(format!(
+                    "{} values decoded, the levels say {count}",
+                    self.values.len()
+                ));
+            }
+            if count == rows {
+                self.valid.clear();
+            } else {
+                self.values.spread(&self.valid);
+            }
+            return Ok(());
+        }
+        let mut count = 0_u32;
+        for (&d, &r) in self.def.iter().zip(&self.rep) {
+            if r == 0 {
+                self.starts.push(count);
+                self.valid.push(d >= empty_def);
+            }
+            if d == max_def {
+                count += 1;
+            } else if item_optional && d == max_def - 1 {
+                self.null_items = true;
             }
         }
         self.starts.push(count);
@@ -238,6 +269,17 @@ impl Column {
             ));
         }
         Ok(())
+    }
+}
+
+/// Moves packed `values` (one per `true` of `valid`) to their rows, in place
+/// from the back; a null row keeps a default.
+fn spread<T: Default>(values: &mut Vec<T>, valid: &[bool]) {
+    let mut next = values.len();
+    values.resize_with(valid.len(), T::default);
+    for (row, _) in valid.iter().enumerate().rev().filter(|(_, v)| **v) {
+        next -= 1;
+        values.swap(row, next);
     }
 }
 
@@ -305,9 +347,10 @@ impl PartFile {
     ) -> Result<RowGroupBatches<'a>, LoadError> {
         let group = metadata.row_group(index);
         let rows = usize::try_from(group.num_rows()).unwrap_or(0);
+        let file = self.open_file()?;
         let (readers, columns) = columns
             .iter()
-            .map(|name| self.column(metadata, index, name))
+            .map(|name| self.column(&file, metadata, index, name))
             .collect::<Result<Vec<_>, LoadError>>()?
             .into_iter()
             .unzip();
@@ -323,6 +366,7 @@ impl PartFile {
 
     fn column(
         &self,
+        file: &File,
         metadata: &ParquetMetaData,
         index: usize,
         name: &str,
@@ -349,8 +393,9 @@ impl PartFile {
         }
         let chunk = metadata.row_group(index).column(leaf);
         let rows = usize::try_from(metadata.row_group(index).num_rows()).unwrap_or(0);
-        let pages = SerializedPageReader::new(Arc::new(self.open_file()?), chunk, rows, None)
-            .map_err(|source| {
+        let bytes = ChunkBytes::read(file, chunk, self.bytes).map_err(&fail)?;
+        let pages =
+            SerializedPageReader::new(Arc::new(bytes), chunk, rows, None).map_err(|source| {
                 self.decode_error(format!("row group {index}, column {name}"), source)
             })?;
         let (reader, values) = match get_column_reader(descr.clone(), Box::new(pages)) {
@@ -396,6 +441,83 @@ impl PartFile {
     }
 }
 
+/// A column chunk's bytes, read with one call, at their offset in the file.
+/// Given the file itself, the page reader duplicated its descriptor, seeked,
+/// read and closed for every page header and every page: some 3,500 system
+/// calls for a GLM-5.1 prefill's summary, not 220 (README, analyze
+/// throughput).
+struct ChunkBytes {
+    offset: u64,
+    bytes: Bytes,
+}
+
+impl ChunkBytes {
+    /// The bytes of `chunk` in `file` (`file_bytes` long), refusing a range
+    /// the footer puts outside the file.
+    fn read(mut file: &File, chunk: &ColumnChunkMetaData, file_bytes: u64) -> Result<Self, String> {
+        let start = chunk
+            .dictionary_page_offset()
+            .unwrap_or(chunk.data_page_offset());
+        let (offset, len) = match (u64::try_from(start), u64::try_from(chunk.compressed_size())) {
+            (Ok(offset), Ok(len))
+                if offset.checked_add(len).is_some_and(|end| end <= file_bytes) =>
+            {
+                (offset, len)
+            }
+            _ => {
+                return Err(format!(
+                    "column chunk at {start}, {} bytes: outside the file's {file_bytes} bytes",
+                    chunk.compressed_size()
+                ));
+            }
+        };
+        let mut buffer = vec![0_u8; usize::try_from(len).map_err(|e| e.to_string())?];
+        file.seek(SeekFrom::Start(offset))
+            .and_then(|_| file.read_exact(&mut buffer))
+            .map_err(|e| format!("reading the column chunk at {offset}, {len} bytes: {e}"))?;
+        Ok(ChunkBytes {
+            offset,
+            bytes: buffer.into(),
+        })
+    }
+
+    /// `length` bytes from file offset `start`, or all that follow.
+    fn slice(&self, start: u64, length: Option<usize>) -> parquet::errors::Result<Bytes> {
+        let outside = || {
+            ParquetError::EOF(format!(
+                "offset {start} outside the column chunk at {}, {} bytes",
+                self.offset,
+                self.bytes.len()
+            ))
+        };
+        let from = usize::try_from(start.checked_sub(self.offset).ok_or_else(outside)?)
+            .map_err(|_| outside())?;
+        let to = length.map_or(Some(self.bytes.len()), |n| from.checked_add(n));
+        match to {
+            Some(to) if from <= to && to <= self.bytes.len() => Ok(self.bytes.slice(from..to)),
+            _ => Err(outside()),
+        }
+    }
+}
+
+impl Length for ChunkBytes {
+    fn len(&self) -> u64 {
+        self.offset + self.bytes.len() as u64
+    }
+}
+
+impl ChunkReader for ChunkBytes {
+    type T = bytes::buf::Reader<Bytes>;
+
+    fn get_read(&self, start: u64) -> parquet::errors::Result<Self::T> {
+        Ok(self.slice(start, None)?.reader())
+    }
+
+    fn get_bytes(&self, start: u64, length: usize) -> parquet::errors::Result<Bytes> {
+        self.slice(start, Some(length))
+    }
+}
+
 /// The leaf columns under the top-level column `name`: one for a value or a
 /// list of values, none where the file lacks it.
 fn leaves_of<'a>(metadata: &'a ParquetMetaData, name: &'a str) -> impl Iterator<Item = usize> + 'a {
@@ -428,6 +550,31 @@ pub fn same_string(metadata: &ParquetMetaData, index: usize, name: &str) -> Opti
     let (min, max) = (stats.min_opt()?, stats.max_opt()?);
     let whole = stats.min_is_exact() && stats.max_is_exact() && stats.null_count_opt() == Some(0);
     (whole && min == max).then(|| min.as_utf8().ok().map(str::to_owned))?
+}
+
+/// The one value of the INT32 column `name` in row group `index`, where the
+/// footer's statistics say every row holds it, as [`same_string`] does.
+#[must_use]
+pub fn same_i32(metadata: &ParquetMetaData, index: usize, name: &str) -> Option<i32> {
+    let mut leaves = leaves_of(metadata, name);
+    let (Some(leaf), None) = (leaves.next(), leaves.next()) else {
+        return None;
+    };
+    let column = metadata.row_group(index).column(leaf);
+    let descr = column.column_descr();
+    // An unsigned or narrower logical type orders its minimum and maximum
+    // otherwise: decoded, and refused there ([`signed_32`]).
+    if descr.max_rep_level() > 0
+        || signed_32(descr.converted_type(), descr.logical_type_ref()).is_err()
+    {
+        return None;
+    }
+    let Some(Statistics::Int32(stats)) = column.statistics() else {
+        return None;
+    };
+    let (min, max) = (stats.min_opt()?, stats.max_opt()?);
+    let whole = stats.min_is_exact() && stats.max_is_exact() && stats.null_count_opt() == Some(0);
+    (whole && min == max).then_some(*min)
 }
 
 /// How the column under `root` nests, from its schema path: one value per
@@ -581,12 +728,9 @@ impl RowBatch<'_> {
     /// A column not read or of another type.
     pub fn nullable<T: Leaf>(&self, name: &str) -> Result<Nullable<'_, T>, AnalyzeError> {
         let (column, values) = self.typed::<T>(name, false)?;
-        // A batch without a null reads as a column that never holds one.
-        let whole = values.len() == self.rows;
         Ok(Nullable {
             values,
-            starts: &column.starts,
-            valid: if whole { &[] } else { &column.valid },
+            valid: &column.valid,
         })
     }
 
@@ -615,19 +759,18 @@ fn layout(column: &str, detail: &str) -> AnalyzeError {
 }
 
 /// A nullable primitive column of a [`RowBatch`]: row `i`'s value, where
-/// present, is `values[starts[i]]`. Read on every row of a v2 summary, so
-/// one flag and one index, not a list's slice.
+/// present, is `values[i]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Nullable<'a, T> {
     values: &'a [T],
-    starts: &'a [u32],
-    /// Empty for a column that never holds a null: then `values[i]`.
+    /// Empty for a batch without a null.
     valid: &'a [bool],
 }
 
 impl<'a, T> Nullable<'a, T> {
     /// Row `i`, `None` where null.
     #[must_use]
+    #[inline]
     pub fn get(&self, i: usize) -> Option<T>
     where
         T: Copy,
@@ -637,14 +780,12 @@ impl<'a, T> Nullable<'a, T> {
 
     /// Row `i` by reference, `None` where null.
     #[must_use]
+    #[inline]
     pub fn get_ref(&self, i: usize) -> Option<&'a T> {
-        if self.valid.is_empty() {
-            return self.values.get(i);
+        match self.valid.get(i) {
+            Some(false) => None,
+            _ => self.values.get(i),
         }
-        if !*self.valid.get(i)? {
-            return None;
-        }
-        self.values.get(*self.starts.get(i)? as usize)
     }
 }
 
@@ -949,5 +1090,88 @@ mod tests {
             flat.index_rows(3).unwrap_err(),
             "2 values decoded, expected one for each of 3 rows"
         );
+    }
+
+    #[test]
+    fn a_flat_column_with_nulls_is_spread_to_one_value_a_row() {
+        let optional = Shape {
+            list: false,
+            max_def: 1,
+            empty_def: 1,
+            item_optional: false,
+        };
+        let column = |def: Vec<i16>, values: Vec<i32>| Column {
+            name: "boundary_band".to_owned(),
+            shape: optional,
+            def,
+            rep: Vec::new(),
+            values: Values::I32(values),
+            starts: Vec::new(),
+            valid: Vec::new(),
+            null_items: false,
+        };
+        let rows = |column: &Column, n: usize| {
+            let batch = RowBatch {
+                rows: n,
+                columns: std::slice::from_ref(column),
+            };
+            let read = batch.nullable::<i32>("boundary_band").unwrap();
+            let got: Vec<Option<i32>> = (0..n).map(|i| read.get(i)).collect();
+            (got, batch.values::<i32>("boundary_band").is_ok())
+        };
+        // Rows 5, null, 6, 7, null.
+        let mut nulls = column(vec![1, 0, 1, 1, 0], vec![5, 6, 7]);
+        nulls.index_rows(5).unwrap();
+        assert_eq!(
+            rows(&nulls, 5),
+            (vec![Some(5), None, Some(6), Some(7), None], false)
+        );
+        let mut whole = column(vec![1, 1, 1], vec![5, 6, 7]);
+        whole.index_rows(3).unwrap();
+        assert!(whole.valid.is_empty());
+        assert_eq!(rows(&whole, 3), (vec![Some(5), Some(6), Some(7)], true));
+        // Levels that count another number of values or rows are refused.
+        assert_eq!(
+            column(vec![1, 0, 1], vec![5, 6, 7])
+                .index_rows(3)
+                .unwrap_err(),
+            "3 values decoded, the levels say 2"
+        );
+        assert_eq!(
+            column(vec![1, 1], vec![5, 6]).index_rows(3).unwrap_err(),
+            "2 rows in the levels, expected 3"
+        );
+    }
+
+    #[test]
+    fn a_column_chunk_answers_only_for_its_own_bytes_and_refuses_a_range_outside_the_file() {
+        let chunk = ChunkBytes {
+            offset: 100,
+            bytes: Bytes::from_static(b"0123456789"),
+        };
+        assert_eq!(Length::len(&chunk), 110);
+        assert_eq!(&chunk.get_bytes(102, 3).unwrap()[..], b"234");
+        let mut rest = Vec::new();
+        chunk.get_read(107).unwrap().read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, b"789");
+        for (start, len) in [(99, 1), (105, 6), (111, 0)] {
+            assert!(chunk.get_bytes(start, len).is_err(), "{start}, {len}");
+        }
+
+        let tmp = tempfile::tempdir().unwrap();
+        let part = part(tmp.path(), None);
+        let metadata = part.parquet_metadata().unwrap();
+        let file = File::open(&part.path).unwrap();
+        let chunk = metadata.row_group(0).column(0);
+        let read = ChunkBytes::read(&file, chunk, part.bytes).unwrap();
+        let (start, len) = chunk.byte_range();
+        assert_eq!((read.offset, read.bytes.len() as u64), (start, len));
+        let beyond = ColumnChunkMetaData::builder(chunk.column_descr_ptr())
+            .set_data_page_offset(i64::try_from(part.bytes).unwrap() - 4)
+            .set_total_compressed_size(8)
+            .build()
+            .unwrap();
+        let err = ChunkBytes::read(&file, &beyond, part.bytes).err().unwrap();
+        assert!(err.contains("outside the file"), "{err}");
     }
 }

@@ -86,7 +86,7 @@ pub type Uninformative = BTreeMap<i32, (usize, usize)>;
 
 /// Rows left out of the averages, for the reference shadow (or none) and
 /// for the dequant shadow apart: the same query rows appear once per shadow.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Skipped {
     /// Rows whose shadow (if any) is the reference recompute.
     pub reference: Uninformative,
@@ -94,7 +94,7 @@ pub struct Skipped {
     pub dequant: Uninformative,
     /// The same rows by key, so that ranks whose rows together make one
     /// request (vLLM's ShardQ) count each row once ([`crate::ranks`]).
-    pub rows: Vec<SkippedRow>,
+    pub rows: Pieces<SkippedRow>,
 }
 
 /// A row left out of the averages, by key.
@@ -130,20 +130,13 @@ impl Skipped {
                 entry.1 += 1;
             }
         }
-        out.rows = rows;
+        out.rows = rows.into();
         out
     }
 
-    /// Adds another chunk's rows and counts after these. The rows are moved
-    /// where there is no room reserved yet: each copy of a GLM-5.1 prefill's
-    /// skipped rows into a larger vector had the kernel zero fresh pages
-    /// again.
+    /// Adds another chunk's rows and counts after these.
     pub fn add(&mut self, other: Skipped) {
-        if self.rows.capacity() == 0 {
-            self.rows = other.rows;
-        } else {
-            self.rows.extend_from_slice(&other.rows);
-        }
+        self.rows.append(other.rows);
         for (mine, theirs) in [
             (&mut self.reference, other.reference),
             (&mut self.dequant, other.dequant),
@@ -294,19 +287,34 @@ impl RowOverlap {
     }
 }
 
-/// A run's row overlaps, kept in the pieces they were computed in (one per
-/// v2 row group): joined by moving the pieces, never by copying their rows
-/// into one vector. A GLM-5.1 prefill has half a million informative rows,
-/// some 35 MB, and copying them into fresh pages one thread at a time took
-/// a third of a remembered `analyze` (README, analyze throughput).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Rows {
-    pieces: Vec<Vec<RowOverlap>>,
+/// A run's rows, kept in the pieces they were computed in (one per v2 row
+/// group): joined by moving the pieces, never by copying their rows into one
+/// vector. A GLM-5.1 prefill has half a million informative rows, some 25 MB,
+/// and copying them into fresh pages one thread at a time took a third of a
+/// remembered `analyze` (README, analyze throughput); its skipped rows, a
+/// tenth of that, still took a quarter of some calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pieces<T> {
+    pieces: Vec<Vec<T>>,
 }
 
-impl Rows {
+/// A run's row overlaps.
+pub type Rows = Pieces<RowOverlap>;
+
+impl<T> Default for Pieces<T> {
+    fn default() -> Self {
+        Pieces { pieces: Vec::new() }
+    }
+}
+
+impl<T> Pieces<T> {
+    /// The pieces, in order.
+    pub fn pieces(&self) -> impl Iterator<Item = &[T]> {
+        self.pieces.iter().map(Vec::as_slice)
+    }
+
     /// Every row, piece by piece in order.
-    pub fn iter(&self) -> impl Iterator<Item = &RowOverlap> + Clone {
+    pub fn iter(&self) -> impl Iterator<Item = &T> + Clone {
         self.pieces.iter().flatten()
     }
 
@@ -323,28 +331,28 @@ impl Rows {
     }
 
     /// Appends `piece` after the rows there are.
-    pub fn push(&mut self, piece: Vec<RowOverlap>) {
+    pub fn push(&mut self, piece: Vec<T>) {
         if !piece.is_empty() {
             self.pieces.push(piece);
         }
     }
 
     /// Appends `other`'s rows after these.
-    pub fn append(&mut self, other: Rows) {
+    pub fn append(&mut self, other: Pieces<T>) {
         self.pieces.extend(other.pieces);
     }
 
     /// The rows where `f` holds, and the others, each in order.
     #[must_use]
-    pub fn partition(self, f: impl Fn(&RowOverlap) -> bool) -> (Rows, Rows) {
-        let (mut yes, mut no) = (Rows::default(), Rows::default());
+    pub fn partition(self, f: impl Fn(&T) -> bool) -> (Pieces<T>, Pieces<T>) {
+        let (mut yes, mut no) = (Pieces::default(), Pieces::default());
         for piece in self.pieces {
             if piece.iter().all(&f) {
                 yes.push(piece);
             } else if !piece.iter().any(&f) {
                 no.push(piece);
             } else {
-                let (y, n): (Vec<RowOverlap>, Vec<RowOverlap>) = piece.into_iter().partition(&f);
+                let (y, n): (Vec<T>, Vec<T>) = piece.into_iter().partition(&f);
                 yes.push(y);
                 no.push(n);
             }
@@ -353,17 +361,17 @@ impl Rows {
     }
 }
 
-impl From<Vec<RowOverlap>> for Rows {
-    fn from(piece: Vec<RowOverlap>) -> Rows {
-        let mut rows = Rows::default();
+impl<T> From<Vec<T>> for Pieces<T> {
+    fn from(piece: Vec<T>) -> Pieces<T> {
+        let mut rows = Pieces::default();
         rows.push(piece);
         rows
     }
 }
 
-impl<'a> IntoIterator for &'a Rows {
-    type Item = &'a RowOverlap;
-    type IntoIter = std::iter::Flatten<std::slice::Iter<'a, Vec<RowOverlap>>>;
+impl<'a, T> IntoIterator for &'a Pieces<T> {
+    type Item = &'a T;
+    type IntoIter = std::iter::Flatten<std::slice::Iter<'a, Vec<T>>>;
 
     fn into_iter(self) -> Self::IntoIter {
         self.pieces.iter().flatten()
@@ -505,90 +513,79 @@ pub fn row_overlaps_v1(
     Ok((rows, skipped))
 }
 
-/// Each run of consecutive rows of one layer: (layer, rows).
-fn layer_runs<'a>(rows: impl IntoIterator<Item = &'a RowOverlap>) -> Vec<(i32, usize)> {
-    let mut runs: Vec<(i32, usize)> = Vec::new();
-    for row in rows {
-        match runs.last_mut() {
-            Some((layer, n)) if *layer == row.layer => *n += 1,
-            _ => runs.push((row.layer, 1)),
-        }
-    }
-    runs
-}
-
-/// Per-layer summaries of row overlaps; `threshold` is the Jaccard below
-/// which a row counts in [`LayerOverlap::share_below`].
+/// Per-layer summaries of row overlaps, given as slices (a run's pieces,
+/// [`Rows::pieces`]); `threshold` is the Jaccard below which a row counts in
+/// [`LayerOverlap::share_below`].
 #[must_use]
 pub fn by_layer<'a>(
-    rows: impl IntoIterator<Item = &'a RowOverlap> + Clone,
+    pieces: impl IntoIterator<Item = &'a [RowOverlap]>,
     skipped: &Uninformative,
     threshold: f64,
 ) -> Vec<LayerOverlap> {
-    // Counted first, so each layer's rows are gathered into a vector of its
-    // size: grown by doubling, they were copied into fresh pages again and
-    // again. A layer's rows come in runs: one map lookup per run.
-    let mut counts: BTreeMap<i32, usize> = skipped.keys().map(|&l| (l, 0)).collect();
-    for (layer, n) in layer_runs(rows.clone()) {
-        *counts.entry(layer).or_default() += n;
-    }
-    let mut groups: BTreeMap<i32, Vec<&RowOverlap>> = counts
-        .into_iter()
-        .map(|(layer, n)| (layer, Vec::with_capacity(n)))
+    // Each layer's rows as the slices they lie in: a layer's rows come in
+    // runs, so a few slices a layer, not a pointer a row (gathered one at a
+    // time on one core into fresh pages, those were a fifth of a remembered
+    // analyze). The pieces are split into runs in parallel.
+    let pieces: Vec<&[RowOverlap]> = pieces.into_iter().collect();
+    let runs: Vec<Vec<&[RowOverlap]>> = pieces
+        .par_iter()
+        .map(|piece| piece.chunk_by(|a, b| a.layer == b.layer).collect())
         .collect();
-    let mut current: Option<(i32, &mut Vec<&RowOverlap>)> = None;
-    for row in rows {
-        match &mut current {
-            Some((layer, group)) if *layer == row.layer => group.push(row),
-            _ => {
-                let group = groups.entry(row.layer).or_default();
-                group.push(row);
-                current = Some((row.layer, group));
-            }
-        }
+    let mut layers: BTreeMap<i32, Vec<&[RowOverlap]>> =
+        skipped.keys().map(|&l| (l, Vec::new())).collect();
+    for run in runs.into_iter().flatten() {
+        layers.entry(run[0].layer).or_default().push(run);
     }
     // Layers in parallel (in order): sorting each layer's values for its
     // quantiles was a fifth of a remembered analyze, on one core.
-    let groups: Vec<(i32, Vec<&RowOverlap>)> = groups.into_iter().collect();
-    groups
+    let layers: Vec<(i32, Vec<&[RowOverlap]>)> = layers.into_iter().collect();
+    layers
         .into_par_iter()
-        .map(|(layer, rows)| {
-            let take = |f: fn(&RowOverlap) -> f64| Summary::of(rows.iter().map(|r| f(r)).collect());
-            let n = rows.len();
-            let (dense_rows, rows_without_shadow) =
-                skipped.get(&layer).copied().unwrap_or_default();
-            LayerOverlap {
-                layer,
-                informative_rows: n,
-                dense_rows,
-                rows_without_shadow,
-                churn_unknown_rows: rows.iter().filter(|r| r.churn_unknown).count(),
-                jaccard: take(RowOverlap::jaccard),
-                recall: take(RowOverlap::recall),
-                jaccard_no_churn: take(RowOverlap::jaccard_no_churn),
-                recall_no_churn: take(RowOverlap::recall_no_churn),
-                share_below: if n == 0 {
-                    0.0
-                } else {
-                    rows.iter()
-                        .filter(|r| r.jaccard_no_churn() < threshold)
-                        .count() as f64
-                        / n as f64
-                },
-                churn_keys_mean: if n == 0 {
-                    0.0
-                } else {
-                    rows.iter().map(|r| r.churn_keys() as f64).sum::<f64>() / n as f64
-                },
-                churn_share: {
-                    let differing: usize = rows.iter().map(|r| r.differing_keys()).sum();
-                    let churn: usize = rows.iter().map(|r| r.differing_churn()).sum();
-                    (differing > 0).then(|| churn as f64 / differing as f64)
-                },
-                unit: None,
-            }
-        })
+        .map(|(layer, runs)| layer_overlap(layer, &runs, skipped, threshold))
         .collect()
+}
+
+/// What `runs`, the rows of `layer`, amount to: each row read once.
+fn layer_overlap(
+    layer: i32,
+    runs: &[&[RowOverlap]],
+    skipped: &Uninformative,
+    threshold: f64,
+) -> LayerOverlap {
+    let n: usize = runs.iter().map(|r| r.len()).sum();
+    let mut values: [Vec<f64>; 4] = std::array::from_fn(|_| Vec::with_capacity(n));
+    let (mut differing, mut churn, mut churn_unknown, mut below) = (0, 0, 0, 0);
+    let mut churn_keys = 0.0;
+    for r in runs.iter().copied().flatten() {
+        let jaccard_no_churn = r.jaccard_no_churn();
+        values[0].push(r.jaccard());
+        values[1].push(r.recall());
+        values[2].push(jaccard_no_churn);
+        values[3].push(r.recall_no_churn());
+        differing += r.differing_keys();
+        churn += r.differing_churn();
+        churn_unknown += usize::from(r.churn_unknown);
+        below += usize::from(jaccard_no_churn < threshold);
+        churn_keys += r.churn_keys() as f64;
+    }
+    let [jaccard, recall, jaccard_no_churn, recall_no_churn] = values.map(Summary::of);
+    let (dense_rows, rows_without_shadow) = skipped.get(&layer).copied().unwrap_or_default();
+    let per_row = |total: f64| if n == 0 { 0.0 } else { total / n as f64 };
+    LayerOverlap {
+        layer,
+        informative_rows: n,
+        dense_rows,
+        rows_without_shadow,
+        churn_unknown_rows: churn_unknown,
+        jaccard,
+        recall,
+        jaccard_no_churn,
+        recall_no_churn,
+        share_below: per_row(below as f64),
+        churn_keys_mean: per_row(churn_keys),
+        churn_share: (differing > 0).then(|| churn as f64 / differing as f64),
+        unit: None,
+    }
 }
 
 #[cfg(test)]
@@ -652,5 +649,71 @@ mod tests {
             (2, 2, 1)
         );
         assert!(r.churn_unknown);
+    }
+
+    #[test]
+    fn a_layer_whose_rows_lie_in_several_pieces_is_summarised_as_one() {
+        // Row (layer, i): i of 10 keys shared on both paths, i churn keys,
+        // churn unknown where i is odd.
+        let row = |layer: i32, i: usize| {
+            let at = RowAt {
+                step: 0,
+                layer,
+                token: i32::try_from(i).unwrap(),
+                dequant: false,
+            };
+            let o = Overlap {
+                intersection: i,
+                union: 10,
+                reference_len: 10,
+            };
+            RowOverlap::new(at, o, o, i, 0, i % 2 == 1)
+        };
+        let first = vec![row(0, 1), row(0, 2), row(1, 5)];
+        let second = vec![row(0, 3), row(1, 6), row(1, 7)];
+        let skipped: Uninformative = [(0, (4, 0)), (2, (8, 1))].into_iter().collect();
+        let layers = by_layer([first.as_slice(), &second], &skipped, 0.25);
+        assert_eq!(
+            layers.iter().map(|l| l.layer).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        let zero = &layers[0];
+        assert_eq!(
+            (
+                zero.informative_rows,
+                zero.dense_rows,
+                zero.churn_unknown_rows
+            ),
+            (3, 4, 2)
+        );
+        let jaccard = zero.jaccard.unwrap();
+        assert_eq!((jaccard.min, jaccard.p50, jaccard.max), (0.1, 0.2, 0.3));
+        assert_eq!(jaccard.mean, (0.1 + 0.2 + 0.3) / 3.0);
+        assert_eq!(zero.share_below, 2.0 / 3.0);
+        assert_eq!(zero.churn_keys_mean, 2.0);
+        // 9 + 8 + 7 differing keys, none of them churn.
+        assert_eq!(zero.churn_share, Some(0.0));
+        assert_eq!(layers[1].informative_rows, 3);
+        let two = &layers[2];
+        assert_eq!(
+            (
+                two.informative_rows,
+                two.dense_rows,
+                two.rows_without_shadow
+            ),
+            (0, 8, 1)
+        );
+        assert!(two.jaccard.is_none());
+        // The same rows in one piece, in the same order within each layer.
+        let one: Vec<RowOverlap> = [
+            row(0, 1),
+            row(0, 2),
+            row(0, 3),
+            row(1, 5),
+            row(1, 6),
+            row(1, 7),
+        ]
+        .into();
+        assert_eq!(by_layer([one.as_slice()], &skipped, 0.25), layers);
     }
 }

@@ -34,7 +34,7 @@ use shadowtrace_schemas::selection::{
 use super::selection_unit::{self, SelectionUnit, UNIT, UNIT_TOKENS};
 use super::topk_overlap::{RowAt, RowOverlap, Rows, Skipped, SkippedRow};
 use crate::AnalyzeError;
-use crate::load::{ListColumn, Nullable, PartFile, RowBatch, has_column, same_string};
+use crate::load::{ListColumn, Nullable, PartFile, RowBatch, has_column, same_i32, same_string};
 
 /// The summary columns: enough for every row whose recorded churn answers
 /// the margin asked for.
@@ -95,6 +95,7 @@ impl<'a> Strings<'a> {
     }
 
     /// Row `i`, `None` where null or absent.
+    #[inline]
     fn get(&self, i: usize) -> Result<Option<&'a str>, AnalyzeError> {
         match self {
             Strings::Absent => Ok(None),
@@ -112,12 +113,61 @@ impl<'a> Strings<'a> {
     }
 }
 
-/// What one row group reads: the columns present, and the string columns
-/// whose one value its footer gives.
+/// An INT32 column of one batch that never holds a null: decoded, or the one
+/// value of every row of its row group, from the footer ([`same_i32`]).
+#[derive(Debug, Clone, Copy)]
+enum Required<'a> {
+    Same(i32),
+    Decoded(&'a [i32]),
+}
+
+impl<'a> Required<'a> {
+    fn of(batch: &'a RowBatch<'_>, name: &str, same: Option<i32>) -> Result<Self, AnalyzeError> {
+        Ok(match same {
+            Some(value) => Required::Same(value),
+            None => Required::Decoded(batch.values(name)?),
+        })
+    }
+
+    #[inline]
+    fn at(self, i: usize) -> i32 {
+        match self {
+            Required::Same(value) => value,
+            Required::Decoded(values) => values[i],
+        }
+    }
+}
+
+/// A nullable INT32 column of one batch: absent from the part, the one value
+/// of its row group (footer), or decoded.
+#[derive(Debug, Clone, Copy)]
+enum Ints<'a> {
+    Absent,
+    Same(i32),
+    Decoded(Nullable<'a, i32>),
+}
+
+impl Ints<'_> {
+    #[inline]
+    fn get(self, i: usize) -> Option<i32> {
+        match self {
+            Ints::Absent => None,
+            Ints::Same(value) => Some(value),
+            Ints::Decoded(values) => values.get(i),
+        }
+    }
+}
+
+/// What one row group reads: the columns present, and the columns whose one
+/// value its footer gives (a prefill's step, k, unit and shadow input): not
+/// decoded, nor a reader built for them.
 struct GroupPlan {
     units: bool,
     same_input: Option<String>,
     same_unit: Option<String>,
+    same_step: Option<i32>,
+    same_k: Option<i32>,
+    same_unit_tokens: Option<i32>,
 }
 
 impl GroupPlan {
@@ -128,6 +178,11 @@ impl GroupPlan {
             units,
             same_input: same_string(metadata, index, c::SHADOW_INPUT),
             same_unit: units.then(|| same_string(metadata, index, UNIT)).flatten(),
+            same_step: same_i32(metadata, index, c::STEP),
+            same_k: same_i32(metadata, index, c::K),
+            same_unit_tokens: units
+                .then(|| same_i32(metadata, index, UNIT_TOKENS))
+                .flatten(),
         }
     }
 
@@ -137,8 +192,10 @@ impl GroupPlan {
             .copied()
             .filter(|&name| match name {
                 c::SHADOW_INPUT => self.same_input.is_none(),
+                c::STEP => self.same_step.is_none(),
+                c::K => self.same_k.is_none(),
                 UNIT => self.units && self.same_unit.is_none(),
-                UNIT_TOKENS => self.units,
+                UNIT_TOKENS => self.units && self.same_unit_tokens.is_none(),
                 _ => true,
             })
             .collect();
@@ -151,30 +208,38 @@ impl GroupPlan {
 
 /// The summary columns of one batch.
 struct Summary<'a> {
-    step: &'a [i32],
+    step: Required<'a>,
     layer: &'a [i32],
     token: &'a [i32],
-    k: &'a [i32],
+    k: Required<'a>,
     visible: &'a [i32],
     shadow_input: Strings<'a>,
+    /// Every row's dequant flag, where the row group has one shadow input.
+    same_dequant: Option<bool>,
     prod_selected: &'a [i32],
     shadow_selected: Nullable<'a, i32>,
     shared: Nullable<'a, i32>,
     band: Nullable<'a, f32>,
     churn: [Nullable<'a, i32>; 4],
     unit: Strings<'a>,
-    unit_tokens: Option<Nullable<'a, i32>>,
+    unit_tokens: Ints<'a>,
 }
 
 impl<'a> Summary<'a> {
     fn of(batch: &'a RowBatch<'_>, plan: &'a GroupPlan) -> Result<Summary<'a>, AnalyzeError> {
+        let shadow_input = Strings::of(batch, c::SHADOW_INPUT, plan.same_input.as_deref(), true)?;
         Ok(Summary {
-            step: batch.values(c::STEP)?,
+            step: Required::of(batch, c::STEP, plan.same_step)?,
             layer: batch.values(c::LAYER)?,
             token: batch.values(c::TOKEN)?,
-            k: batch.values(c::K)?,
+            k: Required::of(batch, c::K, plan.same_k)?,
             visible: batch.values(c::VISIBLE)?,
-            shadow_input: Strings::of(batch, c::SHADOW_INPUT, plan.same_input.as_deref(), true)?,
+            same_dequant: match shadow_input {
+                Strings::Absent => Some(false),
+                Strings::Same(value) => Some(value == "dequant"),
+                Strings::Decoded(..) => None,
+            },
+            shadow_input,
             prod_selected: batch.values(c::PROD_SELECTED)?,
             shadow_selected: batch.nullable(c::SHADOW_SELECTED)?,
             shared: batch.nullable(c::SHARED)?,
@@ -186,22 +251,35 @@ impl<'a> Summary<'a> {
                 batch.nullable(c::CHURN_UNSELECTED)?,
             ],
             unit: Strings::of(batch, UNIT, plan.same_unit.as_deref(), plan.units)?,
-            unit_tokens: plan
-                .units
-                .then(|| batch.nullable(UNIT_TOKENS))
-                .transpose()?,
+            unit_tokens: match (plan.units, plan.same_unit_tokens) {
+                (false, _) => Ints::Absent,
+                (true, Some(value)) => Ints::Same(value),
+                (true, None) => Ints::Decoded(batch.nullable(UNIT_TOKENS)?),
+            },
         })
     }
 
+    /// Row `i`'s unit, `None` where null or absent.
+    #[inline]
+    fn unit(&self, i: usize) -> Result<Option<&'a str>, AnalyzeError> {
+        match self.unit {
+            Strings::Absent => Ok(None),
+            Strings::Same(value) => Ok(Some(value)),
+            Strings::Decoded(..) => self.unit.get(i),
+        }
+    }
+
     /// Whether row `i`'s shadow scored the dequantized FP8 operands.
+    #[inline]
     fn dequant(&self, i: usize) -> Result<bool, AnalyzeError> {
-        match self.shadow_input {
-            Strings::Same(value) => Ok(value == "dequant"),
-            _ => Ok(self.shadow_input.get(i)? == Some("dequant")),
+        match self.same_dequant {
+            Some(dequant) => Ok(dequant),
+            None => Ok(self.shadow_input.get(i)? == Some("dequant")),
         }
     }
 
     /// The recorded churn of row `i`, `None` where the producer left it null.
+    #[inline]
     fn recorded_churn(&self, i: usize) -> Option<ChurnCounts> {
         recorded_churn(&self.churn, i)
     }
@@ -216,6 +294,7 @@ pub(super) fn count(v: i32) -> usize {
 /// Row `i`'s churn counts as recorded in the four churn columns (shared,
 /// prod-only, shadow-only, unselected), `None` where the producer left any
 /// of them null.
+#[inline]
 pub(super) fn recorded_churn(churn: &[Nullable<'_, i32>; 4], i: usize) -> Option<ChurnCounts> {
     let [shared, prod_only, shadow_only, unselected] = churn;
     Some(ChurnCounts {
@@ -303,8 +382,12 @@ fn recount_churn(lists: &Lists<'_>, i: usize, margin: f32, s: &mut Scratch) -> (
 /// the part's order), the rows left out, and each layer's selection unit.
 #[derive(Debug, Default)]
 pub struct PartOverlaps {
-    /// Informative rows.
+    /// Informative rows whose shadow is the reference recompute.
     pub rows: Rows,
+    /// Informative rows whose shadow scored the dequantized FP8 operands:
+    /// kept apart as they are read, not split from the others after (a scan
+    /// of every row, on one core).
+    pub dequant_rows: Rows,
     /// Dense rows and rows without a shadow.
     pub skipped: Skipped,
     /// Each layer's unit ([`selection_unit`]).
@@ -341,17 +424,25 @@ pub fn part_overlaps(
         .collect();
     let groups: Vec<PartOverlaps> = groups.into_iter().collect::<Result<_, _>>()?;
     let mut out = PartOverlaps::default();
-    // Sized once: grown by doubling, the rows were copied into fresh pages
-    // again and again.
-    out.skipped
-        .rows
-        .reserve_exact(groups.iter().map(|g| g.skipped.rows.len()).sum());
     for group in groups {
         selection_unit::merge(&mut out.units, group.units)?;
         out.rows.append(group.rows);
+        out.dequant_rows.append(group.dequant_rows);
         out.skipped.add(group.skipped);
     }
     Ok(out)
+}
+
+/// Whether two rows' (layer, unit, unit tokens) are the same: a row group's
+/// one unit is the same string on every row, compared by address first.
+#[inline]
+fn same_unit(a: (i32, Option<&str>, Option<i32>), b: (i32, Option<&str>, Option<i32>)) -> bool {
+    a.0 == b.0
+        && a.2 == b.2
+        && match (a.1, b.1) {
+            (Some(x), Some(y)) => std::ptr::eq(x, y) || x == y,
+            (x, y) => x == y,
+        }
 }
 
 /// Row group `index` of a part, a batch at a time; `None` when a row needs
@@ -368,7 +459,15 @@ fn group_overlaps(
     let mut batches = part.row_group_batches(metadata, index, &columns)?;
     let rows = usize::try_from(metadata.row_group(index).num_rows()).unwrap_or(0);
     let mut out = PartOverlaps::default();
-    let mut overlaps = Vec::with_capacity(rows);
+    // Sized for every row (grown by doubling, the rows were copied into
+    // fresh pages again and again): the vector of the row group's one shadow
+    // input, or the reference one where inputs mix.
+    let sized = || Vec::with_capacity(rows);
+    let (mut reference, mut dequant_rows) = if plan.same_input.as_deref() == Some("dequant") {
+        (Vec::new(), sized())
+    } else {
+        (sized(), Vec::new())
+    };
     let mut left_out = Vec::new();
     let mut scratch = Scratch::default();
     while let Some(batch) = batches.next_batch() {
@@ -381,25 +480,21 @@ fn group_overlaps(
         };
         let mut last_unit = None;
         for i in 0..batch.rows {
-            let unit = (
-                s.layer[i],
-                s.unit.get(i)?,
-                s.unit_tokens.and_then(|t| t.get(i)),
-            );
+            let unit = (s.layer[i], s.unit(i)?, s.unit_tokens.get(i));
             // A layer's rows come together: one map lookup per run of them.
-            if last_unit != Some(unit) {
+            if last_unit.is_none_or(|last| !same_unit(last, unit)) {
                 selection_unit::add_row(&mut out.units, unit.0, unit.1, unit.2)?;
                 last_unit = Some(unit);
             }
             let dequant = s.dequant(i)?;
             let skip = |dense: bool| SkippedRow {
-                step: s.step[i],
+                step: s.step.at(i),
                 layer: s.layer[i],
                 token: s.token[i],
                 dequant,
                 dense,
             };
-            if s.visible[i] <= s.k[i] {
+            if s.visible[i] <= s.k.at(i) {
                 left_out.push(skip(true));
                 continue;
             }
@@ -434,12 +529,17 @@ fn group_overlaps(
                 churn,
             };
             let at = RowAt {
-                step: s.step[i],
+                step: s.step.at(i),
                 layer: s.layer[i],
                 token: s.token[i],
                 dequant,
             };
-            overlaps.push(RowOverlap::new(
+            let kept = if dequant {
+                &mut dequant_rows
+            } else {
+                &mut reference
+            };
+            kept.push(RowOverlap::new(
                 at,
                 counts.overlap(),
                 counts.overlap_no_churn(),
@@ -449,7 +549,8 @@ fn group_overlaps(
             ));
         }
     }
-    out.rows.push(overlaps);
+    out.rows.push(reference);
+    out.dequant_rows.push(dequant_rows);
     out.skipped = Skipped::of(left_out);
     Ok(Some(out))
 }
@@ -480,20 +581,30 @@ mod tests {
         }
     }
 
+    /// Row `i`'s step: one in the first row group, two in the second.
+    fn step(i: usize) -> i32 {
+        i32::from(i >= GROUP && i.is_multiple_of(3))
+    }
+
     /// A v2 summary of two row groups written by arrow-rs: rows with k = 4
-    /// of 10 visible keys (every fifth dense, 3 visible), each path
-    /// selecting 4 and sharing `i % 5`, no churn.
+    /// of 10 visible keys (every fifth dense, 3 visible, its band and churn
+    /// null), each path selecting 4 and sharing `i % 5`, no churn.
     fn part(dir: &std::path::Path) -> PartFile {
         let rows = 2 * GROUP;
         let int = |f: fn(usize) -> i32| -> ArrayRef {
             Arc::new(Int32Array::from_iter_values((0..rows).map(f)))
+        };
+        let churn = || -> ArrayRef {
+            Arc::new(Int32Array::from_iter(
+                (0..rows).map(|i| (i % 5 != 4).then_some(0)),
+            ))
         };
         let columns: Vec<(&str, ArrayRef)> = vec![
             (
                 c::SHADOW_INPUT,
                 Arc::new(StringArray::from_iter_values((0..rows).map(input))),
             ),
-            (c::STEP, int(|_| 0)),
+            (c::STEP, int(step)),
             (c::LAYER, int(|i| i32::try_from(i / 20).unwrap())),
             (c::TOKEN, int(|i| i32::try_from(i).unwrap())),
             (
@@ -506,14 +617,17 @@ mod tests {
             (c::PROD_SELECTED, int(|_| 4)),
             (c::SHADOW_SELECTED, int(|_| 4)),
             (c::SHARED, int(|i| i32::try_from(i % 5).unwrap())),
+            // Null on dense rows, as the writers leave them.
             (
                 c::BOUNDARY_BAND,
-                Arc::new(Float32Array::from_iter_values((0..rows).map(|_| 0.5))),
+                Arc::new(Float32Array::from_iter(
+                    (0..rows).map(|i| (i % 5 != 4).then_some(0.5)),
+                )),
             ),
-            (c::CHURN_SHARED, int(|_| 0)),
-            (c::CHURN_PROD_ONLY, int(|_| 0)),
-            (c::CHURN_SHADOW_ONLY, int(|_| 0)),
-            (c::CHURN_UNSELECTED, int(|_| 0)),
+            (c::CHURN_SHARED, churn()),
+            (c::CHURN_PROD_ONLY, churn()),
+            (c::CHURN_SHADOW_ONLY, churn()),
+            (c::CHURN_UNSELECTED, churn()),
         ];
         let batch = RecordBatch::try_from_iter(columns).unwrap();
         let path = dir.join("part.parquet");
@@ -535,7 +649,7 @@ mod tests {
     }
 
     #[test]
-    fn a_row_group_of_one_shadow_input_is_read_from_its_footer_and_a_mixed_one_decoded() {
+    fn a_row_group_of_one_value_is_read_from_its_footer_and_a_mixed_one_decoded() {
         let tmp = tempfile::tempdir().unwrap();
         let part = part(tmp.path());
         let metadata = part.parquet_metadata().unwrap();
@@ -546,19 +660,30 @@ mod tests {
         );
         assert_eq!(same_string(&metadata, 1, c::SHADOW_INPUT), None);
         assert_eq!(same_string(&metadata, 1, UNIT).as_deref(), Some("token"));
+        assert_eq!(same_i32(&metadata, 0, c::STEP), Some(0));
+        assert_eq!(same_i32(&metadata, 1, c::STEP), None);
+        assert_eq!(same_i32(&metadata, 1, c::K), Some(4));
+        // A nullable column holding nulls has no one value.
+        assert_eq!(same_i32(&metadata, 0, c::CHURN_SHARED), None);
 
         let got = part_overlaps(&part, None).unwrap();
-        // Every row in order, dense ones left out, each with the input it
-        // was written with and the overlap its counts give: shared / (8 - shared).
-        let informative: Vec<usize> = (0..2 * GROUP).filter(|i| i % 5 != 4).collect();
-        assert_eq!(got.rows.len(), informative.len());
-        for (row, &i) in got.rows.iter().zip(&informative) {
-            let shared = (i % 5) as f64;
-            assert_eq!(row.token, i32::try_from(i).unwrap());
-            assert_eq!(row.dequant, input(i) == "dequant", "row {i}");
-            assert_eq!(row.jaccard(), shared / (8.0 - shared), "row {i}");
-            assert_eq!(row.recall(), shared / 4.0, "row {i}");
-            assert_eq!(row.jaccard_no_churn(), row.jaccard());
+        // Every row in order, dense ones left out, each kept with the input
+        // it was written with and the overlap its counts give: shared / (8 - shared).
+        for (rows, dequant) in [(&got.rows, false), (&got.dequant_rows, true)] {
+            let informative: Vec<usize> = (0..2 * GROUP)
+                .filter(|&i| i % 5 != 4 && (input(i) == "dequant") == dequant)
+                .collect();
+            assert_eq!(rows.len(), informative.len());
+            for (row, &i) in rows.iter().zip(&informative) {
+                let shared = (i % 5) as f64;
+                assert_eq!(row.token, i32::try_from(i).unwrap());
+                assert_eq!(row.step, step(i), "row {i}");
+                assert_eq!(row.dequant, dequant, "row {i}");
+                assert!(!row.churn_unknown, "row {i}");
+                assert_eq!(row.jaccard(), shared / (8.0 - shared), "row {i}");
+                assert_eq!(row.recall(), shared / 4.0, "row {i}");
+                assert_eq!(row.jaccard_no_churn(), row.jaccard());
+            }
         }
         let dense: Vec<(i32, bool)> = got
             .skipped
