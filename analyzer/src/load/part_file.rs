@@ -27,6 +27,22 @@ pub struct PartFile {
     pub bytes: u64,
 }
 
+#[cfg(test)]
+impl PartFile {
+    /// A v2 top-k part a test wrote itself with arrow-rs or the parquet
+    /// crate: taken as it is, without [`PartFile::open`]'s footer keys.
+    #[allow(clippy::unwrap_used, reason = "a test's own file")]
+    pub(crate) fn written_topk(path: PathBuf, rows: u64) -> PartFile {
+        PartFile {
+            bytes: std::fs::metadata(&path).unwrap().len(),
+            path,
+            table: Table::Topk,
+            version: 2,
+            rows,
+        }
+    }
+}
+
 impl PartFile {
     /// Opens and checks a part file of a run of trace format `run_version`:
     /// Parquet magic and footer, the footer keys (version, table and run id;

@@ -817,7 +817,6 @@ mod tests {
     use arrow_array::{ArrayRef, Int32Array, RecordBatch};
     use parquet::arrow::ArrowWriter;
     use parquet::file::properties::WriterProperties;
-    use shadowtrace_schemas::Table;
 
     use super::*;
 
@@ -896,13 +895,7 @@ mod tests {
                 .unwrap();
         }
         writer.close().unwrap();
-        PartFile {
-            bytes: std::fs::metadata(&path).unwrap().len(),
-            path,
-            table: Table::Topk,
-            version: 2,
-            rows: ROWS as u64,
-        }
+        PartFile::written_topk(path, ROWS as u64)
     }
 
     #[test]
@@ -1007,13 +1000,7 @@ mod tests {
         }
         group.close().unwrap();
         writer.close().unwrap();
-        let part = PartFile {
-            bytes: std::fs::metadata(&path).unwrap().len(),
-            path,
-            table: Table::Topk,
-            version: 2,
-            rows: 4,
-        };
+        let part = PartFile::written_topk(path, 4);
         let metadata = part.parquet_metadata().unwrap();
         let mut batches = part
             .row_group_batches(&metadata, 0, &["req_list", "legacy"])

@@ -259,16 +259,6 @@ impl<'a> Summary<'a> {
         })
     }
 
-    /// Row `i`'s unit, `None` where null or absent.
-    #[inline]
-    fn unit(&self, i: usize) -> Result<Option<&'a str>, AnalyzeError> {
-        match self.unit {
-            Strings::Absent => Ok(None),
-            Strings::Same(value) => Ok(Some(value)),
-            Strings::Decoded(..) => self.unit.get(i),
-        }
-    }
-
     /// Whether row `i`'s shadow scored the dequantized FP8 operands.
     #[inline]
     fn dequant(&self, i: usize) -> Result<bool, AnalyzeError> {
@@ -480,7 +470,7 @@ fn group_overlaps(
         };
         let mut last_unit = None;
         for i in 0..batch.rows {
-            let unit = (s.layer[i], s.unit(i)?, s.unit_tokens.get(i));
+            let unit = (s.layer[i], s.unit.get(i)?, s.unit_tokens.get(i));
             // A layer's rows come together: one map lookup per run of them.
             if last_unit.is_none_or(|last| !same_unit(last, unit)) {
                 selection_unit::add_row(&mut out.units, unit.0, unit.1, unit.2)?;
@@ -565,7 +555,6 @@ mod tests {
     use arrow_array::{ArrayRef, Float32Array, Int32Array, RecordBatch, StringArray};
     use parquet::arrow::ArrowWriter;
     use parquet::file::properties::WriterProperties;
-    use shadowtrace_schemas::Table;
 
     use super::*;
 
@@ -639,13 +628,7 @@ mod tests {
                 .unwrap();
         writer.write(&batch).unwrap();
         writer.close().unwrap();
-        PartFile {
-            bytes: std::fs::metadata(&path).unwrap().len(),
-            path,
-            table: Table::Topk,
-            version: 2,
-            rows: rows as u64,
-        }
+        PartFile::written_topk(path, rows as u64)
     }
 
     #[test]
