@@ -144,26 +144,31 @@ def test_counts_through_the_kernel_leave_out_the_masked_tail():
     assert torch.equal(stats.counts_device(masked, valid), want)
 
 
+_COMPARE_KERNELS = ("compare_masks", "gap_code")
+
+
 def _compare(reference: bool, **kw) -> list:
-    """compare's packet through torch's ops (`reference`) or through the kernel, which must
+    """compare's packet through torch's ops (`reference`) or through the kernels, which must
     not have raised (a raise would fall back to torch unseen)."""
     if reference:
-        kernels.failed["compare_masks"] = "the torch reference"
+        kernels.failed.update(dict.fromkeys(_COMPARE_KERNELS, "the torch reference"))
     try:
         packet = Packet()
         selection.compare(packet, **kw)
         return packet.ship().arrays()
     finally:
         if reference:
-            kernels.failed.pop("compare_masks")
+            for name in _COMPARE_KERNELS:
+                kernels.failed.pop(name)
         else:
-            assert "compare_masks" not in kernels.failed, kernels.failed
+            assert not set(_COMPARE_KERNELS) & set(kernels.failed), kernels.failed
 
 
-def test_the_compare_kernel_writes_torchs_packet_exactly(monkeypatch):
-    calls = []
-    real = kernels.compare_masks
+def test_the_compare_kernels_write_torchs_packet_exactly(monkeypatch):
+    calls, coded = [], []
+    real, real_gaps = kernels.compare_masks, kernels.gap_code
     monkeypatch.setattr(kernels, "compare_masks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "gap_code", lambda *a: coded.append(a[-1]) or real_gaps(*a))
     gen = torch.Generator().manual_seed(4)
     t, keys, k = 90, 130, 8
     q_pos = torch.arange(keys - t, keys)
@@ -204,6 +209,9 @@ def test_the_compare_kernel_writes_torchs_packet_exactly(monkeypatch):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
     assert len(calls) == len(cases)
+    # every case wrote its lists through gap_code (one chunk each), entries in all but `{}`
+    assert len(coded) == len(cases), coded
+    assert sum(n > 0 for n in coded) == len(cases) - 1, coded
 
 
 def test_kv_slot_counts_through_the_kernel_equal_torchs_sum():

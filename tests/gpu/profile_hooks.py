@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
             ),
             (numerics, ("index_scores", "causal_mask")),
             (shadow, ("indexer_scores",)),
-            (kernels, ("index_scores", "row_stats", "compare_masks", "slot_counts")),
+            (kernels, ("index_scores", "row_stats", "compare_masks", "gap_code", "slot_counts")),
         ):
             for name in names:
                 if hasattr(module, name):

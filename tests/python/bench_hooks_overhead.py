@@ -85,6 +85,7 @@ FALLBACKS = (
     "process.kernel_failed.index_scores",
     "process.kernel_failed.row_stats",
     "process.kernel_failed.compare_masks",
+    "process.kernel_failed.gap_code",
     "process.kernel_failed.slot_counts",
 )
 # manifest settings that name what computed a row's numbers (a Triton kernel or torch's ops)

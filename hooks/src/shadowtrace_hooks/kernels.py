@@ -41,10 +41,10 @@ failed: dict[str, str] = {}
 
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
-    """Why kernel `name` ("index_scores", "row_stats", "compare_masks", "slot_counts") will not run on x
-    (None when it will): it raised before in this process, x is not on CUDA (or Triton's CPU
-    interpreter is off), or Triton is absent; for "index_scores", a head size (x's last)
-    that is not a power of two >= 16."""
+    """Why kernel `name` ("index_scores", "row_stats", "compare_masks", "gap_code",
+    "slot_counts") will not run on x (None when it will): it raised before in this process,
+    x is not on CUDA (or Triton's CPU interpreter is off), or Triton is absent; for
+    "index_scores", a head size (x's last) that is not a power of two >= 16."""
     if name in failed:
         return failed[name]
     d = x.shape[-1]
@@ -256,6 +256,59 @@ def compare_masks(
             L_SB=where["shadow_boundary"], L_P=where["prod"], BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
         )  # fmt: skip
     return stacked.view(torch.bool), counts, ints, left
+
+
+def gap_code(
+    lists: tuple[str, ...],
+    paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    stacked: torch.Tensor,
+    counts: torch.Tensor,
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`selection._gap_coded`'s entries of the masks `stacked` [L, rows, keys] (bool), whose
+    `counts` [L, rows] (int32) sum to `total`, known on the host: list-major, then row, then
+    key, each key gap-coded within its row; for the boundary lists (`paths`: name -> scores
+    [rows, keys], k-th score [rows], selection [rows, keys]) each key's score minus the k-th
+    score in fp32 and whether that path selected it. Where `nonzero` must wait for the device
+    to size its output, each (list, row) here writes its keys at its place in the counts'
+    running sum, marking the row's first; the gaps are then one elementwise pass."""
+    n_lists, rows, keys = stacked.shape
+    device = stacked.device
+    key = torch.empty(total, dtype=torch.int32, device=device)
+    first = torch.empty(total, dtype=torch.bool, device=device)
+    offsets = torch.zeros(total, dtype=torch.float32, device=device)
+    selected = torch.zeros(total, dtype=torch.bool, device=device)
+    if total == 0 or n_lists * rows == 0:
+        return key, offsets, selected
+    flat = counts.reshape(-1).to(torch.int64)
+    starts = torch.cumsum(flat, 0) - flat
+    where = {name: lists.index(name) if name in lists and name in paths else -1 for name in _BOUNDARY}
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    operands = []
+    for name in _BOUNDARY:
+        if where[name] < 0:
+            operands.append((dummy, dummy, dummy.view(torch.uint8), 0, 0))
+            continue
+        scores, kth, chosen = paths[name]
+        scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+        chosen = chosen if chosen.stride(-1) == 1 else chosen.contiguous()
+        kth = kth.float().contiguous()
+        operands.append((scores, kth, chosen.view(torch.uint8), scores.stride(0), chosen.stride(0)))
+    (ps, pk, pc, stride_ps, stride_pc), (ss, sk, sc, stride_ss, stride_sc) = operands
+    with _on(stacked):
+        _gap_kernel()[(rows, n_lists)](
+            stacked.contiguous().view(torch.uint8), starts, ps, pk, pc, ss, sk, sc,
+            key, first.view(torch.uint8), offsets, selected.view(torch.uint8), rows, keys,
+            stride_ps, stride_pc, stride_ss, stride_sc,
+            L_PB=where["prod_boundary"], L_SB=where["shadow_boundary"],
+            BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
+        )  # fmt: skip
+    # each row's first key as it is, the others less the key before
+    return torch.where(first, key, key - torch.roll(key, 1)), offsets, selected
+
+
+# the lists whose entries carry offsets from a k-th score and the path's selection
+_BOUNDARY = ("prod_boundary", "shadow_boundary")
 
 
 def launch_scores(
@@ -519,3 +572,52 @@ def _compare_kernel() -> Any:
         tl.store(left_ptr + row, tl.where(tl.sum(nan_left, axis=0) > 0, float("nan"), top))
 
     return compare_kernel
+
+
+@functools.cache
+def _gap_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def gap_kernel(masks_ptr, starts_ptr, ps_ptr, pk_ptr, pc_ptr, ss_ptr, sk_ptr, sc_ptr,
+                   keys_ptr, first_ptr, offsets_ptr, selected_ptr, R, KEYS,
+                   stride_ps, stride_pc, stride_ss, stride_sc,
+                   L_PB: tl.constexpr, L_SB: tl.constexpr,
+                   BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        which = tl.program_id(1)
+        r64 = row.to(tl.int64)
+        mask_row = masks_ptr + (which.to(tl.int64) * R + r64) * KEYS
+        first = tl.load(starts_ptr + which * R + row)
+        at = first
+        cols = tl.arange(0, BLOCK)
+        pk = 0.0
+        sk = 0.0
+        if L_PB >= 0:
+            pk = tl.load(pk_ptr + row)
+        if L_SB >= 0:
+            sk = tl.load(sk_ptr + row)
+        for block in range(BLOCKS):
+            col = block * BLOCK + cols
+            ok = col < KEYS
+            m = (tl.load(mask_row + col, mask=ok, other=0) != 0) & ok
+            ones = m.to(tl.int32)
+            pos = at + (tl.cumsum(ones, 0) - ones).to(tl.int64)
+            tl.store(keys_ptr + pos, col, mask=m)
+            tl.store(first_ptr + pos, (pos == first).to(tl.uint8), mask=m)
+            if L_PB >= 0:
+                here = m & (which == L_PB)
+                s = tl.load(ps_ptr + r64 * stride_ps + col, mask=here, other=0.0).to(tl.float32)
+                c = tl.load(pc_ptr + r64 * stride_pc + col, mask=here, other=0)
+                tl.store(offsets_ptr + pos, s - pk, mask=here)
+                tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=here)
+            if L_SB >= 0:
+                here = m & (which == L_SB)
+                s = tl.load(ss_ptr + r64 * stride_ss + col, mask=here, other=0.0).to(tl.float32)
+                c = tl.load(sc_ptr + r64 * stride_sc + col, mask=here, other=0)
+                tl.store(offsets_ptr + pos, s - sk, mask=here)
+                tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=here)
+            at += tl.sum(ones, axis=0).to(tl.int64)
+
+    return gap_kernel

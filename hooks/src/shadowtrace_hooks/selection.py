@@ -5,12 +5,14 @@ selected, keys both selected, k-th scores and margins, churn counts, the produce
 with and without churn), the differences (keys only one path selected), the boundary
 candidates of each path (keys within the band of its k-th score, with their offset from it
 and whether that path selected them) and, for sampled rows, the full production selection.
-Everything is computed on the tensors' device; the lists come out of one `nonzero` per chunk
-of rows, already gap-coded, so the host only slices them into rows (`columns`). That
-`nonzero` waits for the device, so on CUDA it runs on a side stream after the forward has
-queued more work (`Packet.later`), which keeps the device busy while the host waits. On CUDA the
-counts and the lists' masks come from one pass of Triton's `kernels.compare_masks`; torch's
-ops compute the same elsewhere.
+Everything is computed on the tensors' device; each chunk of rows' lists come out in one
+piece, already gap-coded, so the host only slices them into rows (`columns`). On CUDA the
+counts and the lists' masks come from one pass of Triton's `kernels.compare_masks`, and the
+lists from `kernels.gap_code`, which writes each row's entries at its place in the counts'
+running sum: the host needs only their total, copied as the device reaches it, and the work
+runs once it has (`Packet.later`), so nothing waits. torch's ops compute the same elsewhere,
+the lists through a `nonzero` that waits for the device (on a side stream, after the
+forward has queued more work).
 
 Definitions, as DESIGN.md and the topk table give them:
 
@@ -359,8 +361,11 @@ def _chunk_tail(
     # Only what the lists read, and that as tensors of their own: a slice of the engine's
     # scores would keep all of them alive until the work runs (the next layer's indexer).
     kept = {name: tuple(map(_own, path)) for name, path in paths.items() if name in spec.lists}
-    held = stacked.nbytes + sum(t.nbytes for path in kept.values() for t in path)
-    lists = packet.later(stacked.device, 3, lambda: _gap_coded(spec.lists, kept, stacked), held)
+    held = stacked.nbytes + counts.nbytes + sum(t.nbytes for path in kept.values() for t in path)
+    total = _on_host(counts.sum(dtype=torch.int64).reshape(1))
+    lists = packet.later(
+        stacked.device, 3, lambda: _gap_coded(spec.lists, kept, stacked, counts, total), held
+    )
     return _Chunk(
         rows=rows,
         ints=packet.add(torch.stack([ints[n] for n in _INTS])),
@@ -407,15 +412,39 @@ def check_counts(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:
     return np.concatenate([arrays[c.check] for c in spec.chunks if c.check is not None])
 
 
+def _on_host(count: torch.Tensor) -> torch.Tensor:
+    """`count` copied to the host without waiting for it: pinned memory the copy fills once
+    the device reaches it (`Packet.later` runs its work after that), or `count` itself on a
+    CPU or where no pinned memory is to be had (reading it then waits)."""
+    if not count.is_cuda:
+        return count
+    try:
+        host = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+    except RuntimeError:
+        return count
+    return host.copy_(count, non_blocking=True)
+
+
 def _gap_coded(
     lists: tuple[str, ...],
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     stacked: torch.Tensor,
+    counts: torch.Tensor,
+    total: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The entries of the masks `stacked` [L, rows, keys], list-major then row then key:
+    """The entries of the masks `stacked` [L, rows, keys] (`counts` [L, rows] a list and
+    row, `total` [1] in all, on the host once the work runs), list-major then row then key:
     their keys gap-coded within each row, and for a boundary list each key's score minus
-    that path's k-th score and whether that path selected it (zero elsewhere). The one
-    `nonzero` makes the host wait for the device, so `Packet.later` runs this."""
+    that path's k-th score and whether that path selected it (zero elsewhere). Triton's
+    `kernels.gap_code` writes them where it runs; torch's `nonzero` elsewhere, which makes
+    the host wait for the device, so `Packet.later` runs this."""
+    if all(kth.dtype == torch.float32 or scores.dtype == torch.float32 for scores, kth, _ in paths.values()):
+        # (the kernel subtracts in fp32; torch, with both in a narrower dtype, would not)
+        done, _ = kernels.attempt(
+            "gap_code", stacked, lambda: kernels.gap_code(lists, paths, stacked, counts, int(total[0]))
+        )
+        if done is not None:
+            return done
     which, row, key = stacked.nonzero().unbind(1)
     first = torch.ones_like(which, dtype=torch.bool)
     first[1:] = (which[1:] != which[:-1]) | (row[1:] != row[:-1])

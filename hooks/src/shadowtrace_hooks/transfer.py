@@ -7,14 +7,16 @@ and nothing on the forward's thread waits for it. `Shipment.arrays`, called on t
 thread, waits for that copy (a blocking CUDA event: the thread sleeps, where a spinning wait
 slowed the forward's launches) and returns numpy views of each tensor.
 
-Tensors whose size depends on the data (a `nonzero`'s lists) cannot be made without the
-host waiting for the device. Waiting at once would leave the device idle until the host,
-held up, had queued enough work again. `Packet.later` puts that wait off: the work runs on
+Tensors whose size depends on the data (a comparison's lists) cannot be made without the
+host knowing that size, which the device computes. Waiting for it at once would leave the
+device idle until the host, held up, had queued enough work again. `Packet.later` puts that
+wait off: the size is copied to the host as the device computes it, and the work runs on
 a side stream once the device has reached it (checked, without waiting, at each `add`), or
 when the inputs of all work put off in the process would hold more than `PENDING_BYTES`
-of device memory, or when its packet ships (each layer, in the HF adapter). By then the
-forward has queued more of its own work, so the device keeps busy while the host waits
-for the side stream.
+of device memory, or when its packet ships (each layer, in the HF adapter). Work the device
+has reached makes its tensors without the host waiting (`selection`'s lists, through Triton);
+work that waits for the device itself (torch's `nonzero`) waits only for the side stream,
+while the forward's own work, queued since, keeps the device busy.
 
 On a CPU there is no copy to wait for: the buffer is the host's already.
 """
@@ -98,7 +100,9 @@ class Packet:
 
     def later(self, device: torch.device, count: int, produce: Produce, nbytes: int = 0) -> Later:
         """Reserves `count` indices for the tensors `produce()` returns, made from what the
-        device has been asked so far (inputs of `nbytes` it keeps alive until it runs). On
+        device has been asked so far (inputs of `nbytes` it keeps alive until it runs), and
+        from host memory the device's copies queued so far fill (they have arrived when it
+        runs). On
         CUDA (outside a graph capture) `produce` runs on a side stream later (see the module
         docstring), at the latest when the packet ships; elsewhere it runs now. A `produce`
         that raises leaves its arrays empty and says why in the `Later` returned."""
@@ -113,7 +117,9 @@ class Packet:
                 # A CUDA graph cannot hold the host's wait; the capture's guard counts this.
                 raise RuntimeError("packet: data-sized tensors cannot be made during CUDA graph capture")
             stream = torch.cuda.current_stream()
-            ready = torch.cuda.Event()
+            # blocking: a host that must wait for it (`_run`) sleeps, where a spin would slow
+            # the forward's launches
+            ready = torch.cuda.Event(blocking=True)
             ready.record(stream)
         # Until the work has run, its arrays are not made: an exit (SIGTERM's SystemExit)
         # in the middle leaves this, never empty arrays that look made.
@@ -195,11 +201,15 @@ class Packet:
 
 def _run(job: _Job) -> None:
     """Runs put-off work on its device's side stream once the work it reads is done; the
-    stream that queued it waits for the results before going on. A failure stays with the
-    work (`Later.error`), never with the capture whose call ran it."""
+    stream that queued it waits for the results before going on. The host waits for the
+    device to reach the work first (at once, where `settle` found it reached), so that what
+    the work reads on the host, copied there before `later` (the size of what it makes), has
+    arrived. A failure stays with the work (`Later.error`), never with the capture whose call
+    ran it."""
     _waiting.remove(job)
     device = job.stream.device
     try:
+        job.ready.synchronize()
         with torch.cuda.device(device):
             side = _side.get(device)
             if side is None:
