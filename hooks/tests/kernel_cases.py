@@ -3,9 +3,10 @@ recomputation in Triton's CPU interpreter: the kernels' own code, tile loops, ma
 reductions, run on the CPU. Triton must be imported with TRITON_INTERPRET=1 already set, so
 test_kernels.py runs this file in a process of its own; it is not collected on its own.
 
-test_selection.py's cases run here too, so selection.compare's kernel path meets the same
-independent recomputation (Python sets over torch.topk) as its torch path; a kernel that
-raised would fall back to torch unseen, so every case here fails when one did."""
+test_selection.py's and test_capture_check.py's cases run here too, so selection.compare's
+kernel path meets the same independent recomputation (Python sets over torch.topk, counts
+known by construction) as its torch path; a kernel that raised would fall back to torch
+unseen, so every case here fails when one did."""
 
 import math
 import os
@@ -20,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run by test_kernels.py with TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 
+from test_capture_check import *  # noqa: F403  (the capture check's cases, on the kernel path)
 from test_kernels import _operands
 from test_selection import *  # noqa: F403  (the compare cases, on the kernel path here)
 
@@ -144,7 +146,7 @@ def test_counts_through_the_kernel_leave_out_the_masked_tail():
     assert torch.equal(stats.counts_device(masked, valid), want)
 
 
-_COMPARE_KERNELS = ("compare_masks", "gap_code")
+_COMPARE_KERNELS = ("membership", "compare_masks", "gap_code")
 
 
 def _compare(reference: bool, **kw) -> list:
@@ -201,17 +203,43 @@ def test_the_compare_kernels_write_torchs_packet_exactly(monkeypatch):
             "prod_top_values": top.values,
         }
     )
-    for case in cases:
+    # the capture self-check, on production's own scores: an honest selection, one read against
+    # other rows (keys far below the k-th, beyond the causal limit, empty slots), a tail key
+    misread = topk.roll(7, dims=0)
+    misread[70, 3:] = -1
+    tailed = topk.clone()
+    tailed[80:, -1] = torch.as_tensor(q_pos[80:] + 1, dtype=tailed.dtype)
+    checks = [
+        {"prod_topk": topk, "prod_scores": prod, "prod_top_values": top.values, "check": True},
+        {"prod_topk": misread, "prod_scores": prod, "shadow_scores": shade, "band": 1e-3,
+         "check": True, "check_tolerance": 1e-2},
+        {"prod_topk": tailed, "prod_scores": prod.t().contiguous().t(), "check": True,
+         "check_tail": True},
+        {"prod_topk": tailed, "prod_scores": prod, "check": True},
+    ]  # fmt: skip
+    for case in cases + checks:
         args = {"prod_topk": topk, "q_pos": q_pos, "keys": keys, "k": k, **case}
         got, want = _compare(False, **args), _compare(True, **args)
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
-    assert len(calls) == len(cases)
+    assert len(calls) == len(cases) + len(checks)
     # every case wrote its lists through gap_code (one chunk each), entries in all but `{}`
-    assert len(coded) == len(cases), coded
-    assert sum(n > 0 for n in coded) == len(cases) - 1, coded
+    # and the checks without a shadow or a band
+    assert len(coded) == len(cases) + len(checks), coded
+    assert sum(n > 0 for n in coded) == len(cases) - 1 + 1, coded
+    # what the checks counted, through the kernel: on the honest selection only row 60's
+    # padded slot, the same where production appends a tail key, more on each misread one
+    counted = []
+    for case in checks:
+        packet = Packet()
+        spec = selection.compare(packet, q_pos=q_pos, keys=keys, k=k, **case)
+        counted.append(int(selection.check_counts(spec, packet.ship().arrays()).sum()))
+    assert counted[0] == 1, counted
+    assert counted[1] > t, counted
+    assert counted[2] == 1, counted
+    assert counted[3] == 1 + t - 80, counted
 
 
 def test_kv_slot_counts_through_the_kernel_equal_torchs_sum():

@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
         for module, names in (
             (
                 selection,
-                ("compare", "_membership", "_kth", "_kth_from_top", "_near", "_gap_coded", "columns"),
+                ("compare", "_selected", "_kth", "_kth_from_top", "_near", "_gap_coded", "columns"),
             ),
             (
                 stats,
@@ -77,7 +77,10 @@ def child(args: argparse.Namespace) -> None:
             ),
             (numerics, ("index_scores", "causal_mask")),
             (shadow, ("indexer_scores",)),
-            (kernels, ("index_scores", "row_stats", "compare_masks", "gap_code", "slot_counts")),
+            (
+                kernels,
+                ("index_scores", "row_stats", "membership", "compare_masks", "gap_code", "slot_counts"),
+            ),
         ):
             for name in names:
                 if hasattr(module, name):

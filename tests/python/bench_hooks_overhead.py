@@ -84,6 +84,7 @@ FALLBACKS = (
     "indexer_scores_recomputed",
     "process.kernel_failed.index_scores",
     "process.kernel_failed.row_stats",
+    "process.kernel_failed.membership",
     "process.kernel_failed.compare_masks",
     "process.kernel_failed.gap_code",
     "process.kernel_failed.slot_counts",

@@ -41,7 +41,7 @@ failed: dict[str, str] = {}
 
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
-    """Why kernel `name` ("index_scores", "row_stats", "compare_masks", "gap_code",
+    """Why kernel `name` ("index_scores", "row_stats", "membership", "compare_masks", "gap_code",
     "slot_counts") will not run on x (None when it will): it raised before in this process,
     x is not on CUDA (or Triton's CPU interpreter is off), or Triton is absent; for
     "index_scores", a head size (x's last) that is not a power of two >= 16."""
@@ -190,6 +190,43 @@ def slot_counts(window: torch.Tensor) -> torch.Tensor:
                 D_BLOCKS=-(-d // block_d),
             )  # fmt: skip
     return out
+
+
+def membership(
+    indices: torch.Tensor,
+    visible: torch.Tensor,
+    keys: int,
+    check: "tuple[torch.Tensor, torch.Tensor, int, float, bool] | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`selection._membership`'s mask [rows, keys] (bool) of the valid keys of indices
+    [rows, n] (>= 0 and below visible [rows]), and with `check` = (production's own scores
+    [rows, keys], their k-th score [rows], k, tolerance, tail) the capture self-check's count
+    [rows] int32 of `selection._contradicting`, in one pass over the indices (and the scores
+    they point at) where torch's ops take a dozen over [rows, n] in int64."""
+    rows, n = indices.shape
+    device = indices.device
+    mask = torch.zeros(rows, keys, dtype=torch.bool, device=device)
+    count = None if check is None else torch.zeros(rows, dtype=torch.int32, device=device)
+    if rows == 0 or n == 0:
+        if check is not None and rows:  # no key in any slot: a sparse row's k slots are empty
+            _, _, k, _, _ = check
+            count = torch.where(visible > k, k, 0).to(torch.int32)
+        return mask, count
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    scores, kth, k, tolerance, tail = (dummy, dummy, 0, 0.0, False) if check is None else check
+    with _on(indices):
+        _member_kernel()[(rows,)](
+            indices, visible.to(torch.int64).contiguous(), mask.view(torch.uint8), scores,
+            kth.float().contiguous(), dummy if count is None else count, n, keys,
+            indices.stride(0), indices.stride(1), scores.stride(0) if check else 0,
+            scores.stride(1) if check else 0, k, tolerance,
+            CHECK=check is not None, TAIL=tail, BLOCK=_INDEX_BLOCK, BLOCKS=-(-n // _INDEX_BLOCK),
+        )  # fmt: skip
+    return mask, count
+
+
+# entries of a selection's indices per block of `membership`
+_INDEX_BLOCK = 1024
 
 
 # the lists `compare_masks` can write, in `selection.compare`'s names
@@ -621,3 +658,52 @@ def _gap_kernel() -> Any:
             at += tl.sum(ones, axis=0).to(tl.int64)
 
     return gap_kernel
+
+
+@functools.cache
+def _member_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def member_kernel(idx_ptr, vis_ptr, mask_ptr, s_ptr, kth_ptr, check_ptr, N, KEYS,
+                      stride_i, stride_ij, stride_s, stride_sk, k, tol,
+                      CHECK: tl.constexpr, TAIL: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        r64 = row.to(tl.int64)
+        vis = tl.load(vis_ptr + row)
+        sparse = vis > k
+        cols = tl.arange(0, BLOCK)
+        top = tl.zeros([BLOCK], dtype=tl.float32)
+        filled = tl.zeros([BLOCK], dtype=tl.int32)
+        for block in range(BLOCKS):
+            j = block * BLOCK + cols
+            ok = j < N
+            idx = tl.load(idx_ptr + r64 * stride_i + j * stride_ij, mask=ok, other=-1).to(tl.int64)
+            valid = ok & (idx >= 0) & (idx < vis)
+            tl.store(mask_ptr + r64 * KEYS + idx, tl.full([BLOCK], 1, dtype=tl.uint8), mask=valid)
+            if CHECK:
+                got = tl.load(s_ptr + r64 * stride_s + idx * stride_sk, mask=valid, other=0.0).to(tl.float32)
+                finite = valid & (got == got) & (tl.abs(got) != float("inf"))
+                top = tl.maximum(top, tl.where(finite, tl.abs(got), 0.0))
+                filled += (ok & (idx >= 0)).to(tl.int32)
+        if CHECK:
+            # the bound reads the largest |score| of the whole row: a second pass
+            bound = tl.load(kth_ptr + row) - tol * tl.max(top, axis=0)
+            bad = tl.zeros([BLOCK], dtype=tl.int32)
+            for block in range(BLOCKS):
+                j = block * BLOCK + cols
+                ok = j < N
+                idx = tl.load(idx_ptr + r64 * stride_i + j * stride_ij, mask=ok, other=-1).to(tl.int64)
+                valid = ok & (idx >= 0) & (idx < vis)
+                got = tl.load(s_ptr + r64 * stride_s + idx * stride_sk, mask=valid, other=0.0).to(tl.float32)
+                below = valid & (got < bound)
+                beyond = ok & (idx >= vis)
+                if TAIL:  # the appended tail key is production's by definition, never scored
+                    beyond = beyond & (idx != vis)
+                bad += ((below | beyond) & sparse).to(tl.int32)
+            missing = tl.maximum(k - tl.sum(filled, axis=0), 0) * sparse.to(tl.int32)
+            tl.store(check_ptr + row, tl.sum(bad, axis=0) + missing)
+
+    return member_kernel

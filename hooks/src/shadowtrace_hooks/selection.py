@@ -122,6 +122,27 @@ class Compared:
         return self.band is not None and self.has_prod_scores and self.has_shadow
 
 
+def _selected(
+    indices: torch.Tensor,
+    visible: torch.Tensor,
+    keys: int,
+    check: tuple[torch.Tensor, torch.Tensor, int, float, bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`_membership` of indices, and with `check` = (production's own scores, their k-th
+    score, k, tolerance, tail) `_contradicting`'s count): Triton's `kernels.membership` in one
+    pass where it runs, torch's ops elsewhere."""
+    done, _ = kernels.attempt(
+        "membership", indices, lambda: kernels.membership(indices, visible, keys, check)
+    )
+    if done is not None:
+        return done
+    mask = _membership(indices, visible, keys)
+    if check is None:
+        return mask, None
+    scores, kth, k, tolerance, tail = check
+    return mask, _contradicting(indices, scores, kth, visible, visible > k, k, tolerance, tail)
+
+
 def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torch.Tensor:
     """[rows, keys] bool: the valid keys of each row of `indices` ([rows, n], any padding)."""
     mask = torch.zeros(indices.shape[0], keys + 1, dtype=torch.bool, device=indices.device)
@@ -262,7 +283,6 @@ def _compare_chunk(
     sparse = visible > k
     nan = torch.full((rows,), math.nan, device=device)
     zero = torch.zeros(rows, dtype=torch.int32, device=device)
-    prod = _membership(prod_topk, visible, keys)
     ints = dict.fromkeys(_INTS, zero)
     floats = dict.fromkeys(_FLOATS, nan)
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scores, k-th, selection
@@ -273,21 +293,21 @@ def _compare_chunk(
         else:
             prod_kth, scale = prod_top_values[:, k - 1].float(), score_scale(prod_top_values)
         floats["prod_kth_score"] = prod_kth
-        paths["prod_boundary"] = (prod_scores, prod_kth, prod)
-    check = None
+    check_args = None
     if spec.check:
         assert prod_scores is not None
         assert prod_kth is not None
-        check = packet.add(
-            _contradicting(
-                prod_topk, prod_scores, prod_kth, visible, sparse, k, spec.check_tolerance, spec.check_tail
-            )
-        )
+        check_args = (prod_scores, prod_kth, k, spec.check_tolerance, spec.check_tail)
+    prod, contradicting = _selected(prod_topk, visible, keys, check_args)
+    check = None if contradicting is None else packet.add(contradicting)
+    if prod_scores is not None:
+        assert prod_kth is not None
+        paths["prod_boundary"] = (prod_scores, prod_kth, prod)
     shadow = shadow_kth = None
     if shadow_scores is not None:
         # the reference path's scale where there is one: production's own cannot widen its band
         shadow_kth, floats["shadow_kth_margin"], chosen, scale = _kth(shadow_scores, k)
-        shadow = _membership(chosen, visible, keys)
+        shadow, _ = _selected(chosen, visible, keys)
         floats["shadow_kth_score"] = shadow_kth
         paths["shadow_boundary"] = (shadow_scores, shadow_kth, shadow)
     band = None
