@@ -155,21 +155,30 @@ def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torc
 
 
 def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k-th score, its margin to the (k+1)-th, top-k key indices, score scale) of each row."""
+    """(k-th score, its margin to the (k+1)-th, top-k key indices, score scale) of each row,
+    ranked as torch.topk ranks (NaN above every number). The indices are in no order and
+    may hold -1 (no key) in one slot: the top k+1 come unsorted, sorting them cost more
+    than the selection itself, and the (k+1)-th, the smallest of them, is emptied instead."""
     take = min(k + 1, scores.shape[1])
-    values, idx = scores.topk(take, dim=-1)
-    kth = values[:, min(k, take) - 1]
-    margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
-    return kth, margin, idx[:, :k], score_scale(values[:, :k])
+    values, idx = scores.topk(take, dim=-1, sorted=False)
+    if take <= k:  # every key is selected: no (k+1)-th
+        kth = values.topk(1, dim=-1, largest=False).values[:, 0]
+        return kth, torch.full_like(kth, math.nan), idx, score_scale(values)
+    low, at = values.topk(2, dim=-1, largest=False)  # (k+1)-th, k-th
+    kth = low[:, 1]
+    chosen = idx.scatter(1, at[:, :1], -1)
+    kept = torch.ones_like(values, dtype=torch.bool).scatter_(1, at[:, :1], False)
+    return kth, kth - low[:, 0], chosen, score_scale(values, kept)
 
 
-def score_scale(top: torch.Tensor) -> torch.Tensor:
-    """[rows] the mean |score| of each row's top-k scores `top` [rows, k], finite ones only
-    (NaN where none is): the scale a relative band multiplies. A mean, not the largest: one
-    attention-sink key scored far above the rest would otherwise set the band for the keys at
-    the k-th score, whose rounding error is that of scores like theirs."""
+def score_scale(top: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows] the mean |score| of each row's top-k scores `top` [rows, k] (those `kept`
+    where given), finite ones only (NaN where none is): the scale a relative band multiplies.
+    A mean, not the largest: one attention-sink key scored far above the rest would
+    otherwise set the band for the keys at the k-th score, whose rounding error is that of
+    scores like theirs."""
     top = top.float()
-    finite = torch.isfinite(top)
+    finite = torch.isfinite(top) if kept is None else torch.isfinite(top) & kept
     return torch.where(finite, top.abs(), 0.0).sum(-1) / finite.sum(-1)
 
 
