@@ -155,30 +155,40 @@ def _membership(indices: torch.Tensor, visible: torch.Tensor, keys: int) -> torc
 
 
 def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k-th score, its margin to the (k+1)-th, top-k key indices, score scale) of each row,
-    ranked as torch.topk ranks (NaN above every number). The indices are in no order and
-    may hold -1 (no key) in one slot: the top k+1 come unsorted, sorting them cost more
-    than the selection itself, and the (k+1)-th, the smallest of them, is emptied instead."""
+    """(k-th score, its margin to the (k+1)-th, top-k key indices, score scale) of each row."""
     take = min(k + 1, scores.shape[1])
-    values, idx = scores.topk(take, dim=-1, sorted=False)
-    if take <= k:  # every key is selected: no (k+1)-th
-        kth = values.topk(1, dim=-1, largest=False).values[:, 0]
-        return kth, torch.full_like(kth, math.nan), idx, score_scale(values)
-    low, at = values.topk(2, dim=-1, largest=False)  # (k+1)-th, k-th
-    kth = low[:, 1]
-    chosen = idx.scatter(1, at[:, :1], -1)
-    kept = torch.ones_like(values, dtype=torch.bool).scatter_(1, at[:, :1], False)
-    return kth, kth - low[:, 0], chosen, score_scale(values, kept)
+    values, idx = scores.topk(take, dim=-1)
+    kth = values[:, min(k, take) - 1]
+    margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
+    return kth, margin, idx[:, :k], score_scale(values[:, :k])
 
 
-def score_scale(top: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """[rows] the mean |score| of each row's top-k scores `top` [rows, k] (those `kept`
-    where given), finite ones only (NaN where none is): the scale a relative band multiplies.
-    A mean, not the largest: one attention-sink key scored far above the rest would
-    otherwise set the band for the keys at the k-th score, whose rounding error is that of
-    scores like theirs."""
+def _shadow_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k-th score, top-k key indices in no order, score scale) of each row: the selection of
+    torch.topk(k), the call an engine makes, so that keys tied at the k-th score fall as the
+    engine's own would on the same scores; unsorted, where sorting each row's 2,048 scores
+    cost more than selecting them. The k-th is the smallest selected, ranked as torch.topk
+    ranks (NaN above every number); the margin is `_margin`'s, once the selection is a mask."""
+    values, idx = scores.topk(min(k, scores.shape[1]), dim=-1, sorted=False)
+    kth = values.topk(1, dim=-1, largest=False).values[:, 0]
+    return kth, idx, score_scale(values)
+
+
+def _margin(scores: torch.Tensor, kth: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows] the k-th score less the best score `chosen` [rows, keys] leaves out (NaN when a
+    NaN is left out, as torch.topk ranks it first); NaN where no key is left out."""
+    if scores.shape[1] <= k:
+        return torch.full_like(kth, math.nan)
+    return kth - torch.where(chosen, -math.inf, scores).amax(-1)
+
+
+def score_scale(top: torch.Tensor) -> torch.Tensor:
+    """[rows] the mean |score| of each row's top-k scores `top` [rows, k], finite ones only
+    (NaN where none is): the scale a relative band multiplies. A mean, not the largest: one
+    attention-sink key scored far above the rest would otherwise set the band for the keys at
+    the k-th score, whose rounding error is that of scores like theirs."""
     top = top.float()
-    finite = torch.isfinite(top) if kept is None else torch.isfinite(top) & kept
+    finite = torch.isfinite(top)
     return torch.where(finite, top.abs(), 0.0).sum(-1) / finite.sum(-1)
 
 
@@ -315,8 +325,9 @@ def _compare_chunk(
     shadow = shadow_kth = None
     if shadow_scores is not None:
         # the reference path's scale where there is one: production's own cannot widen its band
-        shadow_kth, floats["shadow_kth_margin"], chosen, scale = _kth(shadow_scores, k)
+        shadow_kth, chosen, scale = _shadow_top(shadow_scores, k)
         shadow, _ = _selected(chosen, visible, keys)
+        floats["shadow_kth_margin"] = _margin(shadow_scores, shadow_kth, shadow, k)
         floats["shadow_kth_score"] = shadow_kth
         paths["shadow_boundary"] = (shadow_scores, shadow_kth, shadow)
     band = None
