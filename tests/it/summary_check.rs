@@ -2,7 +2,9 @@
 //! disagreement is counted in `analyze` (field and note) and is a problem
 //! for `inspect`, with the first disagreeing row named; rounding within the
 //! tolerance is not. Parts of several row groups (checked in parallel) are
-//! checked whole.
+//! checked whole. Rows that hold other than what their footer's statistics
+//! claim of every row (values `analyze` takes without decoding) are counted
+//! too.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -14,7 +16,9 @@ use arrow_array::{
 };
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::file::metadata::{ParquetMetaDataReader, ParquetMetaDataWriter};
 use parquet::file::properties::WriterProperties;
+use parquet::file::statistics::Statistics;
 use shadowtrace_analyzer::judged::Question;
 use shadowtrace_analyzer::load::BATCH_ROWS;
 use shadowtrace_analyzer::metrics::topk_check::{self, RowAt, SummaryCheck};
@@ -572,5 +576,108 @@ fn recorded_churn_without_the_boundary_offsets_it_came_from_is_a_disagreement() 
         (check.rows_disagreeing, check.missing_lists, check.churn),
         (1, 1, 0),
         "{check:?}"
+    );
+}
+
+/// Rewrites the footer of the part at `path` with the statistics of the
+/// flat column `name` in every row group replaced by `stats`; the data pages
+/// stay as they are, so the footer says what the rows may not.
+fn lie_in_footer(path: &Path, name: &str, stats: &Statistics) {
+    let bytes = std::fs::read(path).unwrap();
+    let metadata = ParquetMetaDataReader::new()
+        .parse_and_finish(&File::open(path).unwrap())
+        .unwrap();
+    let tail: [u8; 4] = bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap();
+    let data_end = bytes.len() - 8 - u32::from_le_bytes(tail) as usize;
+    let leaf = metadata
+        .file_metadata()
+        .schema_descr()
+        .columns()
+        .iter()
+        .position(|c| c.path().parts() == [name])
+        .unwrap();
+    let groups = metadata
+        .row_groups()
+        .iter()
+        .map(|group| {
+            let columns = group
+                .columns()
+                .iter()
+                .enumerate()
+                .map(|(i, column)| match i == leaf {
+                    true => column
+                        .clone()
+                        .into_builder()
+                        .set_statistics(stats.clone())
+                        .build()
+                        .unwrap(),
+                    false => column.clone(),
+                })
+                .collect();
+            group
+                .clone()
+                .into_builder()
+                .set_column_metadata(columns)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    let metadata = metadata.into_builder().set_row_groups(groups).build();
+    let mut out = bytes[..data_end].to_vec();
+    ParquetMetaDataWriter::new(&mut out, &metadata)
+        .finish()
+        .unwrap();
+    std::fs::write(path, out).unwrap();
+}
+
+/// Where the rows of the run's top-k part whose `step` is not `step` are,
+/// read by arrow-rs.
+fn rows_off_step(run: &Path, step: i32) -> Vec<RowAt> {
+    let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(topk_part(run)).unwrap())
+        .unwrap()
+        .build()
+        .unwrap();
+    let mut off = Vec::new();
+    for batch in reader {
+        let batch = batch.unwrap();
+        off.extend(
+            (0..batch.num_rows())
+                .map(|row| row_at(&batch, row))
+                .filter(|at| at.step != step),
+        );
+    }
+    off
+}
+
+#[test]
+fn rows_that_hold_other_than_their_footer_claims_are_counted_and_leave_top_k_unjudged() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A prefill (every row at step 0) with one row moved to step 7, its
+    // footer written honestly: k is one value in the row group and taken
+    // from there, the step is decoded; nothing disagrees.
+    let (dir, _) = run_with_lists(tmp.path(), TopkLists::None, |name, c, row| {
+        (name == "step").then(|| with_i32(c, row, |v| v + 7))
+    });
+    let honest = checked(&dir);
+    assert_eq!(
+        (honest.rows_disagreeing, honest.footer),
+        (0, 0),
+        "{honest:?}"
+    );
+    // A footer claiming every row is at step 0, as a writer whose statistics
+    // were wrong would: `analyze` would read step 0 for the moved row too.
+    let off = rows_off_step(&dir, 0);
+    assert_eq!(off.len(), 1, "{off:?}");
+    let stats = Statistics::int32(Some(0), Some(0), None, Some(0), false);
+    lie_in_footer(&topk_part(&dir), "step", &stats);
+    let check = checked(&dir);
+    assert_eq!((check.rows_disagreeing, check.footer), (1, 1), "{check:?}");
+    assert_eq!(check.first_disagreeing, Some(off[0]));
+    let mut run = Run::open(&dir).unwrap();
+    run.problems.extend(topk_check::problem(&run).unwrap());
+    let text = inspect::render_run(&run);
+    assert!(
+        text.contains("PROBLEMS") && text.contains("footer 1"),
+        "{text}"
     );
 }

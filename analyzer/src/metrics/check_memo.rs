@@ -38,7 +38,7 @@ use crate::load::PartFile;
 
 /// What the check checks: bump it whenever `topk_check` changes what it
 /// counts, so that no result of another definition is taken for this one.
-pub const CHECK_DEFINITION: u32 = 1;
+pub const CHECK_DEFINITION: u32 = 2;
 
 /// A part as it was checked: everything that must be equal for the memo to
 /// answer for it.

@@ -15,7 +15,13 @@
 //! - `missing_lists`: a row with a shadow has both difference lists, and a
 //!   row whose churn counts were recorded has the boundary lists they were
 //!   counted from. A summary without its lists cannot be checked, and is a
-//!   disagreement, never a row checked clean.
+//!   disagreement, never a row checked clean;
+//! - `footer`: where a row group's footer statistics say every row holds
+//!   one step, k, shadow input, unit or unit size, `analyze` takes that
+//!   value and does not decode the column ([`super::topk_v2`]); every row,
+//!   with a shadow or not, must hold it. A writer whose statistics say
+//!   otherwise than its rows would move rows to another step or unit
+//!   unseen.
 //!
 //! ## Why it matters
 //! The top-k metric reads only the counts ([`super::topk_v2`]). A producer
@@ -25,6 +31,7 @@
 
 use std::path::Path;
 
+use parquet::data_type::ByteArray;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::columns::topk as c;
@@ -33,7 +40,8 @@ use shadowtrace_schemas::selection::{
 };
 
 use super::check_memo;
-use super::topk_v2::{Lists, count, recorded_churn};
+use super::selection_unit::{UNIT, UNIT_TOKENS};
+use super::topk_v2::{GroupPlan, Lists, count, recorded_churn};
 use crate::load::{ListColumn, Nullable, PartFile, RowBatch, Run};
 use crate::{AnalyzeError, RunProblem};
 
@@ -90,7 +98,8 @@ pub struct SummaryCheck {
     /// check of the same bytes ([`super::check_memo`]), not decoded now.
     #[serde(default)]
     pub parts_remembered: usize,
-    /// Rows with a shadow (the rows a summary describes).
+    /// Rows with a shadow (the rows a summary describes), and rows without
+    /// one that hold other than their footer claims (`footer`).
     pub rows_checked: usize,
     /// Rows with at least one disagreement.
     pub rows_disagreeing: usize,
@@ -108,6 +117,11 @@ pub struct SummaryCheck {
     /// counts were recorded without the boundary lists they come from: a
     /// summary with nothing to check it against.
     pub missing_lists: usize,
+    /// Rows whose step, k, shadow input, unit or unit size is not the one
+    /// value their row group's footer statistics claim for every row (the
+    /// value `analyze` reads instead of the column).
+    #[serde(default)]
+    pub footer: usize,
     /// The first disagreeing row, by (step, layer, token): where to look.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_disagreeing: Option<RowAt>,
@@ -125,6 +139,7 @@ impl SummaryCheck {
         self.churn += other.churn;
         self.full_list += other.full_list;
         self.missing_lists += other.missing_lists;
+        self.footer += other.footer;
         // The smallest, whatever order parts and threads finish in.
         self.first_disagreeing = match (self.first_disagreeing, other.first_disagreeing) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -143,6 +158,7 @@ impl SummaryCheck {
             ("churn", self.churn),
             ("full_list", self.full_list),
             ("missing_lists", self.missing_lists),
+            ("footer", self.footer),
         ]
         .iter()
         .filter(|(_, n)| *n > 0)
@@ -155,7 +171,7 @@ impl SummaryCheck {
             )
         });
         format!(
-            "{} of {} top-k rows' summaries disagree with their lists ({}){first}",
+            "{} of {} top-k rows' summaries disagree with their lists or footers ({}){first}",
             self.rows_disagreeing,
             self.rows_checked,
             kinds.join(", ")
@@ -216,6 +232,69 @@ impl<'a> Columns<'a> {
     }
 }
 
+/// What a row group's footer claims every row holds ([`GroupPlan`]: the
+/// values `analyze` reads instead of decoding), with the decoded columns
+/// that must hold it.
+#[derive(Default)]
+struct Claims<'a> {
+    step: Option<i32>,
+    k: Option<i32>,
+    unit_tokens: Option<(i32, Nullable<'a, i32>)>,
+    strings: Vec<(&'a str, Nullable<'a, ByteArray>)>,
+}
+
+impl<'a> Claims<'a> {
+    fn of(batch: &'a RowBatch<'_>, plan: Option<&'a GroupPlan>) -> Result<Self, AnalyzeError> {
+        let Some(plan) = plan else {
+            return Ok(Claims::default());
+        };
+        let mut strings = Vec::new();
+        for (same, name) in [(&plan.same_input, c::SHADOW_INPUT), (&plan.same_unit, UNIT)] {
+            if let Some(value) = same.as_deref() {
+                strings.push((value, batch.nullable(name)?));
+            }
+        }
+        let unit_tokens = match plan.same_unit_tokens {
+            Some(value) => Some((value, batch.nullable(UNIT_TOKENS)?)),
+            None => None,
+        };
+        Ok(Claims {
+            step: plan.same_step,
+            k: plan.same_k,
+            unit_tokens,
+            strings,
+        })
+    }
+
+    /// The columns besides [`COLUMNS`] the claims of `plan` are held to.
+    fn columns(plan: &GroupPlan) -> Vec<&'static str> {
+        [
+            (plan.same_input.is_some(), c::SHADOW_INPUT),
+            (plan.same_unit.is_some(), UNIT),
+            (plan.same_unit_tokens.is_some(), UNIT_TOKENS),
+        ]
+        .into_iter()
+        .filter_map(|(claimed, name)| claimed.then_some(name))
+        .collect()
+    }
+
+    /// Whether row `i` holds other than the footer claims (a null, where
+    /// the footer counted none, included).
+    fn broken(&self, t: &Columns<'_>, i: usize) -> bool {
+        self.step.is_some_and(|value| t.step[i] != value)
+            || self.k.is_some_and(|value| t.k[i] != value)
+            || self
+                .unit_tokens
+                .as_ref()
+                .is_some_and(|(value, column)| column.get(i) != Some(*value))
+            || self.strings.iter().any(|(value, column)| {
+                column
+                    .get_ref(i)
+                    .is_none_or(|got| got.data() != value.as_bytes())
+            })
+    }
+}
+
 /// One worker's buffers for a row's decoded lists: no allocation per row.
 #[derive(Default)]
 struct Scratch {
@@ -233,15 +312,48 @@ fn decode(list: &ListColumn<'_, i32>, i: usize, out: &mut Vec<i32>) -> bool {
         .is_some()
 }
 
-/// Checks row `i`; `None` for a row without a shadow (no summary to check).
-fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck> {
-    let (Some(shadow_n), Some(shared_n)) = (t.shadow_selected.get(i), t.shared.get(i)) else {
-        return None;
-    };
+/// Checks row `i`, which holds other than its footer claims where `footer`;
+/// `None` for a row without a shadow (no summary to check) that holds them.
+fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch, footer: bool) -> Option<SummaryCheck> {
     let mut row = SummaryCheck {
         rows_checked: 1,
+        footer: usize::from(footer),
         ..SummaryCheck::default()
     };
+    match (t.shadow_selected.get(i), t.shared.get(i)) {
+        (Some(shadow_n), Some(shared_n)) => check_summary(t, i, s, shadow_n, shared_n, &mut row),
+        _ if footer => {}
+        _ => return None,
+    }
+    if row.shared
+        + row.jaccard
+        + row.jaccard_no_churn
+        + row.churn
+        + row.full_list
+        + row.missing_lists
+        + row.footer
+        > 0
+    {
+        row.rows_disagreeing = 1;
+        row.first_disagreeing = Some(RowAt {
+            step: t.step[i],
+            layer: t.layer[i],
+            token: t.token[i],
+        });
+    }
+    Some(row)
+}
+
+/// The summary of row `i` (`shadow_n` keys selected by the shadow, `shared_n`
+/// by both) against its lists, into `row`.
+fn check_summary(
+    t: &Columns<'_>,
+    i: usize,
+    s: &mut Scratch,
+    shadow_n: i32,
+    shared_n: i32,
+    row: &mut SummaryCheck,
+) {
     let prod_only_listed = decode(&t.lists.prod_only, i, &mut s.prod_only);
     let differences = prod_only_listed & decode(&t.lists.shadow_only, i, &mut s.shadow_only);
     row.missing_lists = usize::from(!differences);
@@ -304,22 +416,6 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
             full.len() != count(t.prod_selected[i]) || !ascending(full) || !holds_prod_only,
         );
     }
-    if row.shared
-        + row.jaccard
-        + row.jaccard_no_churn
-        + row.churn
-        + row.full_list
-        + row.missing_lists
-        > 0
-    {
-        row.rows_disagreeing = 1;
-        row.first_disagreeing = Some(RowAt {
-            step: t.step[i],
-            layer: t.layer[i],
-            token: t.token[i],
-        });
-    }
-    Some(row)
 }
 
 /// Rows a worker checks at a time: large enough that splitting costs
@@ -327,12 +423,14 @@ fn check_row(t: &Columns<'_>, i: usize, s: &mut Scratch) -> Option<SummaryCheck>
 const ROWS_PER_TASK: usize = 2048;
 
 /// Checks every row of one batch of a v2 `topk` part ([`COLUMNS`]), in
-/// parallel over rows.
+/// parallel over rows, and with `plan` (its row group's) every row against
+/// what the footer claims ([`Claims::columns`] decoded too).
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
-pub fn check(batch: &RowBatch<'_>) -> Result<SummaryCheck, AnalyzeError> {
+fn check(batch: &RowBatch<'_>, plan: Option<&GroupPlan>) -> Result<SummaryCheck, AnalyzeError> {
     let t = Columns::of(batch)?;
+    let claims = Claims::of(batch, plan)?;
     let tasks = batch.rows.div_ceil(ROWS_PER_TASK);
     Ok((0..tasks)
         .into_par_iter()
@@ -340,7 +438,7 @@ pub fn check(batch: &RowBatch<'_>) -> Result<SummaryCheck, AnalyzeError> {
             let rows = task * ROWS_PER_TASK..batch.rows.min((task + 1) * ROWS_PER_TASK);
             let mut out = SummaryCheck::default();
             for i in rows {
-                if let Some(row) = check_row(&t, i, scratch) {
+                if let Some(row) = check_row(&t, i, scratch, claims.broken(&t, i)) {
                     out.add(&row);
                 }
             }
@@ -405,10 +503,13 @@ pub fn check_run(run: &Run, memo: Option<&Path>) -> Result<Option<SummaryCheck>,
         .par_iter()
         .map(|(slot, metadata, index)| {
             let part = parts[unchecked[*slot]];
-            let mut batches = part.row_group_batches(metadata, *index, &COLUMNS)?;
+            let plan = GroupPlan::of(metadata, *index);
+            let mut columns = COLUMNS.to_vec();
+            columns.extend(Claims::columns(&plan));
+            let mut batches = part.row_group_batches(metadata, *index, &columns)?;
             let mut sum = SummaryCheck::default();
             while let Some(batch) = batches.next_batch() {
-                sum.add(&check(&batch?)?);
+                sum.add(&check(&batch?, Some(&plan))?);
             }
             Ok((*slot, sum))
         })

@@ -160,18 +160,20 @@ impl Ints<'_> {
 
 /// What one row group reads: the columns present, and the columns whose one
 /// value its footer gives (a prefill's step, k, unit and shadow input): not
-/// decoded, nor a reader built for them.
-struct GroupPlan {
-    units: bool,
-    same_input: Option<String>,
-    same_unit: Option<String>,
-    same_step: Option<i32>,
-    same_k: Option<i32>,
-    same_unit_tokens: Option<i32>,
+/// decoded, nor a reader built for them. The summary check
+/// ([`super::topk_check`]) decodes them and counts the rows that differ from
+/// what the footer claims.
+pub(crate) struct GroupPlan {
+    pub(crate) units: bool,
+    pub(crate) same_input: Option<String>,
+    pub(crate) same_unit: Option<String>,
+    pub(crate) same_step: Option<i32>,
+    pub(crate) same_k: Option<i32>,
+    pub(crate) same_unit_tokens: Option<i32>,
 }
 
 impl GroupPlan {
-    fn of(metadata: &ParquetMetaData, index: usize) -> GroupPlan {
+    pub(crate) fn of(metadata: &ParquetMetaData, index: usize) -> GroupPlan {
         // Parts written before units were recorded are over tokens.
         let units = has_column(metadata, UNIT) && has_column(metadata, UNIT_TOKENS);
         GroupPlan {
