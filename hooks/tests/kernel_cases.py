@@ -279,3 +279,21 @@ def test_kv_slot_counts_of_a_window_whose_heads_do_not_merge_come_from_torchs_su
         window.view(-1, 50, 8)
     got = stats.slot_nonfinite_device(window)
     assert got.tolist() == [1 if s == 9 else 0 for s in range(50)]
+
+
+def test_membership_never_reaches_past_the_keys_and_counts_keys_there_as_unseen():
+    # A misread row: its query said to see 10 keys where 8 were scored, and indices 7 and 9 of
+    # which only 7 exists. torch's scatter would raise; the kernel stores and gathers inside
+    # the row only, and the check counts the key past every scored one.
+    keys, k = 8, 2
+    # (row 0's key 9 would land on row 1's key 1 were it stored: row 1 does not hold it)
+    indices = torch.tensor([[0, 5, 7, 9], [2, 3, -1, -1]], dtype=torch.int32)
+    visible = torch.tensor([10, 4])
+    scores = torch.arange(2 * keys, dtype=torch.float32).reshape(2, keys)
+    kth = torch.tensor([0.0, 1.0])
+    mask, count = kernels.membership(indices, visible, keys, (scores, kth, k, 1e-3, False))
+    assert mask.shape == (2, keys)
+    assert mask[0].nonzero().flatten().tolist() == [0, 5, 7]
+    assert mask[1].nonzero().flatten().tolist() == [2, 3]
+    # row 0: key 9 unseen; row 1 (sparse, 4 > 2): nothing below its k-th, two slots filled
+    assert count.tolist() == [1, 0]

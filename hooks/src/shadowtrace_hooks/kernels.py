@@ -681,7 +681,8 @@ def _member_kernel() -> Any:
             j = block * BLOCK + cols
             ok = j < N
             idx = tl.load(idx_ptr + r64 * stride_i + j * stride_ij, mask=ok, other=-1).to(tl.int64)
-            valid = ok & (idx >= 0) & (idx < vis)
+            # never a store or a load past the row, whatever a misread selection holds
+            valid = ok & (idx >= 0) & (idx < vis) & (idx < KEYS)
             tl.store(mask_ptr + r64 * KEYS + idx, tl.full([BLOCK], 1, dtype=tl.uint8), mask=valid)
             if CHECK:
                 got = tl.load(s_ptr + r64 * stride_s + idx * stride_sk, mask=valid, other=0.0).to(tl.float32)
@@ -696,10 +697,11 @@ def _member_kernel() -> Any:
                 j = block * BLOCK + cols
                 ok = j < N
                 idx = tl.load(idx_ptr + r64 * stride_i + j * stride_ij, mask=ok, other=-1).to(tl.int64)
-                valid = ok & (idx >= 0) & (idx < vis)
+                valid = ok & (idx >= 0) & (idx < vis) & (idx < KEYS)
                 got = tl.load(s_ptr + r64 * stride_s + idx * stride_sk, mask=valid, other=0.0).to(tl.float32)
                 below = valid & (got < bound)
-                beyond = ok & (idx >= vis)
+                # past the keys the query sees, or past every key scored
+                beyond = ok & ((idx >= vis) | (idx >= KEYS))
                 if TAIL:  # the appended tail key is production's by definition, never scored
                     beyond = beyond & (idx != vis)
                 bad += ((below | beyond) & sparse).to(tl.int32)
