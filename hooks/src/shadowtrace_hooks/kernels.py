@@ -335,7 +335,7 @@ def gap_code(
     with _on(stacked):
         _gap_kernel()[(rows, n_lists)](
             stacked.contiguous().view(torch.uint8), starts, ps, pk, pc, ss, sk, sc,
-            key, first.view(torch.uint8), offsets, selected.view(torch.uint8), rows, keys,
+            key, first.view(torch.uint8), offsets, selected.view(torch.uint8), rows, keys, total,
             stride_ps, stride_pc, stride_ss, stride_sc,
             L_PB=where["prod_boundary"], L_SB=where["shadow_boundary"],
             BLOCK=_ROW_BLOCK, BLOCKS=_blocks(keys),
@@ -616,9 +616,11 @@ def _gap_kernel() -> Any:
     triton = _triton()
     import triton.language as tl
 
-    @triton.jit
+    # the total changes every call: a specialisation on its value (divisible by 16 or not)
+    # would compile the kernel again inside a later forward
+    @triton.jit(do_not_specialize=["TOTAL"])
     def gap_kernel(masks_ptr, starts_ptr, ps_ptr, pk_ptr, pc_ptr, ss_ptr, sk_ptr, sc_ptr,
-                   keys_ptr, first_ptr, offsets_ptr, selected_ptr, R, KEYS,
+                   keys_ptr, first_ptr, offsets_ptr, selected_ptr, R, KEYS, TOTAL,
                    stride_ps, stride_pc, stride_ss, stride_sc,
                    L_PB: tl.constexpr, L_SB: tl.constexpr,
                    BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
@@ -641,6 +643,8 @@ def _gap_kernel() -> Any:
             m = (tl.load(mask_row + col, mask=ok, other=0) != 0) & ok
             ones = m.to(tl.int32)
             pos = at + (tl.cumsum(ones, 0) - ones).to(tl.int64)
+            # counts that disagreed with their masks would end up short: never past the end
+            m = m & (pos < TOTAL)
             tl.store(keys_ptr + pos, col, mask=m)
             tl.store(first_ptr + pos, (pos == first).to(tl.uint8), mask=m)
             if L_PB >= 0:
