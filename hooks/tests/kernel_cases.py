@@ -225,10 +225,10 @@ def test_the_compare_kernels_write_torchs_packet_exactly(monkeypatch):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(a, b)
     assert len(calls) == len(cases) + len(checks)
-    # every case wrote its lists through gap_code (one chunk each), entries in all but `{}`
-    # and the checks without a shadow or a band
+    # every case wrote its lists through gap_code (one chunk each); with entries: every case
+    # but `{}`, and of the checks the one with a shadow and a band (the others have no list)
     assert len(coded) == len(cases) + len(checks), coded
-    assert sum(n > 0 for n in coded) == len(cases) - 1 + 1, coded
+    assert sum(n > 0 for n in coded) == (len(cases) - 1) + 1, coded
     # what the checks counted, through the kernel: on the honest selection only row 60's
     # padded slot, the same where production appends a tail key, more on each misread one
     counted = []

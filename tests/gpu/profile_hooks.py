@@ -69,7 +69,17 @@ def child(args: argparse.Namespace) -> None:
         for module, names in (
             (
                 selection,
-                ("compare", "_selected", "_kth", "_kth_from_top", "_near", "_gap_coded", "columns"),
+                (
+                    "compare",
+                    "_selected",
+                    "_kth",
+                    "_shadow_top",
+                    "_margin",
+                    "_kth_from_top",
+                    "_near",
+                    "_gap_coded",
+                    "columns",
+                ),
             ),
             (
                 stats,

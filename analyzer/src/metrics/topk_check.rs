@@ -235,7 +235,6 @@ impl<'a> Columns<'a> {
 /// What a row group's footer claims every row holds ([`GroupPlan`]: the
 /// values `analyze` reads instead of decoding), with the decoded columns
 /// that must hold it.
-#[derive(Default)]
 struct Claims<'a> {
     step: Option<i32>,
     k: Option<i32>,
@@ -244,10 +243,7 @@ struct Claims<'a> {
 }
 
 impl<'a> Claims<'a> {
-    fn of(batch: &'a RowBatch<'_>, plan: Option<&'a GroupPlan>) -> Result<Self, AnalyzeError> {
-        let Some(plan) = plan else {
-            return Ok(Claims::default());
-        };
+    fn of(batch: &'a RowBatch<'_>, plan: &'a GroupPlan) -> Result<Self, AnalyzeError> {
         let mut strings = Vec::new();
         for (same, name) in [(&plan.same_input, c::SHADOW_INPUT), (&plan.same_unit, UNIT)] {
             if let Some(value) = same.as_deref() {
@@ -423,12 +419,12 @@ fn check_summary(
 const ROWS_PER_TASK: usize = 2048;
 
 /// Checks every row of one batch of a v2 `topk` part ([`COLUMNS`]), in
-/// parallel over rows, and with `plan` (its row group's) every row against
-/// what the footer claims ([`Claims::columns`] decoded too).
+/// parallel over rows, and every row against what its row group's footer
+/// claims (`plan`; [`Claims::columns`] decoded too).
 ///
 /// # Errors
 /// When a column is missing or has an unexpected layout.
-fn check(batch: &RowBatch<'_>, plan: Option<&GroupPlan>) -> Result<SummaryCheck, AnalyzeError> {
+fn check(batch: &RowBatch<'_>, plan: &GroupPlan) -> Result<SummaryCheck, AnalyzeError> {
     let t = Columns::of(batch)?;
     let claims = Claims::of(batch, plan)?;
     let tasks = batch.rows.div_ceil(ROWS_PER_TASK);
@@ -509,7 +505,7 @@ pub fn check_run(run: &Run, memo: Option<&Path>) -> Result<Option<SummaryCheck>,
             let mut batches = part.row_group_batches(metadata, *index, &columns)?;
             let mut sum = SummaryCheck::default();
             while let Some(batch) = batches.next_batch() {
-                sum.add(&check(&batch?, Some(&plan))?);
+                sum.add(&check(&batch?, &plan)?);
             }
             Ok((*slot, sum))
         })
