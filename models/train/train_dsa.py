@@ -333,7 +333,17 @@ class Trainer:
         self.curve: list[dict] = []
         self.cuts: dict = {}
 
-    def step(self, stage: str, ids: torch.Tensor, opt, lr: float) -> dict:
+    def next_batch(self, stage: str, length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step's ids and the weight of each next-byte target (None: every target alike)."""
+        return self.corpus.batch(length, batch, self.device), None
+
+    def lm_loss(self, ids: torch.Tensor, weights: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """The language-modelling loss to train on, and the figures to log beside it."""
+        loss = self.model(ids, labels=ids).loss
+        return loss, {"lm": loss.item()}
+
+    def step(self, stage: str, batch: tuple, opt, lr: float) -> dict:
+        ids, weights = batch
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -343,17 +353,17 @@ class Trainer:
             # At 2048 tokens the indexer's top-2048 is every key; skipping its scores saves
             # their [B, S, H, T] product (transformers' matmul expands it per query for B > 1).
             with DenseSelection(self.model):
-                loss = self.model(ids, labels=ids).loss
+                loss, figures = self.lm_loss(ids, weights)
             loss.backward()
-            out["lm"] = loss.item()
+            out.update(figures)
         elif stage == "warmup":
             with torch.no_grad(), DenseSelection(self.model):
                 self.model(ids)
             out["kl"] = self._indexer_kl(selected=False)
         else:
-            loss = self.model(ids, labels=ids).loss
+            loss, figures = self.lm_loss(ids, weights)
             loss.backward()
-            out["lm"] = loss.item()
+            out.update(figures)
             out["kl"] = self._indexer_kl(selected=True)
         torch.nn.utils.clip_grad_norm_(self.main_params, 1.0)
         torch.nn.utils.clip_grad_norm_(indexer_params(self.model), 1.0)
@@ -394,17 +404,17 @@ class Trainer:
         opt = optimizer(params, peak)
         if steps is None:  # calibrate: time a few steps, then fix the count
             for _ in range(2):
-                self.step(stage, self.corpus.batch(length, batch, self.device), opt, 0.0)
+                self.step(stage, self.next_batch(stage, length, batch), opt, 0.0)
             sync(self.device)
             t0, probe = time.perf_counter(), 5
             for _ in range(probe):
-                self.step(stage, self.corpus.batch(length, batch, self.device), opt, 0.0)
+                self.step(stage, self.next_batch(stage, length, batch), opt, 0.0)
             sync(self.device)
             per_step = (time.perf_counter() - t0) / probe
             steps = max(1, int(budget_s / per_step))
             self.log(f"{stage}: {per_step * 1000:.0f} ms a step; {steps} steps in {budget_s:.0f} s")
             opt = optimizer(params, peak)
-        t0 = time.perf_counter()
+        t0, tokens = time.perf_counter(), 0
         for step in range(steps):
             # A calibration that ran while the GPU was less shared can overshoot: stop at
             # CUT_FACTOR times the stage's budget and record the steps taken.
@@ -415,13 +425,11 @@ class Trainer:
                 self.cuts[stage] = {"planned": steps, "taken": step}
                 steps = step
                 break
-            out = self.step(
-                stage, self.corpus.batch(length, batch, self.device), opt, lr_at(step, steps, peak)
-            )
+            ids, weights = self.next_batch(stage, length, batch)
+            out = self.step(stage, (ids, weights), opt, lr_at(step, steps, peak))
+            tokens += ids.numel()
             if step % LOG_EVERY == 0 or step == steps - 1:
-                self.curve.append(
-                    {"stage": stage, "step": step, "tokens": (step + 1) * length * batch, **out}
-                )
+                self.curve.append({"stage": stage, "step": step, "tokens": tokens, **out})
                 if step % (LOG_EVERY * 20) == 0 or step == steps - 1:
                     self.log(f"{stage} {step + 1}/{steps} {json.dumps(out)} {time.perf_counter() - t0:.0f} s")
         self.model.eval()
