@@ -30,7 +30,7 @@ fn main() -> ExitCode {
             }) {
                 return ExitCode::SUCCESS;
             }
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", shadowtrace_schemas::error_line(&*error));
             cli::exit_error()
         }
     }

@@ -1,7 +1,7 @@
 """The SHADOWTRACE_* environment reads as env.json defines it."""
 
 import pytest
-from shadowtrace_hooks.config import EnvError, resolve, variables
+from shadowtrace_hooks.config import EnvError, resolve, unknown_names, variables
 
 
 def test_unset_means_off_with_the_documented_defaults() -> None:
@@ -56,3 +56,19 @@ def test_a_bad_value_names_the_variable_what_it_got_and_what_it_expected(
     with pytest.raises(EnvError) as err:
         resolve({name: value})
     assert str(err.value) == f"{name}={value!r}: expected {expected}"
+
+
+def test_an_unknown_name_is_named_once_with_the_closest_variable() -> None:
+    names = ["SHADOWTRACE_LAYER", "PATH", "SHADOWTRACE_LAYERS", "SHADOWTRACE_LAYER",
+             "SHADOWTRACE_SHADOW_SCOPES", "SHADOWTRACE_DIRECTORY"]  # fmt: skip
+    assert unknown_names(names) == [
+        ("SHADOWTRACE_LAYER", "SHADOWTRACE_LAYERS"),
+        ("SHADOWTRACE_SHADOW_SCOPES", "SHADOWTRACE_SHADOW_SCOPE"),
+        ("SHADOWTRACE_DIRECTORY", "SHADOWTRACE_DIR"),
+    ]
+
+
+def test_the_other_programs_and_retired_names_are_not_unknown() -> None:
+    names = ["SHADOWTRACE", "SHADOWTRACE_BIN_DIR", "SHADOWTRACE_BENCH_REPEATS",
+             "SHADOWTRACE_QUEUE_CAPACITY", "SHADOWTRACEX"]  # fmt: skip
+    assert unknown_names(names) == []

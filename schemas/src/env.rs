@@ -64,6 +64,11 @@ struct EnvFile {
     /// (silently ignoring one would trace otherwise than its user asked).
     #[serde(default)]
     retired: BTreeMap<String, String>,
+    /// The variables of the project's other programs (tests, notebooks,
+    /// benchmarks): no tracing variable, never warned about. A name ending in
+    /// `*` stands for every name it starts.
+    #[serde(default)]
+    not_tracing: BTreeMap<String, String>,
     variables: Vec<EnvVar>,
 }
 
@@ -117,6 +122,90 @@ static RETIRED: LazyLock<Retired> = LazyLock::new(|| {
 });
 
 struct Retired(BTreeMap<String, String>);
+
+// Invariant: as ENV_VARS.
+#[expect(
+    clippy::expect_used,
+    reason = "compiled-in definition, parsed by a unit test"
+)]
+static NOT_TRACING: LazyLock<Vec<String>> = LazyLock::new(|| {
+    env_file()
+        .expect("compiled-in env definitions parse")
+        .not_tracing
+        .into_keys()
+        .collect()
+});
+
+/// The prefix every tracing variable's name starts with.
+const PREFIX: &str = "SHADOWTRACE_";
+
+/// A `SHADOWTRACE_*` name set in the environment that is no variable: most
+/// often a typo (`SHADOWTRACE_LAYER`), which would otherwise trace with the
+/// default silently.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownName {
+    /// The name as set.
+    pub name: String,
+    /// The variable whose name is closest to it (edit distance; the first in
+    /// the definitions file on a tie).
+    pub closest: String,
+}
+
+impl std::fmt::Display for UnknownName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is no shadowtrace variable and is ignored: did you mean {}?",
+            self.name, self.closest
+        )
+    }
+}
+
+/// The names among `names` (for the process: `std::env::vars_os()`'s) that
+/// start with `SHADOWTRACE_` and are neither a variable, a retired one, nor
+/// one of the project's other programs' (`not_tracing`), each with the
+/// variable closest to it, in the order given, each name once.
+#[must_use]
+pub fn unknown_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<UnknownName> {
+    let mut out: Vec<UnknownName> = Vec::new();
+    for name in names {
+        let known = env_vars().iter().any(|v| v.name == name)
+            || RETIRED.0.contains_key(name)
+            || NOT_TRACING
+                .iter()
+                .any(|other| match other.strip_suffix('*') {
+                    Some(prefix) => name.starts_with(prefix),
+                    None => other == name,
+                });
+        if !name.starts_with(PREFIX) || known || out.iter().any(|u| u.name == name) {
+            continue;
+        }
+        let closest = env_vars()
+            .iter()
+            .min_by_key(|v| edit_distance(&v.name, name))
+            .map_or_else(String::new, |v| v.name.clone());
+        out.push(UnknownName {
+            name: name.to_owned(),
+            closest,
+        });
+    }
+    out
+}
+
+/// Levenshtein distance between `a` and `b`, in characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut current = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let substitute = previous[j] + usize::from(ca != *cb);
+            current.push(substitute.min(previous[j + 1] + 1).min(current[j] + 1));
+        }
+        previous = current;
+    }
+    previous[b.len()]
+}
 
 /// Every variable, in the order of the definitions file.
 #[must_use]
@@ -510,6 +599,56 @@ mod tests {
             json!({"prompt_kind": "tool", "ticket": "12"})
         );
         assert_eq!(r["SHADOWTRACE_BOUNDARY_BAND"], json!(0.5));
+    }
+
+    #[test]
+    fn an_unknown_name_is_reported_once_with_the_closest_variable() {
+        let unknown = unknown_names([
+            "SHADOWTRACE_LAYER",
+            "PATH",
+            "SHADOWTRACE_LAYERS",
+            "SHADOWTRACE_LAYER",
+            "SHADOWTRACE_SHADOW_SCOPES",
+            "SHADOWTRACE_DIRECTORY",
+        ]);
+        assert_eq!(
+            unknown
+                .iter()
+                .map(|u| (u.name.as_str(), u.closest.as_str()))
+                .collect::<Vec<_>>(),
+            [
+                ("SHADOWTRACE_LAYER", "SHADOWTRACE_LAYERS"),
+                ("SHADOWTRACE_SHADOW_SCOPES", "SHADOWTRACE_SHADOW_SCOPE"),
+                ("SHADOWTRACE_DIRECTORY", "SHADOWTRACE_DIR"),
+            ]
+        );
+        assert_eq!(
+            unknown[0].to_string(),
+            "SHADOWTRACE_LAYER is no shadowtrace variable and is ignored: did you mean \
+             SHADOWTRACE_LAYERS?"
+        );
+    }
+
+    #[test]
+    fn the_other_programs_and_retired_names_are_not_unknown() {
+        assert_eq!(
+            unknown_names([
+                "SHADOWTRACE",
+                "SHADOWTRACE_BIN_DIR",
+                "SHADOWTRACE_BENCH_REPEATS",
+                "SHADOWTRACE_QUEUE_CAPACITY",
+                "SHADOWTRACEX",
+            ]),
+            []
+        );
+    }
+
+    #[test]
+    fn edit_distance_counts_insertions_deletions_and_substitutions() {
+        assert_eq!(edit_distance("LAYERS", "LAYER"), 1);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("same", "same"), 0);
     }
 
     #[test]

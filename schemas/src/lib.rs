@@ -30,7 +30,7 @@ pub mod stats;
 mod table;
 mod vocabulary;
 
-pub use error::SchemaError;
+pub use error::{SchemaError, error_line};
 pub use manifest::{Convention, Manifest};
 pub use table::{ColumnSpec, ColumnType, Encoding, Table, TableSpec};
 pub use vocabulary::{Vocabulary, vocabulary};

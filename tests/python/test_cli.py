@@ -312,7 +312,9 @@ def test_demo_refuses_arguments_it_cannot_run_before_tracing_the_grid(tmp_path: 
                            f"no trained checkpoint at {tmp_path / 'none' / 'glm5-tiny'}")):  # fmt: skip
         out = tmp_path / extra[0].strip("-")
         done = shadowtrace("demo", "--out", out, *extra)
-        assert done.returncode != 0
+        # Exit 2 and `error:`, as every other tool says bad input.
+        assert done.returncode == 2
+        assert done.stderr.startswith("error: "), done.stderr
         assert needle in done.stderr, done.stderr
         assert not (out / "runs").exists(), "the grid was traced first"
 

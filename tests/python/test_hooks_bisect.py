@@ -178,3 +178,34 @@ def test_the_reference_is_the_models_own_fp32_chain_upcast_one_layer_at_a_time()
     assert float((ours - theirs).norm() / theirs.norm()) < 1e-5
     assert upcasts == ["GlmMoeDsaForCausalLM"] + ["GlmMoeDsaDecoderLayer"] * len(model.model.layers)
     assert next(model.parameters()).dtype == torch.bfloat16, "everything put back"
+
+
+def test_the_command_line_refuses_a_missing_prompt_and_text_without_a_tokenizer_in_one_line(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    tiny_models.glm(index_topk=K).save_pretrained(tmp_path / "model")
+    (tmp_path / "prompt.txt").write_text("def f(x):\n    return x\n")
+    command = [sys.executable, "-m", "shadowtrace_hooks", "bisect", tmp_path / "model"]
+    missing = subprocess.run(
+        [*command, tmp_path / "none.txt", "--threshold", "0.9"], capture_output=True, text=True
+    )
+    assert missing.returncode == 2
+    assert missing.stderr == f"error: prompt {tmp_path / 'none.txt'}: No such file or directory\n"
+    text = subprocess.run(
+        [*command, tmp_path / "prompt.txt", "--threshold", "0.9"], capture_output=True, text=True
+    )
+    assert text.returncode == 2
+    assert text.stderr.count("\n") == 1, text.stderr
+    prompt = tmp_path / "prompt.txt"
+    assert text.stderr.startswith(f"error: prompt {prompt} is text, and this model has no tokenizer")
+    assert text.stderr.endswith(": pass a JSON list of ids\n"), text.stderr
+    rows = subprocess.run(
+        [*command, tmp_path / "prompt.txt", "--threshold", "0.9", "--rows", "every:4"],
+        capture_output=True,
+        text=True,
+    )
+    assert rows.returncode == 2
+    assert rows.stderr == (
+        "error: --rows every:4: expected all or last:N with N >= 1 (every:N is not implemented here)\n"
+    )

@@ -252,6 +252,28 @@ def test_every_off_value_imports_nothing(value: str) -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_a_bad_and_an_unknown_variable_are_each_said_once_at_startup() -> None:
+    """Python 3.11's venvs run site-packages' .pth files twice: the hooks still say once that
+    they are not tracing, and name a typo'd variable once with the one it is closest to (the
+    words the Rust side's `shadowtrace env` prints)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SHADOWTRACE")}
+    env = {**clean, "SHADOWTRACE": "1", "SHADOWTRACE_LAYERS": "abc", "SHADOWTRACE_LAYER": "0"}
+    out = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, check=True, env=env)
+    assert out.stderr.splitlines() == [
+        "shadowtrace: SHADOWTRACE_LAYER is no shadowtrace variable and is ignored: did you mean "
+        "SHADOWTRACE_LAYERS?",
+        "shadowtrace: not tracing: SHADOWTRACE_LAYERS='abc': expected all, or layers and ranges "
+        "such as 0-3,10",
+    ]
+    rust = subprocess.run([binary("shadowtrace"), "env"], capture_output=True, text=True, check=False,
+                          env={"SHADOWTRACE_LAYER": "0"})  # fmt: skip
+    assert rust.returncode == 0, rust.stderr
+    assert rust.stderr.splitlines() == [
+        "warning: SHADOWTRACE_LAYER is no shadowtrace variable and is ignored: did you mean "
+        "SHADOWTRACE_LAYERS?"
+    ]
+
+
 def test_the_startup_line_reads_off_as_the_environment_definition_does() -> None:
     """The .pth decides before importing anything, so it repeats the false words: the same
     words config.py (and schemas/v1/env.json's bool) reads as false."""

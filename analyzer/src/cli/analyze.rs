@@ -42,9 +42,11 @@ pub(crate) struct AnalyzeArgs {
     topk_threshold: f64,
     /// The boundary-churn band, relative to each row's score scale (the mean
     /// |score| of the reference path's top-k), as SHADOWTRACE_BOUNDARY_BAND
-    /// [default: each run's recorded band]. It can narrow the band, or widen
-    /// it as far as the run's boundary lists reach (settings.boundary_stored:
-    /// twice the band by default); wider is refused. Runs recorded with an
+    /// and `suspects --churn-band` [default: each run's recorded band].
+    ///
+    /// It can narrow the band, or widen it as far as the run's boundary
+    /// lists reach (settings.boundary_stored: twice the band by default);
+    /// wider is refused. Runs recorded with an
     /// absolute band (no settings.boundary_band_scale) read it as a score
     /// distance. A row without boundary lists has no churn any band can
     /// find: such rows are counted as churn unknown beside the verdict,

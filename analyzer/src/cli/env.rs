@@ -2,7 +2,7 @@ use std::fmt::Write as _;
 use std::io::Write;
 use std::process::ExitCode;
 
-use shadowtrace_schemas::env::{env_vars, resolve};
+use shadowtrace_schemas::env::{env_vars, resolve, unknown_names};
 
 use super::Format;
 
@@ -14,6 +14,12 @@ pub(crate) struct EnvArgs {
 }
 
 pub(crate) fn run(args: &EnvArgs) -> anyhow::Result<ExitCode> {
+    let names: Vec<String> = std::env::vars_os()
+        .map(|(name, _)| name.to_string_lossy().into_owned())
+        .collect();
+    for unknown in unknown_names(names.iter().map(String::as_str)) {
+        eprintln!("warning: {unknown}");
+    }
     let values = resolve(|name| std::env::var(name).ok())?;
     let text = match args.format {
         Format::Json => serde_json::to_string_pretty(&values)? + "\n",

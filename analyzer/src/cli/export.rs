@@ -5,11 +5,13 @@ use shadowtrace_analyzer::{Run, export};
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct ExportArgs {
-    /// Write the full prod and shadow index lists (absolute keys, columns
-    /// prod_indices and shadow_indices) of every top-k row that can be
-    /// rebuilt: every row of a v1 run; the rows of a v2 run whose full prod
-    /// list SHADOWTRACE_TOPK_LISTS sampled. Prints how many rows could not
-    /// be rebuilt.
+    /// Write the full prod and shadow index lists of every top-k row that
+    /// can be rebuilt.
+    ///
+    /// Absolute keys, in columns prod_indices and shadow_indices: every row
+    /// of a v1 run; the rows of a v2 run whose full prod list
+    /// SHADOWTRACE_TOPK_LISTS sampled. Prints how many rows could not be
+    /// rebuilt.
     #[arg(long, required = true)]
     lists: bool,
     /// The run directory.

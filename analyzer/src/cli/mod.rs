@@ -19,9 +19,10 @@ pub(crate) fn exit_error() -> ExitCode {
 
 /// Layer-wise shadow-precision tracing for LLM inference numerics.
 ///
-/// Runs are written by shadowtrace's producers (the Python hooks inside an
-/// engine's process with SHADOWTRACE=1, and the reference engine: `shadowtrace
-/// run`, `shadowtrace demo`); this command reads them without libtorch.
+/// Runs are written by shadowtrace's producers: the Python hooks inside an
+/// engine's process (SHADOWTRACE=1), and the reference engine (`shadowtrace
+/// run`, `shadowtrace demo`). This program reads them, without libtorch.
+///
 /// Exit codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input
 /// or error (`inspect`: a bad run; `analyze --fail-on`: a verdict not judged,
 /// or no run that could be judged).
@@ -30,7 +31,7 @@ pub(crate) fn exit_error() -> ExitCode {
     name = "shadowtrace",
     version,
     propagate_version = true,
-    after_help = "More commands come from programs named shadowtrace-NAME beside this one or on PATH:\n  demo     Write a synthetic grid of runs, analyse it and report (shadowtrace-demo)\n  run      The reference engine on a checkpoint, traced, with --fault and --deviation (shadowtrace-run)\n  bisect   Which layers' shadow value, grafted into production, restores its output (shadowtrace-bisect)\n  suspects The clean production path and every deviation side by side, ranked against observed runs (shadowtrace-suspects)"
+    after_help = external::commands_help()
 )]
 pub(crate) struct Args {
     #[command(subcommand)]
@@ -57,15 +58,19 @@ enum Command {
     /// or under --fail-on no run that could be judged (every run unreadable,
     /// incomplete, or with hook errors).
     Analyze(Box<analyze::AnalyzeArgs>),
-    /// Print the SHADOWTRACE_* environment variables that switch and shape
-    /// tracing: each one's value in this environment (or its default) and
-    /// what it does. A value that does not read is an error naming it.
+    /// Print the SHADOWTRACE_* environment variables: values here, defaults,
+    /// meaning.
+    ///
+    /// A value that does not read is an error naming it; a SHADOWTRACE_*
+    /// name that is no variable is warned about, with the closest one.
     Env(env::EnvArgs),
-    /// Write a run's full top-k index lists (`--lists`) as Parquet, wherever
-    /// the run holds enough to rebuild them, and say how many rows it does not.
+    /// Write a run's full top-k index lists as Parquet.
+    ///
+    /// Every row the run holds enough to rebuild (`--lists`); says how many
+    /// rows it does not.
     Export(export::ExportArgs),
     /// Any other command NAME runs the program `shadowtrace-NAME` from this
-    /// program's directory or PATH (the tracer provides `shadowtrace-demo`).
+    /// program's directory or PATH (the tracer's demo, run, bisect, suspects).
     #[command(external_subcommand)]
     External(Vec<OsString>),
 }

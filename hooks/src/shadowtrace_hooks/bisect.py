@@ -17,12 +17,14 @@ directory and removed): tracing must be off when `bisect` is called, as it runs 
 session.
 """
 
+import argparse
 import contextlib
 import dataclasses
 import math
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -397,49 +399,48 @@ def _search(
     return result
 
 
-def main(argv: list[str]) -> int:
-    """`python -m shadowtrace_hooks bisect`: the command line of `bisect`."""
-    import argparse
-    import json
-    from pathlib import Path
+# Files a model directory holds its tokenizer in, any of which AutoTokenizer reads.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-    parser = argparse.ArgumentParser(
-        prog="python -m shadowtrace_hooks bisect",
-        description=(
-            "Which layers' local fp32 shadow value, grafted into production at one site, restores "
-            "a transformers model's output (glm_moe_dsa, deepseek_v32; FP8 checkpoints as they "
-            "load). Judged against the model's own fp32 chain. With nothing planted there is no "
-            "clean floor here: the target is --threshold."
-        ),
-    )
-    parser.add_argument("model", type=Path, help="model directory (from_pretrained)")
-    parser.add_argument(
-        "prompt", type=Path, help="a JSON list of token ids, or text for the model's tokenizer"
-    )
-    parser.add_argument(
-        "--threshold",
-        type=float,
-        required=True,
-        help="restored at this argmax agreement or more (argmax), or this JS divergence or less (js)",
-    )
-    parser.add_argument("--metric", choices=["argmax", "js"], default="argmax")
-    parser.add_argument("--sites", default=",".join(SITES), help="comma-separated, among " + ", ".join(SITES))
-    parser.add_argument("--last", type=int, help="compare the last N positions only (N >= 1; default: all)")
-    args = parser.parse_args(argv)
+
+def main(args: argparse.Namespace) -> int:
+    """`python -m shadowtrace_hooks bisect` with its parsed arguments (__main__.py): bad input
+    is one `error:` line and exit status 2, never a traceback."""
+    import json
+
     import transformers
 
-    text = args.prompt.read_text()
+    last = _last_rows(args.rows, args.last)
+    if last == 0:
+        return 2
+    # A hub id is no local path; a path that says it is one must exist.
+    local = args.model.is_absolute() or args.model.parts[:1] == ("..",)
+    if local and not args.model.is_dir():
+        print(f"error: model {args.model}: no such directory", file=sys.stderr)
+        return 2
+    try:
+        text = args.prompt.read_text()
+    except OSError as e:
+        print(f"error: prompt {args.prompt}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         ids = [int(i) for i in json.loads(text)]
     except (ValueError, TypeError):
-        ids = transformers.AutoTokenizer.from_pretrained(args.model)(text)["input_ids"]
+        ids = _tokenize(args.model, args.prompt, text)
+        if ids is None:
+            return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").to(device).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    except (OSError, ValueError) as e:
+        print(f"error: model {args.model}: {_first_line(e)}", file=sys.stderr)
+        return 2
+    model = model.to(device).eval()
     input_ids = torch.tensor([ids], device=device)
     try:
         result = bisect(
             model, input_ids, threshold=args.threshold, metric=args.metric,
-            sites=[s.strip() for s in args.sites.split(",") if s.strip()], last=args.last,
+            sites=[s.strip() for s in args.sites.split(",") if s.strip()], last=last,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -455,3 +456,50 @@ def main(argv: list[str]) -> int:
               f"{len(s.steps)} forwards")  # fmt: skip
     print(result.summary())
     return 0
+
+
+def _last_rows(rows: str, last: int | None) -> int | None:
+    """How many last rows `--rows` (or the old `--last N`) compares: None for all; 0 after
+    saying in one line why the value cannot be read."""
+    if last is not None:
+        print(
+            f"warning: --last {last} is renamed --rows last:{last}, as `shadowtrace bisect` spells it",
+            file=sys.stderr,
+        )
+        rows = f"last:{last}"
+    if rows == "all":
+        return None
+    kind, _, n = rows.partition(":")
+    if kind == "last" and n.isascii() and n.isdigit() and int(n) >= 1:
+        return int(n)
+    print(
+        f"error: --rows {rows}: expected all or last:N with N >= 1 (every:N is not implemented here)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _tokenize(model: Path, prompt: Path, text: str) -> list[int] | None:
+    """`text` through `model`'s tokenizer, or None after saying in one line why it cannot be."""
+    import transformers
+
+    if model.is_dir() and not any((model / name).is_file() for name in _TOKENIZER_FILES):
+        print(
+            f"error: prompt {prompt} is text, and this model has no tokenizer ({model} holds none of "
+            f"{', '.join(_TOKENIZER_FILES)}): pass a JSON list of ids",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        return list(transformers.AutoTokenizer.from_pretrained(model)(text)["input_ids"])
+    except Exception as e:  # transformers raises many kinds for a tokenizer it cannot load
+        print(
+            f"error: prompt {prompt} is text, and the tokenizer of {model} did not load "
+            f"({type(e).__name__}: {_first_line(e)}): pass a JSON list of ids",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -9,7 +9,7 @@ says and nothing more: Python's own `str.strip`, `int` and `float` accept more t
 """
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shadowtrace_hooks import definitions
@@ -68,6 +68,46 @@ def resolve(environ: Mapping[str, str]) -> dict[str, Any]:
             raise EnvError(var["name"], raw, value.expected)
         out[var["name"]] = value
     return out
+
+
+# The prefix every tracing variable's name starts with.
+PREFIX = "SHADOWTRACE_"
+
+
+def unknown_names(names: Iterable[str]) -> list[tuple[str, str]]:
+    """The names among `names` (for the process: os.environ's) that start with SHADOWTRACE_
+    and are neither a variable, a retired one, nor one of the project's other programs'
+    (env.json's `not_tracing`; a name ending in * stands for every name it starts), each with
+    the variable closest to it (edit distance; the first in file order on a tie), in the order
+    given, each name once: most often a typo (SHADOWTRACE_LAYER), which would otherwise trace
+    with the default silently. The Rust side's `env::unknown_names` gives the same."""
+    env = definitions.load("env")
+    known = {v["name"] for v in env["variables"]} | set(env.get("retired", {}))
+    others = list(env.get("not_tracing", {}))
+    out: dict[str, str] = {}
+    for name in names:
+        if not name.startswith(PREFIX) or name in known or name in out:
+            continue
+        if any(name.startswith(o[:-1]) if o.endswith("*") else name == o for o in others):
+            continue
+        out[name] = min(env["variables"], key=lambda v: _edit_distance(v["name"], name))["name"]
+    return list(out.items())
+
+
+def unknown_name_line(name: str, closest: str) -> str:
+    """The warning for an unknown name, word for word the Rust side's."""
+    return f"{name} is no shadowtrace variable and is ignored: did you mean {closest}?"
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance between `a` and `b`, in characters."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a):
+        current = [i + 1]
+        for j, cb in enumerate(b):
+            current.append(min(previous[j] + (ca != cb), previous[j + 1] + 1, current[j] + 1))
+        previous = current
+    return previous[len(b)]
 
 
 class _Bad:

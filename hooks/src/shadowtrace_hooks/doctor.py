@@ -1,53 +1,77 @@
-"""What the adapters find and hook in this environment, for `python -m shadowtrace_hooks
-doctor`: first whether the hooks' Triton kernels will run here; then per engine installed
-here, its version and, for every module an adapter targets, whether the module exists,
-whether importing it hooked it (the layout it matched) and, when not, why. It imports the
-engines' modules, as tracing would: run it in the engine's environment, not inside a
-serving process."""
+"""What the hooks find and hook in this environment, for `python -m shadowtrace_hooks
+doctor`: first whether tracing is set up here (the startup .pth installed, the SHADOWTRACE_*
+variables, SHADOWTRACE_DIR writable: setup_check.py); then whether the hooks' Triton kernels
+will run here; then per engine installed here, its version and, for every module an adapter
+targets, whether the module exists, whether importing it hooked it (the layout it matched) and,
+when not, why. It imports the engines' modules, as tracing would: run it in the engine's
+environment, not inside a serving process."""
 
 import importlib
 import importlib.metadata
 import importlib.util
-from typing import TextIO
+import json
+from typing import Any, TextIO
 
-from shadowtrace_hooks import adapters, kernels, session, startup
+from shadowtrace_hooks import adapters, kernels, session, setup_check, startup
 
 ENGINES = {"hf": "transformers", "trtllm": "tensorrt_llm", "sglang": "sglang", "vllm": "vllm"}
 DISTRIBUTIONS = {"tensorrt_llm": "tensorrt-llm"}
 
 
-def run(out: TextIO) -> int:
-    """Writes the report; 0 when every installed engine had its targets hooked, 1 otherwise."""
+def run(out: TextIO, as_json: bool = False) -> int:
+    """Writes the report (text, or one JSON object); 0 when every check passed and every
+    installed engine had its targets hooked, 1 otherwise."""
+    checks = setup_check.run()
+    report: dict[str, Any] = {"checks": {c.name: {"ok": c.ok, "detail": c.line} for c in checks}}
+    if not as_json:
+        for c in checks:
+            out.write(f"{c.name}: {'ok' if c.ok else 'PROBLEM'}: {c.line}\n")
+    ok = all(c.ok for c in checks)
     sess = startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": "/nonexistent-shadowtrace-doctor"})
     if sess is None:
-        out.write("shadowtrace doctor: the hooks could not start (see the line above)\n")
+        report["ok"] = False
+        report["engines"] = {}
+        _write(out, as_json, report, "shadowtrace doctor: the hooks could not start (see the line above)\n")
         return 1
-    ok = True
-    out.write(f"device kernels: {kernels.describe()}\n")
+    report["device_kernels"] = kernels.describe()
+    if not as_json:
+        out.write(f"device kernels: {report['device_kernels']}\n")
+    engines: dict[str, Any] = {}
     try:
         for name, package in ENGINES.items():
-            ok &= _engine(out, name, package, sess)
+            engines[package] = _engine(out if not as_json else None, name, package, sess)
+            ok &= engines[package]["ok"]
     finally:
         session.stop()
+    report["engines"] = engines
+    report["ok"] = ok
+    if as_json:
+        out.write(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1
 
 
-def _engine(out: TextIO, name: str, package: str, sess: session.Session) -> bool:
+def _write(out: TextIO, as_json: bool, report: dict[str, Any], text: str) -> None:
+    out.write(json.dumps(report, indent=2) + "\n" if as_json else text)
+
+
+def _engine(out: TextIO | None, name: str, package: str, sess: session.Session) -> dict[str, Any]:
+    """One engine's report: written to `out` as text (when given), and returned as data."""
+    write = out.write if out is not None else (lambda _: 0)
     if importlib.util.find_spec(package) is None:
-        out.write(f"{package}: not installed\n")
-        return True
+        write(f"{package}: not installed\n")
+        return {"installed": False, "ok": True}
     version = _version(package)
-    out.write(f"{package} {version}\n")
-    hooked = 0
+    write(f"{package} {version}\n")
+    modules = {}
     for module_name, adapter in adapters.TARGETS.items():
         if adapter != name:
             continue
-        status = _module(module_name, sess)
-        hooked += status.startswith("hooked")
-        out.write(f"  {module_name}: {status}\n")
+        modules[module_name] = _module(module_name, sess)
+        write(f"  {module_name}: {modules[module_name]}\n")
+    hooked = sum(status.startswith("hooked") for status in modules.values())
     if not hooked:
-        out.write(f"  nothing of {package} {version} is hooked: a run on it records no indexer rows\n")
-    return hooked > 0
+        write(f"  nothing of {package} {version} is hooked: a run on it records no indexer rows\n")
+    return {"installed": True, "version": version, "modules": modules, "ok": hooked > 0}
 
 
 def _version(package: str) -> str:

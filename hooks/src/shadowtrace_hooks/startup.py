@@ -89,11 +89,27 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
+# Whether the process environment was read: Python 3.11's venvs process site-packages' .pth
+# files twice (site.venv and site.main each add the directory), so the .pth line calls
+# `activate` twice in one process; the second call must not say everything again.
+_read_process_environment = False
+
+
 def activate(environ: dict[str, str] | None = None) -> session.Session | None:
-    """Starts tracing in this process when SHADOWTRACE says so; a bad variable is reported
-    once and leaves tracing off. Never raises."""
+    """Starts tracing in this process when SHADOWTRACE says so (`environ`: the process
+    environment when None, read once per process); a bad variable is reported once and leaves
+    tracing off, and a SHADOWTRACE_* name that is no variable is warned about once, naming the
+    closest one. Never raises."""
+    global _read_process_environment
+    if environ is None:
+        if _read_process_environment:
+            return session.current()
+        _read_process_environment = True
+    environ = dict(os.environ if environ is None else environ)
+    for name, closest in config.unknown_names(environ):
+        log.warning("shadowtrace: %s", config.unknown_name_line(name, closest))
     try:
-        settings = session.Settings.from_environ(dict(os.environ if environ is None else environ))
+        settings = session.Settings.from_environ(environ)
     except config.EnvError as e:
         log.warning("shadowtrace: not tracing: %s", e)
         return None

@@ -41,25 +41,25 @@ enum Precision {
 
 /// Find the layers whose shadow value, grafted into production, restores its output.
 ///
-/// Runs the reference engine's production on one prompt, untraced, as `shadowtrace run`
-/// traces it (--prod, --fp8-indexer, --deviation, --fault), and judges its logits against the
-/// reference: the shadow's own chain from the embeddings in --precision. For each site of
-/// --sites it searches contiguous layer ranges for the smallest whose graft (production takes
-/// the local shadow's value there, as `shadowtrace run --graft`) meets the target: first every
-/// layer, then two binary searches, at most 1 + 2 ceil(log2 L) grafted forwards per site.
-/// The search assumes grafting more layers never undoes a restoration; the range it reports
-/// is one whose own forward met the target.
+/// Production is the reference engine's on one prompt, untraced, with what --prod,
+/// --fp8-indexer, --deviation and --fault plant in it. Its logits at --rows are judged by
+/// --metric against the reference: the shadow's own chain from the embeddings in
+/// --precision.
 ///
-/// The target is printed before the search: --threshold, or the clean noise floor, production
-/// with nothing planted (no --deviation, no --fault) less --slack. With nothing planted there
-/// is no clean floor: give --threshold.
+/// For each site of --sites the search grafts every layer first (production takes the local
+/// shadow's value there, as `shadowtrace run --graft`), then binary-searches the smallest
+/// contiguous range that meets the target: at most 1 + 2 ceil(log2 L) grafted forwards per
+/// site. It assumes grafting more layers never undoes a restoration; the range it reports is
+/// one whose own forward met the target.
 ///
-/// The answer is the smallest restoring range, ties going to the narrowest site (indexer,
-/// then attn_out or mlp_out, then layer_out), printed as one line.
+/// The target is printed first: --threshold, or the clean noise floor (production with
+/// nothing planted) less --slack. With nothing planted there is no clean floor: give
+/// --threshold. The answer, in one line, is the smallest restoring range, ties going to the
+/// narrowest site (indexer, then attn_out or mlp_out, then layer_out).
 ///
 /// Exit codes: 0 the bisection ran (whatever it found), 2 bad input or error.
 #[derive(Parser, Debug)]
-#[command(name = "shadowtrace bisect", version)]
+#[command(name = "shadowtrace bisect", bin_name = "shadowtrace bisect", version)]
 struct Args {
     /// Model directory: config.json and *.safetensors (GLM-5 or DeepSeek-V3.2 layers).
     #[arg(long)]
@@ -82,12 +82,16 @@ struct Args {
     /// Default: the clean noise floor with --slack.
     #[arg(long)]
     threshold: Option<f64>,
-    /// The clean floor's slack: subtracted from its argmax agreement (default 0.01), or its JS
-    /// divergence multiplied by 1 + slack (default 0.5).
+    /// The clean floor's slack [default: 0.01 for argmax, 0.5 for js].
+    ///
+    /// Argmax: subtracted from the floor's agreement. JS: the floor's divergence is multiplied
+    /// by (1 + slack).
     #[arg(long)]
     slack: Option<f64>,
-    /// The token rows whose logits are compared: all, last:N (the last N: past the indexer's
-    /// top-k on a long prompt, the rows whose queries choose) or every:N.
+    /// The token rows whose logits are compared: all, last:N or every:N.
+    ///
+    /// last:N compares the last N rows: past the indexer's top-k on a long prompt, the rows
+    /// whose queries choose.
     #[arg(long, default_value = "all", value_parser = parse_rows)]
     rows: serde_json::Value,
     /// The shadow's precision: of the reference chain and of every grafted value.
@@ -103,7 +107,7 @@ fn main() -> ExitCode {
     match run(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", shadowtrace_schemas::error_line(&*error));
             ExitCode::from(2)
         }
     }

@@ -12,6 +12,7 @@
 )]
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -47,7 +48,7 @@ const FILLER: &str = include_str!("../../demo/corpus/filler.txt");
 /// --list) beside the clean production path on both models and reports which
 /// deviations move top-k and logits, per model and prompt kind.
 #[derive(Debug, Parser)]
-#[command(name = "shadowtrace demo", version)]
+#[command(name = "shadowtrace demo", bin_name = "shadowtrace demo", version)]
 struct Args {
     /// Directory the runs and report are written under; an earlier demo there
     /// is replaced.
@@ -167,11 +168,20 @@ fn bisection_section(models: &[(&str, &str, Model)]) -> anyhow::Result<(String, 
     Ok((md, lines))
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     shadowtrace_tracer::host_memory::keep_freed_memory();
-    let args = Args::parse();
+    match run(&Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", shadowtrace_schemas::error_line(&*error));
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &Args) -> anyhow::Result<()> {
     if !args.no_suspects {
-        check_suspects_args(&args)?;
+        check_suspects_args(args)?;
     }
     let device = Device::cuda_if_available();
     let mut models = Vec::new();
@@ -242,7 +252,7 @@ fn main() -> anyhow::Result<()> {
     let section = if args.no_suspects {
         "## Suspects (trained weights)\n\nNot run: `shadowtrace demo --no-suspects`.\n".to_owned()
     } else {
-        let sweeps = suspects_section(&args, &models)?;
+        let sweeps = suspects_section(args, &models)?;
         println!();
         print!("{}", suspects_demo::render_terminal(&sweeps));
         suspects_demo::render_markdown(&sweeps)

@@ -43,24 +43,24 @@ enum Path {
 
 /// Run the reference GLM-5 / DeepSeek-V3.2 / GLM-5.3-Flash engine on prompts, traced or not.
 ///
-/// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8
-/// path (FP8 linears, the --fp8-indexer variant, any --deviation and --fault) against the
-/// shadow the SHADOWTRACE_* variables ask for, one run per prompt under
-/// SHADOWTRACE_DIR (or --out). Without, one untraced pass per prompt in
-/// --path numerics. See `shadowtrace env` for the variables.
+/// With SHADOWTRACE=1 (or --out), each prompt is traced: the production FP8 path (FP8
+/// linears as --prod says, the --fp8-indexer variant, any --deviation, --fault and --graft)
+/// against the shadow the SHADOWTRACE_* variables ask for, one run per prompt under
+/// SHADOWTRACE_DIR (or --out); each deviation is listed in the manifest. Without, one
+/// untraced pass per prompt in --path numerics, where --deviation, --fault and --graft are
+/// refused. See `shadowtrace env` for the variables.
 ///
 /// GLM-5.3-Flash (model_type glm5_next): its k-pool indexer runs in the path's own
 /// numerics (--fp8-indexer none); --fault plants non_finite faults only (a layer_out
 /// channel indexes a token's hc_mult streams end to end); --deviation is refused.
 ///
-/// Exit codes: 0 success, 2 bad input (a prompt, a variable, an unknown
-/// --deviation or one outside the model's layers, a --fault whose layer, site,
-/// channel, token or linear does not fit the model or prompt)
-/// or error, 143 stopped by SIGTERM (the run being traced is closed
-/// incomplete with counters.interrupted; every row it sent is written or
-/// counted).
+/// Exit codes: 0 success, 2 bad input (a prompt, a variable, an unknown --deviation or one
+/// outside the model's layers, a --fault whose layer, site, channel, token or linear does
+/// not fit the model or prompt, --path in a traced pass) or error, 143 stopped by SIGTERM
+/// (the run being traced is closed incomplete with counters.interrupted; every row it sent
+/// is written or counted).
 #[derive(Parser, Debug)]
-#[command(name = "shadowtrace run", version)]
+#[command(name = "shadowtrace run", bin_name = "shadowtrace run", version)]
 struct Args {
     /// Model directory: config.json and *.safetensors (BF16, or FP8 e4m3 with weight_scale_inv).
     #[arg(long)]
@@ -76,16 +76,19 @@ struct Args {
     name: Option<String>,
     #[command(flatten)]
     production: ProductionArgs,
-    /// Production takes the local shadow's value at SITE (indexer: attends over the
-    /// shadow's top-k; attn_out, mlp_out, layer_out: continues from the shadow's tensor) in
-    /// LAYERS (N or N-M; every layer without @), comma-separated. The output changes on
-    /// purpose: the manifest's tags say graft, and one line says so. Traced passes with the
-    /// local shadow only; not for glm5_next. Replaces SHADOWTRACE_GRAFT, which takes the same.
+    /// Production takes the local shadow's value at SITE in LAYERS, comma-separated.
+    ///
+    /// At the indexer it attends over the shadow's top-k; at attn_out, mlp_out and layer_out
+    /// it continues from the shadow's tensor. LAYERS: N or N-M; every layer without @. The
+    /// output changes on purpose: the manifest's tags say graft, and one line says so. Traced
+    /// passes with the local shadow only; not for glm5_next. Replaces SHADOWTRACE_GRAFT, which
+    /// takes the same.
     #[arg(long, value_name = "SITE[@LAYERS][,...]")]
     graft: Option<String>,
-    /// Numerics of an untraced pass.
-    #[arg(long, value_enum, default_value = "fp8")]
-    path: Path,
+    /// Numerics of an untraced pass [default: fp8]. Refused in a traced pass, whose
+    /// production --prod sets.
+    #[arg(long, value_enum)]
+    path: Option<Path>,
     /// Write every layer's hidden states (attn_out.L, mlp_out.L, layer_out.L), indexer top-k
     /// and scores, and the logits of an untraced pass to this safetensors file (one prompt only).
     #[arg(long)]
@@ -96,7 +99,34 @@ impl Args {
     /// Whether production (traced or not) runs as the FP8 checkpoint stores it.
     fn fp8_checkpoint(&self) -> bool {
         self.production.prod == Prod::Fp8Checkpoint
-            || matches!(self.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+            || matches!(
+                self.path,
+                Some(Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+            )
+    }
+
+    /// An untraced pass's numerics: --path, fp8 by default.
+    fn untraced_path(&self) -> Path {
+        self.path.unwrap_or(Path::Fp8)
+    }
+
+    /// Refuses --path in a traced pass: it would be ignored there, and the run
+    /// would carry numerics other than those asked for.
+    fn refuse_path_when_traced(&self, traced: bool) -> Result<()> {
+        if let (true, Some(path)) = (traced, self.path) {
+            let why = if self.out.is_some() {
+                "--out"
+            } else {
+                "SHADOWTRACE=1"
+            };
+            bail!(
+                "--path {} sets an untraced pass's numerics, and {why} makes this pass \
+                 traced, whose production --prod sets: drop --path",
+                path.to_possible_value()
+                    .map_or_else(|| format!("{path:?}"), |v| v.get_name().to_owned())
+            );
+        }
+        Ok(())
     }
 }
 
@@ -105,7 +135,7 @@ fn main() -> ExitCode {
     match run(&Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", shadowtrace_schemas::error_line(&*error));
             let interrupted = error.chain().any(|e| {
                 matches!(
                     e.downcast_ref::<TraceRunError>(),
@@ -125,20 +155,24 @@ fn run(args: &Args) -> Result<()> {
     }
     let model = Model::open(&args.model, device)?;
     let name = model_name(args);
-    let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    let (mut opts, on, dir) = read_env(&name)?;
+    let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    args.refuse_path_when_traced(out.is_some())?;
     // SIGTERM ends the trace at the next layer with every row sent written or counted,
     // instead of the default immediate death that would leave the run's rows unflushed.
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())
         .context("installing the SIGTERM handler")?;
     opts.stop = Some(stop);
-    if matches!(args.path, Path::Fp8Checkpoint | Path::Fp8CheckpointFp32) {
+    if matches!(
+        args.path,
+        Some(Path::Fp8Checkpoint | Path::Fp8CheckpointFp32)
+    ) {
         model
             .check_fp8_checkpoint()
             .context("production as the FP8 checkpoint stores it")?;
     }
     args.production.apply(&model, &mut opts)?;
-    let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
     if out.is_none() && !args.production.fault.is_empty() {
         bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
     }
@@ -176,14 +210,14 @@ fn run(args: &Args) -> Result<()> {
             .check_prompt(&model, &opts, ids.len(), &path.display().to_string())?;
         let started = std::time::Instant::now();
         let Some(out) = &out else {
-            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;
+            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.untraced_path())))?;
             println!(
                 "{}: {} ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
                 path.display(),
                 model.config.model_type,
                 forward.layers.len(),
                 ids.len(),
-                args.path,
+                args.untraced_path(),
                 started.elapsed().as_secs_f64()
             );
             if let Some(dump) = &args.dump {
@@ -243,7 +277,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         );
     }
     let name = model_name(args);
-    let (mut opts, on, dir) = TraceOptions::from_env(&name, |k| std::env::var(k).ok())?;
+    let (mut opts, on, dir) = read_env(&name)?;
     if args.graft.is_some() || !opts.grafts.is_empty() {
         bail!("--graft and SHADOWTRACE_GRAFT are not implemented for glm5_next (GLM-5.3-Flash)");
     }
@@ -275,6 +309,7 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         opts.faults.push(fault);
     }
     let out = args.out.clone().or_else(|| on.then(|| PathBuf::from(&dir)));
+    args.refuse_path_when_traced(out.is_some())?;
     if out.is_none() && !args.production.fault.is_empty() {
         bail!("--fault plants faults in traced passes only: set SHADOWTRACE=1 or give --out");
     }
@@ -290,13 +325,13 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         }
         let started = std::time::Instant::now();
         let Some(out) = &out else {
-            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.path)))?;
+            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.untraced_path())))?;
             println!(
                 "{}: glm5_next ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
                 path.display(),
                 forward.layers.len(),
                 ids.len(),
-                args.path,
+                args.untraced_path(),
                 started.elapsed().as_secs_f64()
             );
             if let Some(dump) = &args.dump {
@@ -337,6 +372,19 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The trace options the SHADOWTRACE_* variables ask for, whether tracing is
+/// on, and the directory; a SHADOWTRACE_* name that is no variable (a typo,
+/// which would trace with the default) is warned about once.
+fn read_env(name: &str) -> Result<(TraceOptions, bool, String)> {
+    let names: Vec<String> = std::env::vars_os()
+        .map(|(name, _)| name.to_string_lossy().into_owned())
+        .collect();
+    for unknown in shadowtrace_schemas::env::unknown_names(names.iter().map(String::as_str)) {
+        eprintln!("warning: {unknown}");
+    }
+    Ok(TraceOptions::from_env(name, |k| std::env::var(k).ok())?)
 }
 
 /// The model's name in the manifests: --name, else the directory's.

@@ -30,20 +30,21 @@ use tch::Device;
 
 /// Run the clean production path and every deviation side by side.
 ///
-/// Each deviation (see --list) is a known engine behaviour that departs from
-/// the model's reference numerics. The sweep runs the model's production
-/// path (FP8 linears, the --fp8-indexer) clean and with each deviation, on
-/// every prompt at every length, layer by layer with each layer's weights
-/// read once, and compares each path with an fp32 shadow that takes the
-/// model's conventions: per deviation the first-divergence layer, the
-/// shortest length at which top-k Jaccard falls below the threshold, tool
-/// against no-tool prompts, and the effect on logits. With --observed it
-/// ranks the deviations by how closely they reproduce observed runs.
+/// Each deviation (see --list) is a known engine behaviour that departs from the model's
+/// reference numerics. The sweep runs the model's production path (FP8 linears, the
+/// --fp8-indexer) clean and with each deviation, on every prompt at every length, layer by
+/// layer with each layer's weights read once, against an fp32 shadow that takes the model's
+/// conventions.
+///
+/// Per deviation: the first-divergence layer, the shortest length at which top-k Jaccard
+/// falls below --topk-threshold, tool against no-tool prompts, and the effect on logits.
+/// With --observed it ranks the deviations by how closely they reproduce observed runs.
 ///
 /// Exit codes: 0 success, 2 bad input or error.
 #[derive(Parser, Debug)]
 #[command(
     name = "shadowtrace suspects",
+    bin_name = "shadowtrace suspects",
     version,
     args_conflicts_with_subcommands = true
 )]
@@ -121,9 +122,13 @@ struct SweepArgs {
     /// every deviation, each alone].
     #[arg(long, value_delimiter = ',')]
     deviations: Vec<String>,
-    /// The production FP8 indexer the deviations depart from: none (no FP8 in the indexer,
-    /// as transformers computes it), deepseek_reference, sglang, trtllm or vllm.
-    #[arg(long, default_value = "none")]
+    /// The production FP8 indexer the deviations depart from: none (the default; no FP8 in
+    /// the indexer, as transformers computes it), deepseek_reference, sglang, trtllm or vllm.
+    ///
+    /// none, unlike `run` and `bisect` (trtllm), on purpose: here the FP8 indexer is itself a
+    /// suspect (deviations indexer_fp8, hadamard_dropped, indexer_k_cache_fp8), which a
+    /// production that had one already would hide.
+    #[arg(long, default_value = "none", value_name = "NAME")]
     fp8_indexer: String,
     /// Write suspects.md, suspects.json and plots/*.svg into this directory.
     #[arg(long)]
@@ -139,9 +144,17 @@ struct SweepArgs {
     /// p95 relative L2 error of layer_out above which a layer has diverged.
     #[arg(long, default_value_t = Thresholds::default().hidden)]
     hidden_threshold: f64,
-    /// Boundary band around the k-th indexer score: churn within it is excluded.
-    #[arg(long, default_value_t = 1e-3)]
-    band: f32,
+    /// The boundary-churn band, relative to each row's score scale (the mean |score| of the
+    /// reference path's top-k), as `analyze --churn-band` and SHADOWTRACE_BOUNDARY_BAND.
+    ///
+    /// Keys within it of either path's k-th score are boundary churn, excluded from the
+    /// churn-free Jaccard. The default is SHADOWTRACE_BOUNDARY_BAND's, the band a trace
+    /// records unless told otherwise.
+    #[arg(long, default_value_t = SweepOptions::default().band, value_name = "BAND")]
+    churn_band: f32,
+    /// Renamed --churn-band (same meaning); still read, with a warning.
+    #[arg(long, hide = true, conflicts_with = "churn_band", value_name = "BAND")]
+    band: Option<f32>,
     /// The model's name in the report (default: the directory name).
     #[arg(long)]
     name: Option<String>,
@@ -160,7 +173,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", shadowtrace_schemas::error_line(&*error));
             ExitCode::from(2)
         }
     }
@@ -334,6 +347,20 @@ fn observed_dirs(dirs: &[&PathBuf]) -> Result<Vec<Observed>> {
 }
 
 fn run(args: &SweepArgs) -> Result<()> {
+    let band = match args.band {
+        Some(band) => {
+            eprintln!(
+                "warning: --band is renamed --churn-band, with the same meaning (relative to each \
+                 row's score scale); read as --churn-band {band}"
+            );
+            band
+        }
+        None => args.churn_band,
+    };
+    anyhow::ensure!(
+        band.is_finite() && band >= 0.0,
+        "--churn-band: expected a non-negative value, got {band}"
+    );
     if args.list {
         print!("{}", render_list());
         return Ok(());
@@ -401,7 +428,7 @@ fn run(args: &SweepArgs) -> Result<()> {
                 prod,
                 base,
                 base_name: args.fp8_indexer.clone(),
-                band: args.band,
+                band,
                 ..SweepOptions::default()
             },
             |p| {

@@ -13,7 +13,7 @@ use crate::model::{Model, Numerics};
 use crate::trace::TraceOptions;
 use tch::Kind;
 
-/// Production's numerics in a traced pass.
+/// Production's numerics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Prod {
     /// Every linear re-quantized in 128x128 blocks with ue8m0 scales.
@@ -25,27 +25,34 @@ pub enum Prod {
 /// What production runs and what is planted in it.
 #[derive(Args, Debug, Clone)]
 pub struct ProductionArgs {
-    /// Production FP8 indexer: trtllm (the default), sglang, vllm, deepseek_reference, or none
-    /// (no FP8 in the indexer: q and k in bf16, scores in fp32, as transformers computes it).
-    /// glm5_next (GLM-5.3-Flash) has no FP8 indexer variant: none is its default and the only
-    /// value it takes.
+    /// Production's FP8 indexer: trtllm (the default), sglang, vllm, deepseek_reference, or
+    /// none (q and k in bf16, scores in fp32, as transformers computes it).
+    ///
+    /// `suspects` defaults to none instead, on purpose: there the FP8 indexer is itself a
+    /// suspect (deviations indexer_fp8, hadamard_dropped, indexer_k_cache_fp8), which a
+    /// production that had one already would hide. glm5_next (GLM-5.3-Flash) has no FP8
+    /// indexer variant: none is its default and the only value it takes.
     #[arg(long, value_name = "NAME")]
     pub fp8_indexer: Option<String>,
     /// Engine behaviours production runs on purpose, comma-separated; NAME@LAYER acts in that
-    /// layer alone. Repeatable (`run`: traced passes only). Each is listed in the manifest's
-    /// deviations with its source; `shadowtrace suspects --list` describes them.
+    /// layer alone. Repeatable.
+    ///
+    /// `shadowtrace suspects --list` describes each, with its source.
     #[arg(long, value_delimiter = ',', value_name = "NAME[,NAME]")]
     pub deviation: Vec<String>,
-    /// A fault planted in production, as JSON, for example
-    /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'
-    /// (kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key). Repeatable (`run`: traced
-    /// passes only). Every index it carries is checked against the model and each prompt.
+    /// A fault planted in production, as JSON. Repeatable.
+    ///
+    /// Kinds: non_finite, kv_slot, fp8_scale, outlier, indexer_key, for example
+    /// '{"kind":"non_finite","layer":2,"site":"mlp_out","token":100,"channel":0,"value":"nan"}'.
+    /// Every index it carries is checked against the model and each prompt.
     #[arg(long)]
     pub fault: Vec<String>,
-    /// Production's numerics in a traced pass: fp8 (every linear re-quantized in 128x128
-    /// blocks with ue8m0 scales, the engines' re-quantizing FP8 path) or fp8-checkpoint (an FP8
-    /// checkpoint's linears on their stored codes and block scales, the rest in bf16, as
-    /// transformers runs it; the checkpoint must store FP8 weights). GLM-5.3-Flash takes fp8.
+    /// Production's numerics: fp8 or fp8-checkpoint.
+    ///
+    /// fp8: every linear re-quantized in 128x128 blocks with ue8m0 scales, the engines'
+    /// re-quantizing FP8 path. fp8-checkpoint: an FP8 checkpoint's linears on their stored
+    /// codes and block scales, the rest in bf16, as transformers runs it (the checkpoint must
+    /// store FP8 weights). GLM-5.3-Flash takes fp8.
     #[arg(long, value_enum, default_value = "fp8")]
     pub prod: Prod,
 }
