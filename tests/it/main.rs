@@ -7,6 +7,7 @@ mod analyze_verdicts;
 mod bad_input;
 mod bisection;
 mod cache_pairs;
+mod capture_self_check;
 mod deviations;
 mod encodings;
 mod export_lists;

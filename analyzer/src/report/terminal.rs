@@ -142,10 +142,8 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         }
     }
     // A capture the adapter misread makes every top-k metric below meaningless: first of all.
-    if let Some(check) = &run.capture_check {
-        for line in check.report_lines().1 {
-            let _ = writeln!(out, "  {line}");
-        }
+    for line in run.capture_lines().1 {
+        let _ = writeln!(out, "  {line}");
     }
     // A convention the engine got wrong explains every metric below: it comes next.
     for m in &run.convention_mismatches {
