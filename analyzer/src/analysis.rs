@@ -24,6 +24,7 @@ use crate::metrics::selection_unit;
 use crate::metrics::topk_check::{self, SummaryCheck};
 use crate::metrics::topk_overlap::{self, LayerOverlap, Pieces, Rows, SkippedRow};
 use crate::metrics::topk_v2::{self, PartOverlaps};
+use crate::outcome::Outcome;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
     CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
@@ -61,6 +62,10 @@ pub struct RunAnalysis {
     /// [`run_tags`]: a user tag named like an identity name wins, and the
     /// identity's value stays as `manifest.<name>`).
     pub tags: BTreeMap<String, String>,
+    /// The user's judgement of the answer (the `outcome` tag); `None` where
+    /// the run has none. Never inferred, never judged from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
     /// Losses and failures the producer counted, and rows dropped per table
     /// (summed over the ranks, for ranks read as one run).
     pub counters: BTreeMap<String, u64>,
@@ -444,6 +449,7 @@ pub fn analyze_run(
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
         complete: m.status == Status::Complete,
+        outcome: Outcome::of(&tags),
         tags,
         counters,
         notes: run

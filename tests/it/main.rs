@@ -16,6 +16,7 @@ mod grafts;
 mod indexer_nonfinite;
 mod inspect_output;
 mod killed_writer;
+mod outcomes;
 mod queue_modes;
 mod ranks;
 mod report_output;

@@ -136,6 +136,14 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 "**incomplete**"
             }
         );
+        if let Some(outcome) = &run.outcome {
+            let _ = match outcome {
+                crate::outcome::Outcome::Malformed { .. } => {
+                    writeln!(out, "- **{}**", outcome.line())
+                }
+                _ => writeln!(out, "- {}", outcome.line()),
+            };
+        }
         let (alarm, lines) = run.capture_lines();
         for line in lines {
             let _ = if alarm {
