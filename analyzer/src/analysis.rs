@@ -12,7 +12,7 @@ use shadowtrace_schemas::{Convention, Table};
 
 use crate::AnalyzeError;
 use crate::cache_pair::{self, CachePairs, FirstPosition};
-use crate::capture_check::CaptureCheck;
+use crate::capture_check::{self, CaptureCheck};
 use crate::graft_pair::{self, GraftPairs};
 use crate::grid::{Grid, group_runs};
 use crate::judged::{self, EVERY_QUESTION, NotMeasured, Question, why_not_judged};
@@ -24,6 +24,7 @@ use crate::metrics::selection_unit;
 use crate::metrics::topk_check::{self, SummaryCheck};
 use crate::metrics::topk_overlap::{self, LayerOverlap, Pieces, Rows, SkippedRow};
 use crate::metrics::topk_v2::{self, PartOverlaps};
+use crate::outcome::Outcome;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
     CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
@@ -61,6 +62,10 @@ pub struct RunAnalysis {
     /// [`run_tags`]: a user tag named like an identity name wins, and the
     /// identity's value stays as `manifest.<name>`).
     pub tags: BTreeMap<String, String>,
+    /// The user's judgement of the answer (the `outcome` tag); `None` where
+    /// the run has none. Never inferred, never judged from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<Outcome>,
     /// Losses and failures the producer counted, and rows dropped per table
     /// (summed over the ranks, for ranks read as one run).
     pub counters: BTreeMap<String, u64>,
@@ -96,6 +101,14 @@ pub struct RunAnalysis {
     /// where the producer ran none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capture_check: Option<CaptureCheck>,
+    /// Where the producer ran no capture self-check: why (its
+    /// `settings.capture_check_not_run`, else that the run records none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capture_check_not_run: Option<String>,
+    /// A `settings.capture_check` that cannot be read: why. A broken run,
+    /// not judged for capture (nor its top-k verdict), never "no check".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capture_check_unreadable: Option<String>,
     /// Engine behaviours the reference engine ran on purpose (the manifest's
     /// `deviations`, by name).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -172,6 +185,26 @@ impl RunAnalysis {
         self.capture_check
             .as_ref()
             .is_some_and(|c| c.inconsistent().next().is_some())
+    }
+
+    /// The capture self-check's lines for the reports, and whether they are
+    /// an alarm (a layer that disagrees, or a check that cannot be read).
+    #[must_use]
+    pub fn capture_lines(&self) -> (bool, Vec<String>) {
+        if let Some(why) = &self.capture_check_unreadable {
+            return (true, vec![capture_check::unreadable_line(why)]);
+        }
+        match &self.capture_check {
+            Some(check) => check.report_lines(),
+            None => (
+                false,
+                vec![capture_check::not_run_line(
+                    self.capture_check_not_run
+                        .as_deref()
+                        .unwrap_or(capture_check::NOT_RUN_UNSAID),
+                )],
+            ),
+        }
     }
 
     /// Whether any verdict fired.
@@ -405,12 +438,18 @@ pub fn analyze_run(
     let counters = judged::run_counters(m);
     let not_measured =
         judged::not_measured(m, &conventions, &counters, topk_summary_check.as_ref());
-    // An unreadable check is not measured (above), never a pass.
-    let capture_check = CaptureCheck::of(m).ok().flatten();
+    // An unreadable check is not measured (above) and said, never a pass.
+    let (capture_check, capture_check_not_run, capture_check_unreadable) =
+        match capture_check::Recorded::of(m) {
+            capture_check::Recorded::Checked(c) => (Some(c), None, None),
+            capture_check::Recorded::NotRun(why) => (None, Some(why), None),
+            capture_check::Recorded::Unreadable(why) => (None, None, Some(why)),
+        };
     Ok(RunAnalysis {
         run_id: m.run_id().to_owned(),
         dir: run.dir.clone(),
         complete: m.status == Status::Complete,
+        outcome: Outcome::of(&tags),
         tags,
         counters,
         notes: run
@@ -427,6 +466,8 @@ pub fn analyze_run(
         conventions,
         convention_mismatches,
         capture_check,
+        capture_check_not_run,
+        capture_check_unreadable,
         deviations: m
             .identity
             .deviations

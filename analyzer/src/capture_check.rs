@@ -8,14 +8,25 @@
 //! the scores. That is the adapter misreading the engine, not numerics, so
 //! a layer that disagrees gets a verdict of its own, `capture inconsistent`,
 //! printed before every numerics verdict, and its top-k verdict is not
-//! judged. Producers that record no check (the reference engine, which
-//! computes its selection itself) give no verdict here.
+//! judged. A layer with no informative row to check is not judged, and
+//! said so. Producers that record no check (the reference engine, which
+//! computes its selection itself; an adapter whose selection the check does
+//! not cover) give no verdict here, and the reports say `not run` with the
+//! producer's reason (`settings.capture_check_not_run`) where it gave one.
+//! A setting that cannot be read is a broken run: not judged for capture,
+//! never read as "no check".
 
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::Manifest;
 
 /// The manifest setting the hooks write.
 pub const SETTING: &str = "capture_check";
+
+/// The manifest setting where a producer says why it ran no check.
+pub const NOT_RUN_SETTING: &str = "capture_check_not_run";
+
+/// Why a run records no check, where the producer does not say.
+pub const NOT_RUN_UNSAID: &str = "the run records no check";
 
 /// One layer's counts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,44 +140,131 @@ impl CaptureCheck {
     }
 
     /// What the reports print: whether a layer disagrees, with its verdict
-    /// lines, or else the one line of a consistent check.
+    /// lines, or else the line of the layers found consistent; then the
+    /// layers with no informative row, not judged.
     #[must_use]
     pub fn report_lines(&self) -> (bool, Vec<String>) {
-        let lines = self.verdict_lines();
-        if lines.is_empty() {
-            (false, vec![self.consistent_line()])
-        } else {
-            (true, lines)
+        let mut lines = self.verdict_lines();
+        let inconsistent = !lines.is_empty();
+        if !inconsistent && let Some(line) = self.consistent_line() {
+            lines.push(line);
+        }
+        lines.extend(self.not_judged_line());
+        (inconsistent, lines)
+    }
+
+    /// One line for the layers checked and found consistent, counting only
+    /// those that had an informative row; `None` when none had.
+    fn consistent_line(&self) -> Option<String> {
+        let judged: Vec<&LayerCheck> = self.layers.iter().filter(|c| c.rows > 0).collect();
+        let rows: u64 = judged.iter().map(|c| c.rows).sum();
+        (rows > 0).then(|| {
+            format!(
+                "capture self-check: {} layer{}, {rows} informative rows, every selection production's own scores' top-k (tolerance {:e}; scores {})",
+                judged.len(),
+                plural(judged.len()),
+                self.tolerance,
+                self.sources.join("; ")
+            )
+        })
+    }
+
+    /// One line naming the layers the check had no informative row at
+    /// (dense rows only): not judged, never counted as consistent.
+    fn not_judged_line(&self) -> Option<String> {
+        let empty: Vec<String> = self
+            .layers
+            .iter()
+            .filter(|c| c.rows == 0)
+            .map(|c| c.layer.to_string())
+            .collect();
+        (!empty.is_empty()).then(|| {
+            format!(
+                "capture self-check: not judged at layer{} {}: no informative row (every row saw at most k keys)",
+                plural(empty.len()),
+                empty.join(", ")
+            )
+        })
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+/// What a run records of its capture self-check, as the reports read it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Recorded {
+    /// The producer ran the check.
+    Checked(CaptureCheck),
+    /// The producer ran none: why (its own words, or [`NOT_RUN_UNSAID`]).
+    NotRun(String),
+    /// The setting cannot be read: a broken run, not judged for capture.
+    Unreadable(String),
+}
+
+impl Recorded {
+    /// The check `manifest` records, or why there is none.
+    #[must_use]
+    pub fn of(manifest: &Manifest) -> Recorded {
+        match CaptureCheck::of(manifest) {
+            Ok(Some(check)) => Recorded::Checked(check),
+            Err(why) => Recorded::Unreadable(why),
+            Ok(None) => Recorded::NotRun(
+                manifest
+                    .identity
+                    .settings
+                    .get(NOT_RUN_SETTING)
+                    .and_then(|v| v.as_str())
+                    .map_or_else(|| NOT_RUN_UNSAID.to_owned(), str::to_owned),
+            ),
         }
     }
 
-    /// One line for a check that found every layer consistent, or that had
-    /// no informative row to check (dense rows only): never read as clean.
-    fn consistent_line(&self) -> String {
-        let rows: u64 = self.layers.iter().map(|c| c.rows).sum();
-        if rows == 0 {
-            return format!(
-                "capture self-check: not judged: no informative row (every row saw at most k keys) in {} layer{}",
-                self.layers.len(),
-                if self.layers.len() == 1 { "" } else { "s" },
-            );
+    /// What the reports print: whether it is an alarm (a layer that
+    /// disagrees, or a setting that cannot be read), and its lines.
+    #[must_use]
+    pub fn report_lines(&self) -> (bool, Vec<String>) {
+        match self {
+            Recorded::Checked(check) => check.report_lines(),
+            Recorded::NotRun(why) => (false, vec![not_run_line(why)]),
+            Recorded::Unreadable(why) => (true, vec![unreadable_line(why)]),
         }
-        format!(
-            "capture self-check: {} layer{}, {rows} informative rows, every selection production's own scores' top-k (tolerance {:e}; scores {})",
-            self.layers.len(),
-            if self.layers.len() == 1 { "" } else { "s" },
-            self.tolerance,
-            self.sources.join("; ")
-        )
     }
+}
+
+/// A run whose check cannot be read, as a problem of the run (`inspect`
+/// fails on it); `None` where it reads or the run records none.
+#[must_use]
+pub fn problem(run: &crate::Run) -> Option<crate::RunProblem> {
+    CaptureCheck::of(&run.manifest)
+        .err()
+        .map(|detail| crate::RunProblem::CaptureCheckUnreadable {
+            manifest: run.dir.join(shadowtrace_schemas::MANIFEST_FILE),
+            detail,
+        })
+}
+
+/// The line of a run whose producer ran no check.
+#[must_use]
+pub fn not_run_line(why: &str) -> String {
+    format!("capture self-check: not run ({why})")
+}
+
+/// The line of a check that cannot be read.
+#[must_use]
+pub fn unreadable_line(why: &str) -> String {
+    format!(
+        "CAPTURE SELF-CHECK UNREADABLE: {why}; a broken run: not judged for capture, and its top-k verdict not judged"
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn check(layers: serde_json::Value) -> Result<Option<CaptureCheck>, String> {
-        let mut m: Manifest = serde_json::from_value(serde_json::json!({
+    fn manifest(settings: serde_json::Value) -> Manifest {
+        serde_json::from_value(serde_json::json!({
             "schema_version": 2, "tool": {"name": "t", "version": "0"}, "run_id": "r",
             "status": "complete", "started_unix_ms": 0, "closed_unix_ms": 1,
             "model": {"name": "m", "architecture": "glm_moe_dsa", "config_hash": "0", "revision": null,
@@ -177,14 +275,15 @@ mod tests {
             "parallelism": {"tp": 2, "pp": 1, "dp": 1, "ep": 1, "rank": 0, "world_size": 2},
             "shadow": {"precision": "fp32", "modes": []},
             "prompt": {"kind": null, "length": 8, "token_hash": "", "salt_id": null},
-            "settings": {}, "tags": {}, "tables": {}, "counters": {}, "injections": []
+            "settings": settings, "tags": {}, "tables": {}, "counters": {}, "injections": []
         }))
-        .map_err(|e| e.to_string())?;
-        m.identity.settings.insert(
-            SETTING.to_owned(),
-            serde_json::json!({"tolerance": 1e-3, "sources": ["s"], "layers": layers}),
-        );
-        CaptureCheck::of(&m)
+        .unwrap()
+    }
+
+    fn check(layers: serde_json::Value) -> Result<Option<CaptureCheck>, String> {
+        CaptureCheck::of(&manifest(serde_json::json!({
+            SETTING: {"tolerance": 1e-3, "sources": ["s"], "layers": layers}
+        })))
     }
 
     #[test]
@@ -218,8 +317,67 @@ mod tests {
             c.report_lines(),
             (
                 false,
-                vec!["capture self-check: not judged: no informative row (every row saw at most k keys) in 1 layer".to_owned()]
+                vec!["capture self-check: not judged at layer 0: no informative row (every row saw at most k keys)".to_owned()]
             )
+        );
+    }
+
+    #[test]
+    fn a_layer_with_no_informative_row_is_not_judged_and_not_counted_consistent() {
+        let c = check(serde_json::json!({
+            "1": {"rows": 40, "disagree": 0, "first_token": null},
+            "3": {"rows": 0, "disagree": 0, "first_token": null},
+            "5": {"rows": 0, "disagree": 0, "first_token": null}
+        }))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            c.report_lines(),
+            (
+                false,
+                vec![
+                    "capture self-check: 1 layer, 40 informative rows, every selection production's own scores' top-k (tolerance 1e-3; scores s)".to_owned(),
+                    "capture self-check: not judged at layers 3, 5: no informative row (every row saw at most k keys)".to_owned(),
+                ]
+            )
+        );
+        // Beside a layer that disagrees, the empty one is still said.
+        let c = check(serde_json::json!({
+            "1": {"rows": 40, "disagree": 4, "first_token": 9},
+            "3": {"rows": 0, "disagree": 0, "first_token": null}
+        }))
+        .unwrap()
+        .unwrap();
+        let (inconsistent, lines) = c.report_lines();
+        assert!(inconsistent);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[1].starts_with("capture self-check: not judged at layer 3:"));
+    }
+
+    #[test]
+    fn a_run_without_a_check_says_not_run_and_why() {
+        assert_eq!(
+            Recorded::of(&manifest(serde_json::json!({}))).report_lines(),
+            (
+                false,
+                vec!["capture self-check: not run (the run records no check)".to_owned()]
+            )
+        );
+        assert_eq!(
+            Recorded::of(&manifest(
+                serde_json::json!({NOT_RUN_SETTING: "compressed selection: not calibrated"})
+            ))
+            .report_lines()
+            .1,
+            ["capture self-check: not run (compressed selection: not calibrated)"]
+        );
+        let broken = Recorded::of(&manifest(serde_json::json!({SETTING: "yes"})));
+        let (alarm, lines) = broken.report_lines();
+        assert!(alarm, "{lines:?}");
+        assert!(
+            lines[0]
+                .starts_with("CAPTURE SELF-CHECK UNREADABLE: settings.capture_check unreadable:"),
+            "{lines:?}"
         );
     }
 

@@ -233,6 +233,15 @@ pub enum RunProblem {
         /// Rows the files it lists hold (from their footers).
         got: u64,
     },
+    /// A `settings.capture_check` that cannot be read: whether the adapter
+    /// read the engine right is unknown (`capture_check`).
+    #[error("{manifest}: {detail}")]
+    CaptureCheckUnreadable {
+        /// The manifest of the run.
+        manifest: PathBuf,
+        /// What cannot be read.
+        detail: String,
+    },
     /// A run that says it is complete, whose producer handed its writer more
     /// rows than the run holds or counts as dropped.
     #[error(
@@ -268,7 +277,8 @@ impl LoadError {
             LoadError::Problem(
                 RunProblem::RowCount { manifest, .. }
                 | RunProblem::Unaccounted { manifest, .. }
-                | RunProblem::SummaryDisagreement { manifest, .. },
+                | RunProblem::SummaryDisagreement { manifest, .. }
+                | RunProblem::CaptureCheckUnreadable { manifest, .. },
             ) => manifest,
         }
     }

@@ -20,6 +20,10 @@
 //!   has no reference here: not judged, and the pair says why.
 //! - What the graft changed: production against production, graft run
 //!   against base run.
+//! - A graft run whose producer could not graft some of it (a graft not
+//!   applied at a layer, or steps served from a cache, which ran ungrafted:
+//!   `graft_skipped_cached_steps`) is not what its tag says: its output and
+//!   what it changed are not judged, and a note gives the count.
 //! - Downstream: each run's first hidden-state divergence, first top-k
 //!   divergence and non-finite onset. A graft that heals moves them past the
 //!   grafted layers, or removes them. Each is `not judged: <why>` where that
@@ -45,6 +49,9 @@ use crate::metrics::logits::{self, Agreement};
 /// The tag a producer puts on a graft run: the grafts, as
 /// `SHADOWTRACE_GRAFT` spells them.
 pub const GRAFT_TAG: &str = "graft";
+
+/// The counter of a graft run's steps that ran ungrafted from a cache.
+pub const SKIPPED_CACHED_STEPS: &str = "graft_skipped_cached_steps";
 
 /// One graft run against its base run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -165,6 +172,23 @@ fn compare(graft: &RunAnalysis, base: &RunAnalysis) -> GraftPair {
             graft.run_id
         ));
     }
+    // Steps served from a cache (a prefill after a prefix-cache hit, a decode step) ran
+    // ungrafted where the hooks re-run layers only without one: production there is not
+    // what the tag says, and which rows those steps wrote the run does not say.
+    let cached = graft
+        .counters
+        .get(SKIPPED_CACHED_STEPS)
+        .copied()
+        .unwrap_or(0);
+    if cached > 0 {
+        notes.push(format!(
+            "{}: {cached} step(s) ran ungrafted from a cache (a prefill served from the prefix \
+             cache, or a decode step; {SKIPPED_CACHED_STEPS}): its output and what the graft \
+             changed are not judged",
+            graft.run_id
+        ));
+    }
+    let missed = missed + cached;
     let against_free = |r: &RunAnalysis| {
         (r.logits_shadow_free && logits_not_judged(r).is_none())
             .then(|| logits::agreement(&r.prod_top_n, &r.shadow_top_n))
@@ -237,7 +261,7 @@ impl GraftPair {
                 js(&self.after)
             )
         } else {
-            "output against the reference not judged (no free shadow's logits)".to_owned()
+            "output against the reference not judged (the notes say why)".to_owned()
         };
         format!(
             "graft {} ({} against {}): {output}; argmax agreement with the base run {}; first \

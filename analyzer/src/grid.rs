@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::analysis::{MANIFEST_TAG_PREFIX, RunAnalysis, identity_tag};
+use crate::outcome::Outcomes;
 use crate::verdict::topk_series;
 
 /// One group of runs.
@@ -34,6 +35,8 @@ pub struct GroupRow {
     /// Runs with a verdict not judged: data that was not measured
     /// ([`crate::judged`]).
     pub not_judged_runs: usize,
+    /// The runs' outcomes, as their users tagged them ([`crate::outcome`]).
+    pub outcomes: Outcomes,
 }
 
 /// The grid.
@@ -49,6 +52,13 @@ pub struct Grid {
 }
 
 impl Grid {
+    /// Whether any run has an `outcome` tag: the reports then show the
+    /// outcomes beside the numerics, `-` where a group has none.
+    #[must_use]
+    pub fn has_outcomes(&self) -> bool {
+        self.groups.iter().any(|g| g.outcomes.any_tagged())
+    }
+
     /// The comparison along the first grouping tag: its values as columns,
     /// the other tags' value combinations as rows.
     #[must_use]
@@ -214,6 +224,7 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
                     .filter_map(|r| r.topk_verdict.as_ref().map(|v| v.layer))
                     .collect(),
                 not_judged_runs: runs.iter().filter(|r| !r.not_measured.is_empty()).count(),
+                outcomes: Outcomes::of(runs.iter().map(|r| r.outcome.as_ref())),
             }
         })
         .collect();

@@ -225,18 +225,10 @@ pub fn render_run(run: &Run) -> String {
             counters.join(" ")
         }
     );
-    match crate::capture_check::CaptureCheck::of(m) {
-        Ok(Some(check)) => {
-            let (inconsistent, lines) = check.report_lines();
-            let label = if inconsistent { "CAPTURE" } else { "capture" };
-            for (i, line) in lines.iter().enumerate() {
-                let _ = writeln!(out, "{:<11}{line}", if i == 0 { label } else { "" });
-            }
-        }
-        Ok(None) => {}
-        Err(why) => {
-            let _ = writeln!(out, "{:<11}{why}", "CAPTURE");
-        }
+    let (alarm, lines) = crate::capture_check::Recorded::of(m).report_lines();
+    let label = if alarm { "CAPTURE" } else { "capture" };
+    for (i, line) in lines.iter().enumerate() {
+        let _ = writeln!(out, "{:<11}{line}", if i == 0 { label } else { "" });
     }
     // What the verdicts of `analyze` will not judge, from the manifest alone
     // (the summary check's disagreements are PROBLEMS below).

@@ -36,6 +36,10 @@ pub enum Question {
     /// from the manifest, so only an engine value the adapter assumed leaves
     /// it not judged.
     Convention,
+    /// Whether the adapter read the engine right (the capture self-check):
+    /// not judged where its record cannot be read. Like `capture
+    /// inconsistent`, it bears on every verdict `--fail-on` asks for.
+    Capture,
 }
 
 /// Every question answered from a run's rows, in the order the reports
@@ -57,6 +61,7 @@ impl Question {
             Question::Topk => "top-k divergence",
             Question::Logits => "logits",
             Question::Convention => "convention",
+            Question::Capture => "capture self-check",
         }
     }
 }
@@ -276,7 +281,7 @@ pub fn not_measured(
 fn capture_not_measured(check: Result<Option<&CaptureCheck>, &String>) -> Vec<NotMeasured> {
     match check {
         Err(why) => vec![NotMeasured {
-            questions: vec![Question::Topk],
+            questions: vec![Question::Capture, Question::Topk],
             why: why.clone(),
         }],
         Ok(None) => Vec::new(),

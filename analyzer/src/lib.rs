@@ -28,6 +28,7 @@ pub mod inspect;
 pub mod judged;
 pub mod load;
 pub mod metrics;
+pub mod outcome;
 pub mod ranks;
 pub mod report;
 pub mod schema_doc;

@@ -61,6 +61,12 @@ pub fn render_text() -> String {
         .map(|(name, doc)| format!("{name} ({doc})"))
         .collect();
     let _ = writeln!(out, "selection units {}", units.join("; "));
+    let tags: Vec<&str> = v.run_tags.keys().map(String::as_str).collect();
+    let _ = writeln!(
+        out,
+        "run tags      {} (read by the tools; any other tag is the user's)",
+        tags.join(", ")
+    );
     let _ = writeln!(out);
     let _ = writeln!(
         out,

@@ -33,6 +33,9 @@ pub struct Vocabulary {
     pub prompt_kinds: Vec<String>,
     /// Run statuses and their meaning.
     pub run_statuses: BTreeMap<String, String>,
+    /// Run tags the tools read with a meaning of their own (`outcome`,
+    /// `cache`, `graft`), and what each means; any other tag is the user's.
+    pub run_tags: BTreeMap<String, String>,
 }
 
 /// A capture site.

@@ -131,19 +131,115 @@ fn a_fault_planted_at_a_site_and_layer_is_named_there_by_bisect() {
     }
 }
 
+/// The reference by a chain this test runs itself: fp32 from the embeddings, nothing
+/// planted, no graft (the free shadow of a traced run).
+fn reference_from_embeddings(model: &Model, ids: &[i64]) -> Tensor {
+    let c = &model.config;
+    let rope = model.rope(ids.len() as i64);
+    let mut h = model.embed(ids).unwrap().to_kind(Kind::Float);
+    let mut prev: Option<Tensor> = None;
+    for i in 0..c.num_hidden_layers {
+        let weights = model.load(&format!("model.layers.{i}.")).unwrap();
+        let out = Layer {
+            config: c,
+            arch: model.arch,
+            index: i,
+            weights: &weights,
+            numerics: Numerics::Plain(Kind::Float),
+            fp8_indexer: None,
+            faults: &[],
+            deviations: &[],
+            fallbacks: None,
+            graft: None,
+        }
+        .forward(&h, &rope, prev.as_ref());
+        prev = Some(out.topk);
+        h = out.layer_out;
+    }
+    model.head().unwrap().logits(&h, Kind::Float)
+}
+
+/// The share of rows whose argmax is the reference's, counted here: a row with a
+/// non-finite logit in either never agrees.
+fn argmax_agreement(prod: &Tensor, reference: &Tensor) -> f64 {
+    let finite = prod
+        .isfinite()
+        .all_dim(1, false)
+        .logical_and(&reference.isfinite().all_dim(1, false));
+    let agree = prod
+        .argmax(1, false)
+        .eq_tensor(&reference.argmax(1, false))
+        .logical_and(&finite);
+    let rows = agree.size()[0] as f64;
+    agree.sum(Kind::Int64).int64_value(&[]) as f64 / rows
+}
+
 #[test]
-fn production_with_nothing_broken_meets_its_target_and_runs_no_graft() {
+fn a_target_only_a_graft_over_the_planted_layer_meets_is_named_at_that_layer() {
+    // The answer is known by construction: FP8 o_proj scales 4x off at layer 1 break the
+    // attention output there and nowhere else. This test's own chains (from the
+    // embeddings, with its own argmax count) graft attn_out over every contiguous layer
+    // range: the ranges that cover layer 1 restore the output, the others do not. The
+    // target lies between the two sets, so production ungrafted misses it and only a
+    // graft over layer 1 meets it; the smallest such graft is layer 1 alone. (A target of
+    // production's own value, as this test once had, is met ungrafted and cannot fail.)
+    const PLANTED: i64 = 1;
     let model = glm5_tiny();
+    let layers = model.config.num_hidden_layers;
     let ids = heldout(512);
-    let opts = production(&[]);
-    let b = tch::no_grad(|| {
-        let setup = Setup::new(&model, &ids, &opts, true).unwrap();
-        assert!(setup.clean.is_none(), "nothing planted: no clean floor");
-        let target = Target::given(Metric::Argmax, setup.before.argmax_agreement);
-        bisect(&setup, target, &GraftSite::ALL, |_| panic!("a graft ran")).unwrap()
+    let opts =
+        production(&[r#"{"kind":"fp8_scale","layer":1,"linear":"self_attn.o_proj","factor":4.0}"#]);
+    tch::no_grad(|| {
+        let reference = reference_from_embeddings(&model, &ids);
+        let agreement = |grafts: &[Graft]| {
+            argmax_agreement(&from_embeddings(&model, &ids, &opts, grafts), &reference)
+        };
+        let attn_out = |a, b| Graft {
+            site: GraftSite::AttnOut,
+            layers: Some((a, b)),
+        };
+        let (mut covering, mut missing) = (Vec::new(), vec![("none".to_owned(), agreement(&[]))]);
+        for a in 0..layers {
+            for b in a..layers {
+                let value = (format!("{a}-{b}"), agreement(&[attn_out(a, b)]));
+                if (a..=b).contains(&PLANTED) {
+                    covering.push(value);
+                } else {
+                    missing.push(value);
+                }
+            }
+        }
+        let low = covering.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+        let high = missing
+            .iter()
+            .map(|m| m.1)
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert!(
+            low - high > 0.05,
+            "the construction: ranges over layer {PLANTED} {covering:?}, the others {missing:?}"
+        );
+        let target = Target::given(Metric::Argmax, f64::midpoint(low, high));
+        let setup = Setup::new(&model, &ids, &opts, false).unwrap();
+        let b = bisect(&setup, target, &[GraftSite::AttnOut], |_| {}).unwrap();
+        assert!(!b.already_restored(), "{}", b.summary());
+        let named = b
+            .named()
+            .unwrap_or_else(|| panic!("nothing named: {}", b.summary()));
+        assert_eq!(
+            (named.site, named.layers),
+            ("attn_out", Some((PLANTED, PLANTED))),
+            "{}",
+            b.summary()
+        );
+        // What it reports for that graft is what this test's own chain gives.
+        let ours = agreement(&[attn_out(PLANTED, PLANTED)]);
+        assert!(
+            (named.after.argmax_agreement - ours).abs() < 1e-12,
+            "bisect {} against {ours}",
+            named.after.argmax_agreement
+        );
+        assert!(named.steps.len() as u64 <= max_forwards(layers, 1));
     });
-    assert!(b.already_restored() && b.sites.is_empty());
-    assert!(b.summary().contains("nothing to bisect"), "{}", b.summary());
 }
 
 /// Production's logits with `grafts`, by a chain this test runs from the embeddings.

@@ -327,3 +327,56 @@ fn a_graft_pair_says_not_judged_where_a_runs_data_is_not_whole_never_none() {
         pair.notes
     );
 }
+
+#[test]
+fn a_graft_run_with_steps_served_ungrafted_from_a_cache_is_not_judged_and_says_how_many() {
+    // The hooks re-run a grafted layer only on a step without a cache: a prefill served
+    // from the prefix cache (or a decode step) ran ungrafted, and the run counts it
+    // (`graft_skipped_cached_steps`). Judging that run as grafted would credit or blame a
+    // graft that never ran.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"));
+    let runs = tmp.path().join("runs");
+    let traced_free = |name: &str, grafts: &str| {
+        let mut opts = options(grafts);
+        opts.modes = vec![Mode::Local, Mode::Free];
+        let dir = runs.join(name);
+        tch::no_grad(|| trace(&model, &ids(), name, &dir, &opts)).unwrap();
+        dir
+    };
+    let dirs = [
+        traced_free("base", ""),
+        traced_free("grafted", "layer_out@1"),
+    ];
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let pair = &a.grafts.as_ref().unwrap().pairs[0];
+    assert!(
+        pair.after.is_some() && pair.changed.is_some(),
+        "grafted on every step: judged ({:?})",
+        pair.notes
+    );
+    crate::support::edit_manifest(&dirs[1], |m| {
+        m["counters"]["graft_skipped_cached_steps"] = 2.into();
+    });
+    let a = analyze(&dirs, &[], &Options::default(), |_, _, _| {}).unwrap();
+    assert!(
+        run(&a, "grafted").not_measured.is_empty(),
+        "the run's own data are whole"
+    );
+    let pair = &a.grafts.as_ref().unwrap().pairs[0];
+    assert!(pair.before.is_some(), "the base run is still measured");
+    assert!(pair.after.is_none() && pair.changed.is_none(), "{pair:?}");
+    assert!(
+        pair.notes
+            .iter()
+            .any(|n| n.starts_with("grafted: 2 step(s) ran ungrafted from a cache")),
+        "{:?}",
+        pair.notes
+    );
+    assert!(
+        pair.line()
+            .contains("output against the reference not judged (the notes say why)"),
+        "{}",
+        pair.line()
+    );
+}

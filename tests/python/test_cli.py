@@ -344,3 +344,32 @@ def test_a_capture_inconsistent_run_fails_every_fail_on_and_prints_its_verdict_f
     assert "top-k divergence:  not judged: capture inconsistent at layer 2 (9 of 10 rows)" in out.stdout
     inspected = shadowtrace("inspect", tmp_path)
     assert "CAPTURE    CAPTURE INCONSISTENT at layer 2" in inspected.stdout
+
+
+def test_an_unreadable_capture_check_is_a_broken_run_for_inspect_and_every_fail_on(
+    demo_run: Path, tmp_path: Path
+) -> None:
+    """A `settings.capture_check` that cannot be read is not "no check" (issue 42): whether the
+    adapter read the engine right is unknown, so `inspect` fails on it and every --fail-on
+    exits 2 (not judged), as a capture found inconsistent fails every --fail-on."""
+
+    def garble(m: dict) -> None:
+        m["settings"]["capture_check"] = {"tolerance": "tight", "layers": {}}
+
+    edited_copy(demo_run, tmp_path / "garbled", garble)
+    passed = 0
+    for verdict in ("hidden", "nonfinite", "topk", "convention", "any"):
+        # A verdict the run has still fails (1); one it passes is now not judged (2).
+        before = shadowtrace("analyze", demo_run, "--fail-on", verdict).returncode
+        out = shadowtrace("analyze", tmp_path, "--fail-on", verdict)
+        assert out.returncode == (2 if before == 0 else before), (verdict, out.stderr)
+        if before == 0:
+            passed += 1
+            assert "capture self-check not judged: settings.capture_check unreadable" in out.stderr
+    assert passed >= 2, "the check can fail: verdicts the intact run passes"
+    out = shadowtrace("analyze", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "  CAPTURE SELF-CHECK UNREADABLE: settings.capture_check unreadable" in out.stdout
+    inspected = shadowtrace("inspect", tmp_path)
+    assert inspected.returncode == 2
+    assert "settings.capture_check unreadable" in inspected.stderr

@@ -263,6 +263,11 @@ fn not_judged_lines(a: &Analysis, fail_on: &[FailOn]) -> Vec<String> {
         .iter()
         .flat_map(|&f| questions(f).to_vec())
         .collect();
+    // A capture the adapter may have misread fails whatever is asked for
+    // (`fails`): one whose self-check cannot be read is not judged for any.
+    if !fail_on.is_empty() {
+        asked.push(Question::Capture);
+    }
     asked.sort_unstable();
     asked.dedup();
     a.runs

@@ -2,6 +2,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use shadowtrace_analyzer::capture_check;
 use shadowtrace_analyzer::metrics::topk_check;
 use shadowtrace_analyzer::{Dataset, Run, inspect};
 use shadowtrace_schemas::Table;
@@ -32,6 +33,8 @@ pub(crate) fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     // reads only the summaries.
     for run in &mut dataset.runs {
         run.problems.extend(topk_check::problem(run)?);
+        // A capture self-check that cannot be read is a broken run, not "no check".
+        run.problems.extend(capture_check::problem(run));
     }
     let mut stdout = std::io::stdout().lock();
     match args.format {

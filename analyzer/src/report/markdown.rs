@@ -136,15 +136,21 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
                 "**incomplete**"
             }
         );
-        if let Some(check) = &run.capture_check {
-            let (inconsistent, lines) = check.report_lines();
-            for line in lines {
-                let _ = if inconsistent {
-                    writeln!(out, "- **{line}**")
-                } else {
-                    writeln!(out, "- {line}")
-                };
-            }
+        if let Some(outcome) = &run.outcome {
+            let _ = match outcome {
+                crate::outcome::Outcome::Malformed { .. } => {
+                    writeln!(out, "- **{}**", outcome.line())
+                }
+                _ => writeln!(out, "- {}", outcome.line()),
+            };
+        }
+        let (alarm, lines) = run.capture_lines();
+        for line in lines {
+            let _ = if alarm {
+                writeln!(out, "- **{line}**")
+            } else {
+                writeln!(out, "- {line}")
+            };
         }
         for m in &run.convention_mismatches {
             let _ = writeln!(

@@ -193,6 +193,11 @@ pub(crate) fn grid_table(grid: &Grid) -> (Vec<String>, Vec<Vec<String>>) {
         ]
         .map(str::to_owned),
     );
+    // The user's outcomes, where any run records one ([`crate::outcome`]).
+    let outcomes = grid.has_outcomes();
+    if outcomes {
+        header.push("outcome".to_owned());
+    }
     let rows = grid
         .groups
         .iter()
@@ -208,6 +213,9 @@ pub(crate) fn grid_table(grid: &Grid) -> (Vec<String>, Vec<Vec<String>>) {
                 g.nonfinite_runs.to_string(),
                 group_marks(g),
             ]);
+            if outcomes {
+                row.push(g.outcomes.cell());
+            }
             row
         })
         .collect();
@@ -221,6 +229,7 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
     if c.columns.len() < 2 {
         return None;
     }
+    let outcomes = grid.has_outcomes();
     let mut header = c.rest.clone();
     header.extend(c.columns.iter().cloned());
     let cell = |g: &GroupRow| {
@@ -229,7 +238,16 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
         } else {
             String::new()
         };
-        format!("{} {}{nan}", num(g.jaccard_no_churn, 4), group_marks(g))
+        let outcome = if outcomes {
+            format!(", outcome {}", g.outcomes.cell())
+        } else {
+            String::new()
+        };
+        format!(
+            "{} {}{nan}{outcome}",
+            num(g.jaccard_no_churn, 4),
+            group_marks(g)
+        )
     };
     let rows = c
         .rows

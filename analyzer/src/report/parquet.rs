@@ -9,6 +9,7 @@ use polars::prelude::{Column, DataFrame, ParquetWriter};
 
 use crate::judged::{Question, why_not_judged};
 use crate::metrics::summary::Summary;
+use crate::outcome::{Outcome, TAG};
 use crate::{Analysis, AnalyzeError};
 
 pub(super) fn write_metrics(dir: &Path, a: &Analysis) -> Result<Vec<PathBuf>, AnalyzeError> {
@@ -72,6 +73,20 @@ fn runs(a: &Analysis) -> Frame {
         }),
         col_map("length_bucket", r, tag("length_bucket")),
         col_map("complete", r, |x| x.complete),
+        // The user's outcome (never inferred): the tag as written, then read.
+        col_map("outcome", r, |x| x.tags.get(TAG).cloned()),
+        col_map("outcome_correct", r, |x| match x.outcome {
+            Some(Outcome::Correct) => Some(true),
+            Some(Outcome::Corrupted) => Some(false),
+            _ => None,
+        }),
+        col_map("outcome_score", r, |x| match x.outcome {
+            Some(Outcome::Score(s)) => Some(s),
+            _ => None,
+        }),
+        col_map("outcome_malformed", r, |x| {
+            x.outcome.as_ref().and_then(Outcome::problem)
+        }),
         col_map("onset_layer", r, |x| x.onset.as_ref().map(|o| o.layer)),
         col_map("onset_site", r, |x| {
             x.onset.as_ref().map(|o| o.site.clone())

@@ -93,7 +93,12 @@ fn grid_section(out: &mut String, a: &Analysis) {
     if let Some((by, header, rows)) = comparison_table(&a.grid) {
         let _ = writeln!(
             out,
-            "side by side by {by} (mean churn-free Jaccard; verdicts)"
+            "side by side by {by} (mean churn-free Jaccard; verdicts{})",
+            if a.grid.has_outcomes() {
+                "; the users' outcomes"
+            } else {
+                ""
+            }
         );
         table(out, &header, &rows);
         let _ = writeln!(out);
@@ -141,11 +146,13 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             );
         }
     }
+    // The user's judgement of the answer, beside the numerics that follow.
+    if let Some(outcome) = &run.outcome {
+        let _ = writeln!(out, "  {}", outcome.line());
+    }
     // A capture the adapter misread makes every top-k metric below meaningless: first of all.
-    if let Some(check) = &run.capture_check {
-        for line in check.report_lines().1 {
-            let _ = writeln!(out, "  {line}");
-        }
+    for line in run.capture_lines().1 {
+        let _ = writeln!(out, "  {line}");
     }
     // A convention the engine got wrong explains every metric below: it comes next.
     for m in &run.convention_mismatches {

@@ -480,6 +480,18 @@ pub(crate) fn band_settings(settings: &mut serde_json::Map<String, serde_json::V
     );
 }
 
+/// Why the reference engine runs no capture self-check, for the manifest's
+/// `settings.capture_check_not_run` (the analyzer prints it: `capture
+/// self-check: not run (...)`): the check asks whether an adapter read another
+/// engine's selection right, and this engine's selection is its own.
+pub(crate) fn capture_check_not_run(settings: &mut serde_json::Map<String, serde_json::Value>) {
+    settings.insert(
+        "capture_check_not_run".to_owned(),
+        "the reference engine computes its selection itself: no other engine's capture to check"
+            .into(),
+    );
+}
+
 /// The prompt-hash salt of the directory `run_dir` lies in
 /// ([`directory_salt`]).
 pub(crate) fn runs_dir_salt(run_dir: &Path) -> Vec<u8> {
@@ -524,6 +536,7 @@ fn identity(
         opts.fp8_indexer_name.clone().into(),
     );
     band_settings(&mut settings, opts.band);
+    capture_check_not_run(&mut settings);
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),
