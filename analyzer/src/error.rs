@@ -106,6 +106,21 @@ pub enum LoadError {
         path: PathBuf,
     },
 
+    /// A part file whose bytes are not those its writer hashed when it
+    /// closed it (`tables.<t>.file_hashes` in the manifest): changed on disk
+    /// since, by a flipped bit, a copy or an edit.
+    #[error(
+        "parquet file {path}: its bytes changed since its writer closed it: content hash {got}, the manifest recorded {expected}"
+    )]
+    ContentHash {
+        /// The part file.
+        path: PathBuf,
+        /// The hash the manifest recorded.
+        expected: String,
+        /// The hash of the bytes on disk now.
+        got: String,
+    },
+
     // === Parquet files ===
     /// A file cut short: its footer is missing or incomplete.
     #[error("parquet file {path}: truncated or not Parquet: {detail}")]
@@ -264,6 +279,7 @@ impl LoadError {
             | LoadError::CorruptManifest { path, .. }
             | LoadError::UnknownSchemaVersion { path, .. }
             | LoadError::MissingFile { path }
+            | LoadError::ContentHash { path, .. }
             | LoadError::TruncatedParquet { path, .. }
             | LoadError::WrongMetadata { path, .. }
             | LoadError::MissingMetadata { path, .. }

@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 pub mod columns;
+pub mod content_hash;
 pub mod env;
 mod error;
 pub mod footer;

@@ -299,6 +299,10 @@ pub struct TableEntry {
     pub sent_rows: Option<u64>,
     /// Completed part files, relative to the run directory.
     pub files: Vec<String>,
+    /// Each completed file's content hash ([`crate::content_hash`]), by
+    /// file; absent in runs written before it was recorded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub file_hashes: BTreeMap<String, String>,
 }
 
 #[cfg(test)]

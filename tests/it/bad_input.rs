@@ -359,3 +359,87 @@ fn a_manifest_claiming_more_rows_than_its_files_hold_is_reported_by_inspect_and_
     assert!(strict.to_string().contains(&expected), "{strict}");
     assert_eq!(strict.path(), dir.join(MANIFEST_FILE));
 }
+
+/// Flips `bits` bits spread over the data pages of the part at `path` (after
+/// its leading magic, before its footer), as a disk or a copy would.
+fn flip_data_bits(path: &Path, bits: usize) {
+    let mut bytes = fs::read(path).unwrap();
+    let n = bytes.len();
+    let footer = u32::from_le_bytes(bytes[n - 8..n - 4].try_into().unwrap()) as usize;
+    let data = 4..n - 8 - footer;
+    assert!(data.len() > bits, "the part has data pages");
+    for i in 0..bits {
+        let at = data.start + (i * 7919 + 13) % data.len();
+        bytes[at] ^= 1 << (i % 8);
+    }
+    fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn flipped_bits_in_a_parts_data_pages_are_refused_naming_the_part() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = good_run(tmp.path());
+    let part = hidden_part(&dir);
+    flip_data_bits(&part, 12);
+    match open_err(&dir) {
+        LoadError::ContentHash {
+            path,
+            expected,
+            got,
+        } => {
+            assert_eq!(path, part);
+            assert_ne!(expected, got);
+            assert!(expected.starts_with("xxh3-64:") && got.starts_with("xxh3-64:"));
+        }
+        other => panic!("expected a content hash mismatch, got {other}"),
+    }
+    // analyze skips it, naming why, rather than reading the flipped values as a whole run.
+    let dataset = Dataset::load(std::slice::from_ref(&dir), false, |_, _| {}).unwrap();
+    assert!(dataset.runs.is_empty());
+    assert_eq!(dataset.skipped.len(), 1);
+    let why = dataset.skipped[0].to_string();
+    assert!(
+        why.contains("bytes changed since its writer closed it"),
+        "{why}"
+    );
+}
+
+#[test]
+fn every_listed_part_carries_the_hash_of_its_bytes_and_an_unhashed_one_is_noted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = good_run(tmp.path());
+    let run = Run::open(&dir).unwrap();
+    let mut listed = 0;
+    for (table, entry) in &run.manifest.tables {
+        for file in &entry.files {
+            listed += 1;
+            let bytes = fs::read(dir.join(file)).unwrap();
+            let expected = format!("xxh3-64:{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+            assert_eq!(
+                entry.file_hashes.get(file),
+                Some(&expected),
+                "{table}/{file}"
+            );
+        }
+    }
+    assert!(listed >= 4, "every table has a part: {listed}");
+    assert!(
+        run.notes.iter().all(|n| !n.contains("content hash")),
+        "{:?}",
+        run.notes
+    );
+    // A manifest from a writer that recorded no hashes reads, and says its bytes are unverified.
+    edit_manifest(&dir, |m| {
+        for t in m["tables"].as_object_mut().unwrap().values_mut() {
+            t.as_object_mut().unwrap().remove("file_hashes");
+        }
+    });
+    let run = Run::open(&dir).unwrap();
+    assert!(
+        run.notes.iter().any(|n| n.contains(&format!(
+            "{listed} listed part file(s) carry no content hash"
+        ))),
+        "{:?}",
+        run.notes
+    );
+}

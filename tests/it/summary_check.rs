@@ -28,6 +28,7 @@ use shadowtrace_tracer::synth::SynthSpec;
 use shadowtrace_tracer::writer::TopkLists;
 
 use crate::analyze_verdicts::clean;
+use crate::support;
 
 fn topk_part(run: &Path) -> PathBuf {
     run.join("topk/part-00000.parquet")
@@ -100,6 +101,7 @@ fn plant_rows(
         ArrowWriter::try_new(File::create(&path).unwrap(), schema, Some(props)).unwrap();
     writer.write(&edited).unwrap();
     writer.close().unwrap();
+    support::rehash(run);
     rows.iter().map(|&r| row_at(&batch, r)).collect()
 }
 
@@ -670,6 +672,8 @@ fn rows_that_hold_other_than_their_footer_claims_are_counted_and_leave_top_k_unj
     assert_eq!(off.len(), 1, "{off:?}");
     let stats = Statistics::int32(Some(0), Some(0), None, Some(0), false);
     lie_in_footer(&topk_part(&dir), "step", &stats);
+    // A writer whose statistics were wrong hashed the part it wrote as it was.
+    support::rehash(&dir);
     let check = checked(&dir);
     assert_eq!((check.rows_disagreeing, check.footer), (1, 1), "{check:?}");
     assert_eq!(check.first_disagreeing, Some(off[0]));

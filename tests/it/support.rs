@@ -50,6 +50,30 @@ pub(crate) fn write_edited(
     path
 }
 
+/// Records in the run's manifest the content hash of each listed part as it
+/// is on disk now, as the part's writer would have: for tests that rewrite a
+/// part on purpose to plant what another check must find.
+pub(crate) fn rehash(run: &Path) {
+    edit_manifest(run, |m| {
+        for entry in m["tables"].as_object_mut().unwrap().values_mut() {
+            let files: Vec<String> = entry["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_str().unwrap().to_owned())
+                .collect();
+            let hashes: serde_json::Map<String, serde_json::Value> = files
+                .into_iter()
+                .map(|f| {
+                    let hash = shadowtrace_schemas::content_hash::of_file(&run.join(&f)).unwrap();
+                    (f, hash.into())
+                })
+                .collect();
+            entry["file_hashes"] = hashes.into();
+        }
+    });
+}
+
 /// Rewrites a run's manifest through `edit`.
 pub(crate) fn edit_manifest(run: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = run.join(MANIFEST_FILE);

@@ -102,6 +102,47 @@ def test_a_python_run_is_read_by_the_rust_analyzer(tmp_path: Path) -> None:
     assert result["topk"][0]["jaccard"]["mean"] == pytest.approx(3 / 5)
 
 
+def test_the_rust_analyzer_verifies_the_python_writers_content_hashes(tmp_path: Path) -> None:
+    """The hooks hash each closed part with the `xxhash` package; the Rust reader recomputes
+    XXH3-64 with another implementation (xxhash-rust) and must agree on every part, then
+    refuse a part whose data pages changed since."""
+    run = tmp_path / "py-run"
+    manifest = write_run(run)
+    hashed = {name: t.get("file_hashes", {}) for name, t in manifest["tables"].items()}
+    assert all(sorted(hashed[name]) == sorted(t["files"]) for name, t in manifest["tables"].items()), hashed
+    assert sum(len(h) for h in hashed.values()) == 3, hashed  # hidden, topk and logits; no events
+    assert "parts_unhashed" not in manifest["counters"]
+    ok = subprocess.run([binary("shadowtrace"), "inspect", run], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "content hash" not in ok.stdout
+    part = run / manifest["tables"]["hidden"]["files"][0]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    part.write_bytes(bytes(data))
+    for command in (["inspect"], ["analyze"]):
+        bad = subprocess.run(
+            [binary("shadowtrace"), *command, run], capture_output=True, text=True, check=False
+        )
+        assert bad.returncode == 2, (command, bad.stdout, bad.stderr)
+        assert "bytes changed since its writer closed it" in bad.stdout + bad.stderr
+        assert str(part) in bad.stdout + bad.stderr
+
+
+def test_a_writer_without_xxhash_counts_its_parts_unhashed_and_readers_say_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowtrace_hooks import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "xxhash", None)
+    run = tmp_path / "py-run"
+    manifest = write_run(run)
+    files = sum(len(t["files"]) for t in manifest["tables"].values())
+    assert manifest["counters"]["parts_unhashed"] == files
+    assert all("file_hashes" not in t for t in manifest["tables"].values())
+    out = subprocess.run([binary("shadowtrace"), "inspect", run], capture_output=True, text=True, check=False)
+    assert f"{files} listed part file(s) carry no content hash" in out.stdout, out.stdout
+
+
 def test_python_files_have_the_defined_schema_and_encodings(tmp_path: Path) -> None:
     run = tmp_path / "py-run"
     write_run(run)

@@ -25,6 +25,9 @@ pub struct PartFile {
     pub rows: u64,
     /// Size on disk.
     pub bytes: u64,
+    /// Its content hash, where the run's manifest recorded one and the bytes
+    /// on disk were found to match it when the run was opened.
+    pub content_hash: Option<String>,
 }
 
 #[cfg(test)]
@@ -39,6 +42,7 @@ impl PartFile {
             table: Table::Topk,
             version: 2,
             rows,
+            content_hash: None,
         }
     }
 }
@@ -124,6 +128,7 @@ impl PartFile {
             version,
             rows: metadata.num_rows as u64,
             bytes,
+            content_hash: None,
         })
     }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{
-    MANIFEST_FILE, Manifest, TMP_SUFFIX, Table, is_readable, readable_versions_text,
+    MANIFEST_FILE, Manifest, TMP_SUFFIX, Table, content_hash, is_readable, readable_versions_text,
 };
 
 use super::part_file::PartFile;
@@ -85,6 +85,7 @@ impl Run {
         let mut files = BTreeMap::new();
         let mut notes = Vec::new();
         let mut problems = Vec::new();
+        let mut unhashed = 0_usize;
         if manifest.status == Status::Incomplete {
             notes.push(
                 "run is incomplete: its writer has not closed it (still running, or killed)"
@@ -113,12 +114,18 @@ impl Run {
                     return Err(LoadError::MissingFile { path });
                 }
             }
+            let hashes = manifest.table(table).map(|t| &t.file_hashes);
             let mut parts = Vec::new();
             let mut listed_rows = 0;
             for path in complete {
                 let relative = format!("{}/{}", table.name(), file_name(&path));
-                let part =
+                let mut part =
                     PartFile::open(&path, table, manifest.run_id(), manifest.schema_version)?;
+                if let Some(expected) = hashes.and_then(|h| h.get(&relative)) {
+                    part.content_hash = Some(verify(&path, expected)?);
+                } else if listed.iter().any(|l| **l == relative) {
+                    unhashed += 1;
+                }
                 if listed.iter().any(|l| **l == relative) {
                     listed_rows += part.rows;
                 } else {
@@ -147,6 +154,12 @@ impl Run {
             }
             files.insert(table, parts);
         }
+        if unhashed > 0 {
+            notes.push(format!(
+                "{unhashed} listed part file(s) carry no content hash (written before hashes \
+                 were recorded, or by a writer that could not hash): their bytes are not verified"
+            ));
+        }
         if let Some(missing) = unaccounted(&manifest) {
             if manifest.status == Status::Complete {
                 problems.push(RunProblem::Unaccounted {
@@ -166,6 +179,24 @@ impl Run {
             files,
             notes,
             problems,
+        })
+    }
+}
+
+/// Recomputes the content hash of the part at `path` and compares it with
+/// the one its writer recorded; returns it when they agree.
+fn verify(path: &Path, expected: &str) -> Result<String, LoadError> {
+    let got = content_hash::of_file(path).map_err(|source| LoadError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    if got == expected {
+        Ok(got)
+    } else {
+        Err(LoadError::ContentHash {
+            path: path.to_owned(),
+            expected: expected.to_owned(),
+            got,
         })
     }
 }

@@ -10,15 +10,18 @@
 //! part is not what was checked.
 //!
 //! ## What "the same part" is
-//! The same canonical path, size on disk, modification time (nanoseconds),
-//! and Parquet footer: its length and a hash of its bytes (row groups, column
-//! chunk offsets, sizes and statistics, the writer's key-value metadata),
+//! The same bytes: the part's content hash (XXH3-64 of the whole file,
+//! `shadowtrace_schemas::content_hash`), which its writer recorded in the
+//! manifest and the loader recomputed and compared before this check was
+//! asked for, so a remembered check answers only for the bytes it checked.
+//! Beside it, the canonical path, size on disk, modification time
+//! (nanoseconds), the Parquet footer (its length and a hash of its bytes)
 //! and the check's own definition ([`CHECK_DEFINITION`] and the analyzer's
-//! version). Not a hash of the whole file: that reads every byte, about the
-//! cost of the aggregation it would save (0.13 GB at some 1.5 GB/s). What
-//! this misses: a part rewritten in place to the same size, with its
-//! modification time set back and its footer unchanged; `analyze --recheck`
-//! checks every part again, and `inspect` never reads the memo.
+//! version). A part whose writer recorded no hash (runs written before
+//! hashes were) is keyed on those alone; what that misses: a part rewritten
+//! in place to the same size, with its modification time set back and its
+//! footer unchanged. `analyze --recheck` checks every part again, and
+//! `inspect` never reads the memo.
 //!
 //! Every key field is stored and compared, so a hash collision of paths
 //! only costs a recheck. A memo that cannot be read or written costs a
@@ -56,6 +59,10 @@ pub struct PartKey {
     pub footer_hash: u64,
     /// [`CHECK_DEFINITION`] and the analyzer's version.
     pub definition: String,
+    /// The part's content hash, verified against the bytes on disk when the
+    /// run was opened; `None` for parts whose writer recorded none.
+    #[serde(default)]
+    pub content_hash: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -101,6 +108,7 @@ pub fn key(part: &PartFile) -> Option<PartKey> {
         footer_len,
         footer_hash: hasher.finish(),
         definition: format!("{CHECK_DEFINITION} {}", env!("CARGO_PKG_VERSION")),
+        content_hash: part.content_hash.clone(),
     })
 }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use arrow_array::RecordBatch;
 use parquet::arrow::ArrowWriter;
-use shadowtrace_schemas::{TMP_SUFFIX, Table};
+use shadowtrace_schemas::{TMP_SUFFIX, Table, content_hash};
 
 use crate::TraceError;
 use crate::writer::props::writer_properties;
@@ -80,9 +80,11 @@ impl PartWriter {
         self.writer.bytes_written() + self.writer.in_progress_size()
     }
 
-    /// Writes the footer, syncs, and renames the file to its final name.
-    /// Returns the path relative to the run directory and the row count.
-    pub(crate) fn finish(self) -> Result<(String, u64), TraceError> {
+    /// Writes the footer, syncs, hashes the file as it is on disk, and
+    /// renames it to its final name. Returns the path relative to the run
+    /// directory, the row count and the content hash
+    /// (`shadowtrace_schemas::content_hash`).
+    pub(crate) fn finish(self) -> Result<(String, u64, String), TraceError> {
         let PartWriter {
             tmp_path,
             final_path,
@@ -98,10 +100,17 @@ impl PartWriter {
             path: tmp_path.clone(),
             source,
         })?;
+        drop(file);
+        // Read back from the page cache: the hash is of the bytes on disk, which is
+        // what a reader will check, not of what was handed to the OS.
+        let hash = content_hash::of_file(&tmp_path).map_err(|source| TraceError::Io {
+            path: tmp_path.clone(),
+            source,
+        })?;
         fs::rename(&tmp_path, &final_path).map_err(|source| TraceError::Io {
             path: final_path,
             source,
         })?;
-        Ok((relative, rows))
+        Ok((relative, rows, hash))
     }
 }

@@ -37,6 +37,7 @@ struct TableState {
     part: Option<PartWriter>,
     next_part: u32,
     files: Vec<String>,
+    file_hashes: BTreeMap<String, String>,
     rows: u64,
     invalid_rows: u64,
     closed: bool,
@@ -73,6 +74,7 @@ impl Worker {
                     part: None,
                     next_part: 0,
                     files: Vec::new(),
+                    file_hashes: BTreeMap::new(),
                     rows: 0,
                     invalid_rows: 0,
                     closed: false,
@@ -216,7 +218,8 @@ impl Worker {
     fn finish_part(&mut self, table: Table) -> Result<(), TraceError> {
         let state = &mut self.tables[table as usize];
         if let Some(part) = state.part.take() {
-            let (relative, rows) = part.finish()?;
+            let (relative, rows, hash) = part.finish()?;
+            state.file_hashes.insert(relative.clone(), hash);
             state.files.push(relative);
             state.rows += rows;
             self.write_manifest(Status::Incomplete)?;
@@ -277,6 +280,7 @@ impl Worker {
                     dropped_rows,
                     sent_rows: Some(sent_rows),
                     files: state.files.clone(),
+                    file_hashes: state.file_hashes.clone(),
                 },
             );
         }
