@@ -5,18 +5,24 @@ as the models). One example, `length` bytes in all:
 
     \\x01 schema \\n schema ... \\x02 filler \\x03 call <description> \\x04 {"name":...} \\x05
 
-- 3 to 16 compact JSON function schemas, `{"description":D,"name":N,"parameters":{P:
-  {"default":V,"enum":[...]}}}`, names, descriptions, parameters and values made of random
-  syllables, so nothing can be memorised. The description comes before the name and the
-  default first in each parameter: the lookup is "find the description, copy what follows".
+- 3 to 16 compact JSON function schemas, `{"description":D,"name":N,"arguments":{P:V,...},
+  "parameters":{P:{"enum":[...]},...}}` (`arguments`: each parameter's default, one of its
+  enum), names, descriptions, parameters and values made of random syllables, so nothing can
+  be memorised. The call is the schema's own bytes from `"name"` to the end of `arguments`,
+  right after the description, and the request ends with the description: the lookup is
+  "find the description, copy what follows", which an induction (copying) circuit does. The
+  bytes from the description's end to the name are as many in the schema (`","name":"`) as
+  in the request and answer (`\\x04{"name":"`), so the same relative offset finds both.
+  (Version 1 had the defaults inside `parameters`, after the name: the arguments were no
+  copy of any schema span, and the first trained models learnt none of the task.)
   Where the schemas would take more than half the length, the last ones are dropped (never
   below 3). Lengths from `MIN_LENGTH` up always fit; a shorter one may raise.
 - filler: a window of the corpus (`corpus.py`), from its train split for training seeds and
   its held-out split for held-out seeds, up to the target length.
 - the request: `\\x03call ` and one schema's description, then `\\x04`.
 - the answer, `\\x04` exclusive to `\\x05` inclusive: `{"name":N,"arguments":{P:V,...}}`,
-  compact, every parameter in schema order with its `default`. Name and values are copied
-  from the schemas; nothing else decides them.
+  compact, the schema's name and arguments. Name and values are copied from the schemas;
+  nothing else decides them.
 
 The no-tool control (`tools=False`) draws the same schemas and the same corpus window but
 writes no schema: its filler starts earlier in the corpus to keep the length, so with one
@@ -43,7 +49,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VERSION = 1
+VERSION = 2
 TOOLS_BEGIN, TOOLS_END, REQUEST, ANSWER, END = b"\x01", b"\x02", b"\x03", b"\x04", b"\x05"
 DELIMITERS = TOOLS_BEGIN + TOOLS_END + REQUEST + ANSWER + END
 HELDOUT_SEED_BASE = 1_000_000_000
@@ -78,20 +84,22 @@ def word(rng: random.Random, syllables: tuple[int, int]) -> str:
 def schema(rng: random.Random) -> dict:
     name = "_".join(word(rng, (1, 3)) for _ in range(rng.randint(2, 3)))
     description = " ".join(word(rng, (1, 3)) for _ in range(rng.randint(3, 5)))
-    params, n_params = {}, rng.randint(1, 3)
+    params, defaults, n_params = {}, {}, rng.randint(1, 3)
     while len(params) < n_params:
         values, n_values = [], rng.randint(2, 4)
         while len(values) < n_values:
             value = word(rng, (1, 3))
             if value not in values:
                 values.append(value)
-        params[word(rng, (2, 3))] = {"default": rng.choice(values), "enum": values}
-    return {"description": description, "name": name, "parameters": params}
+        param = word(rng, (2, 3))
+        defaults[param] = rng.choice(values)
+        params[param] = {"enum": values}
+    return {"description": description, "name": name, "arguments": defaults, "parameters": params}
 
 
 def call_of(tool: dict) -> dict:
-    """The expected call: the tool's name, every parameter with its default, in schema order."""
-    return {"name": tool["name"], "arguments": {p: s["default"] for p, s in tool["parameters"].items()}}
+    """The expected call: the tool's name and its default arguments, in schema order."""
+    return {"name": tool["name"], "arguments": dict(tool["arguments"])}
 
 
 @dataclass

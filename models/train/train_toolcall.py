@@ -33,10 +33,10 @@ import torch.nn.functional as F
 import train_dsa
 from train_dsa import SHAPES, STAGES
 
-TASK_SHARE = {"dense": 0.5, "warmup": 0.75, "sparse": 0.75}
+TASK_SHARE = {"dense": 0.75, "warmup": 0.75, "sparse": 0.75}
 TASK_LENGTHS = (1024, 8192)
 ROW_TOKENS = 8192
-MAX_REQUESTS = 4
+MAX_REQUESTS = 8
 CONTROL_EVERY = 8
 ANSWER_WEIGHT = 10.0
 LAYERS = 4
@@ -96,8 +96,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--eval-count", type=int, default=32, help="held-out prompts per length bucket")
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out corpus windows of 8192 bytes")
+    parser.add_argument("--dense", help=f"the dense stage's LENGTH,BATCH,LR (default {SHAPES['dense']})")
+    parser.add_argument("--dense-task-share", type=float, help=f"default {TASK_SHARE['dense']}")
+    parser.add_argument("--dense-only", action="store_true", help="no warm-up, no sparse stage")
+    parser.add_argument("--buckets", help="evaluated lengths, e.g. 1024,2048 (default all)")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="evaluated dtypes")
     parser.add_argument("--shrink", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test
     args = parser.parse_args()
+    if args.dense:
+        length, batch, lr = args.dense.split(",")
+        SHAPES["dense"] = (int(length), int(batch), float(lr))
+    if args.dense_task_share is not None:
+        TASK_SHARE["dense"] = args.dense_task_share
 
     def log(msg: str) -> None:
         print(f"[{args.model} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -105,7 +115,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     overrides = {"num_hidden_layers": args.layers}
-    buckets = toolcall_eval.BUCKETS
+    buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else toolcall_eval.BUCKETS
     if args.shrink:  # the same code on a CPU in seconds: short examples, a small top-k
         global TASK_LENGTHS, ROW_TOKENS
         TASK_LENGTHS, ROW_TOKENS = (1024, 1100), 1024
@@ -127,7 +137,11 @@ def main() -> None:
     started = time.perf_counter()
     steps = {}
     for stage in STAGES:
-        budget = 0.0 if stage in fixed else args.budget_s * train_dsa.BUDGET_SHARE[stage]
+        if args.dense_only and stage != "dense":
+            steps[stage] = 0
+            continue
+        share = 1.0 if args.dense_only else train_dsa.BUDGET_SHARE[stage]
+        budget = 0.0 if stage in fixed else args.budget_s * share
         steps[stage] = trainer.run_stage(stage, fixed.get(stage), budget)
     train_s = time.perf_counter() - started
 
@@ -144,7 +158,7 @@ def main() -> None:
     # fp32 without TF32, then in bf16.
     evaluation = {}
     length = max(TASK_LENGTHS)
-    for name in ("fp32", "bf16"):
+    for name in args.dtypes.split(","):
         t0 = time.perf_counter()
         model = model.to(toolcall_eval.DTYPES[name])
         for gate in train_dsa.routers(model):

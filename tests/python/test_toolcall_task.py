@@ -9,8 +9,10 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import REPO
 
 TRAIN = REPO / "models" / "train"
@@ -88,7 +90,7 @@ def test_the_expected_call_is_the_requested_schemas_name_and_defaults_read_from_
         assert answer["name"] == tool["name"]
         assert list(answer["arguments"]) == list(tool["parameters"])
         for param, value in answer["arguments"].items():
-            assert value == tool["parameters"][param]["default"]
+            assert value == tool["arguments"][param]
             assert value in tool["parameters"][param]["enum"]
     assert toolcall.MIN_TOOLS <= len(schemas) <= toolcall.MAX_TOOLS
     # Each delimiter where the example says and nowhere else: the answer spans are exact.
@@ -96,6 +98,48 @@ def test_the_expected_call_is_the_requested_schemas_name_and_defaults_read_from_
     assert ex.ids.count(toolcall.REQUEST) == len(ex.answers)
     assert ex.ids.count(toolcall.TOOLS_BEGIN) == ex.ids.count(toolcall.TOOLS_END) == 1
     assert ex.ids[ex.schema_span[1] - 1 : ex.schema_span[1]] == toolcall.TOOLS_END
+
+
+@pytest.mark.parametrize("seed", [0, 11, toolcall.HELDOUT_SEED_BASE + 5])
+def test_the_call_is_the_schemas_own_bytes_right_after_its_description(text, seed: int) -> None:
+    """What lets a copying (induction) circuit answer: the request ends with the description,
+    and the schema holds the call's bytes right after that description, as many bytes after
+    its end as the answer is after the request's (version 1's answers copied no schema span,
+    and the models trained on them learnt none of the task)."""
+    ex = toolcall.example(seed, 4096, text, requests=4)
+    lines = ex.ids[1 : ex.schema_span[1] - 1].split(b"\n")
+    for start, end in ex.answers:
+        _, request, _ = parse(ex.ids, start)
+        description = request[len(b"call ") :]
+        (line,) = [x for x in lines if json.loads(x)["description"].encode() == description]
+        call = ex.ids[start : end - 1]
+        assert call[:1] == b"{"
+        assert call[-1:] == b"}"
+        after = line.index(b'"description":"' + description + b'"') + len(b'"description":"' + description)
+        assert line[after:].startswith(b'",' + call[1:-1] + b',"parameters":')
+        assert len(b'","name":"') == len(toolcall.ANSWER + b'{"name":"')
+
+
+class _NextByteOracle(torch.nn.Module):
+    """Logits one-hot on the byte `shift` positions after the next one: right by construction
+    at shift 0, a byte late at shift 1."""
+
+    def __init__(self, shift: int):
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, ids):
+        target = torch.roll(ids, -1 - self.shift, dims=1)
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(target, 256).float())
+
+
+def test_the_exact_call_verdict_accepts_an_oracle_and_rejects_one_a_byte_late(text) -> None:
+    for tools in (True, False):
+        examples = toolcall_eval.prompts(text, 1024, 4, tools)
+        right = [toolcall_eval.judge(_NextByteOracle(0), ex, "cpu", None) for ex in examples]
+        late = [toolcall_eval.judge(_NextByteOracle(1), ex, "cpu", None) for ex in examples]
+        assert all(j["exact"] and j["first_wrong"] is None for j in right)
+        assert not any(j["exact"] for j in late)
 
 
 def test_held_out_seeds_are_disjoint_from_trainings_and_read_only_held_out_text(text) -> None:
