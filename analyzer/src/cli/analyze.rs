@@ -72,7 +72,9 @@ pub(crate) struct AnalyzeArgs {
     /// `RUN PASS`, or `RUN NOT JUDGED (<why>)`, then the skipped runs.
     #[arg(long, conflicts_with = "format")]
     summary: bool,
-    /// Exit with status 1 when a run has this verdict. Repeatable. A run
+    /// Exit with status 1 when a run has this verdict, with one line per
+    /// such run: `FAIL (--fail-on any): RUN topk@L1 (J 0.749 < 0.8);
+    /// nonfinite@L2 mlp_out t2500`. Repeatable. A run
     /// whose capture is inconsistent (the adapter's self-check found
     /// recorded selections that production's own scores contradict) fails
     /// whichever verdict is asked for. When no
