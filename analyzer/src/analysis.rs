@@ -27,8 +27,8 @@ use crate::metrics::topk_v2::{self, PartOverlaps};
 use crate::outcome::Outcome;
 use crate::ranks::{self, RankAgreement};
 use crate::verdict::{
-    CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Thresholds, convention_verdict,
-    hidden_verdict, topk_verdict,
+    CONVENTION_RULE, ConventionMismatch, LayerVerdict, NoiseFloor, Overall, Thresholds,
+    convention_verdict, hidden_not_captured, hidden_verdict, topk_verdict,
 };
 
 /// How to analyse.
@@ -241,6 +241,11 @@ pub struct Analysis {
     pub runs: Vec<RunAnalysis>,
     /// Runs that could not be read, with the file and the problem.
     pub skipped: Vec<String>,
+    /// What the reader should know about the input as a whole: a run
+    /// directory given twice (read once), a run id that more than one
+    /// directory holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
     /// Grid over the runs.
     pub grid: Grid,
     /// Determinism pairs among the runs.
@@ -253,6 +258,8 @@ pub struct Analysis {
     /// graft run ([`crate::graft_pair`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grafts: Option<GraftPairs>,
+    /// The verdict as a CI reads it: overall, per kind and per run.
+    pub verdict: Overall,
 }
 
 impl Analysis {
@@ -299,7 +306,14 @@ pub fn analyze(
         })?;
         skipped.extend(dataset.skipped.iter().map(|e| format!("baseline {e}")));
         for (i, run) in dataset.runs.iter().enumerate() {
-            let a = analyze_run(run, t, None, options.check_memo.as_deref())?;
+            let a = match analyze_run(run, t, None, options.check_memo.as_deref()) {
+                Ok(a) => a,
+                Err(e) if !options.strict => {
+                    skipped.push(format!("baseline run {}: {e}", run.dir.display()));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             // Matched by the manifest's model name, whatever a user tag says.
             let model = run.manifest.identity.model.name.clone();
             floors
@@ -311,36 +325,59 @@ pub fn analyze(
     }
     let dataset = Dataset::load(paths, options.strict, |d, n| progress("reading runs", d, n))?;
     skipped.extend(dataset.skipped.iter().map(ToString::to_string));
+    let mut warnings: Vec<String> = dataset
+        .repeated
+        .iter()
+        .map(|d| format!("{}: given more than once, read once", d.display()))
+        .collect();
     let mut runs = Vec::with_capacity(dataset.runs.len());
     for (i, run) in dataset.runs.iter().enumerate() {
         let model = run.manifest.identity.model.name.clone();
-        runs.push(analyze_run(
-            run,
-            t,
-            floors.get(&model),
-            options.check_memo.as_deref(),
-        )?);
+        match analyze_run(run, t, floors.get(&model), options.check_memo.as_deref()) {
+            Ok(a) => runs.push(a),
+            // A part that passed the load checks and still does not decode
+            // (damaged data pages): the run is skipped and said, as an
+            // unreadable run is, and the others are analysed.
+            Err(e) if !options.strict => {
+                skipped.push(format!("run {}: {e}", run.dir.display()));
+            }
+            Err(e) => return Err(e),
+        }
         progress("analysing", i + 1, dataset.runs.len());
     }
-    let runs = ranks::merge(runs, t, &floors);
+    let mut runs = ranks::merge(runs, t, &floors);
+    // After the ranks are united: the hidden verdict reads the lowest rank's
+    // captures, whichever ranks recorded hidden states.
+    for run in &mut runs {
+        if let Some(why) = hidden_not_captured(&run.hidden, t) {
+            run.not_measured.push(NotMeasured {
+                questions: vec![Question::Hidden],
+                why,
+            });
+        }
+    }
     let group_by: Vec<String> = if options.group_by.is_empty() {
         DEFAULT_GROUP_BY.iter().map(|s| (*s).to_owned()).collect()
     } else {
         options.group_by.clone()
     };
-    let grid = group_runs(&runs, &group_by);
+    let grid = group_runs(&runs, &group_by, t);
+    warnings.extend(repeated_run_ids(&runs));
     let determinism = determinism_pairs(&runs);
     let cache = cache_pair::pairs(&runs, t);
     let grafts = graft_pair::pairs(&runs);
+    let verdict = Overall::of(&runs, cache.as_ref(), skipped.len(), &t.hidden_site);
     Ok(Analysis {
         thresholds: t.clone(),
         floors,
         runs,
         skipped,
+        warnings,
         grid,
         determinism,
         cache,
         grafts,
+        verdict,
     })
 }
 
@@ -375,13 +412,22 @@ pub fn analyze_run(
     let mut dequant_rows = Rows::default();
     let mut skipped_rows = topk_overlap::Skipped::default();
     let mut units = BTreeMap::new();
-    for result in per_part {
+    let mut contradicted = Vec::new();
+    for (part, result) in parts.iter().zip(per_part) {
         let PartOverlaps {
             rows,
             dequant_rows: dequant,
             skipped,
             units: part_units,
+            contradictions,
         } = result?;
+        if contradictions.rows > 0 {
+            contradicted.push(judged::contradicting_counts(
+                &run.dir,
+                &part.path,
+                &contradictions,
+            ));
+        }
         // A layer's rows are summarised together: one selection unit each.
         selection_unit::merge(&mut units, part_units)?;
         topk_rows.append(rows);
@@ -436,8 +482,10 @@ pub fn analyze_run(
     let conventions = recorded_conventions(m);
     let convention_mismatches = convention_verdict(&conventions);
     let counters = judged::run_counters(m);
-    let not_measured =
+    let mut not_measured =
         judged::not_measured(m, &conventions, &counters, topk_summary_check.as_ref());
+    not_measured.extend(contradicted);
+    not_measured.extend(judged::problems_not_measured(&run.problems));
     // An unreadable check is not measured (above) and said, never a pass.
     let (capture_check, capture_check_not_run, capture_check_unreadable) =
         match capture_check::Recorded::of(m) {
@@ -647,6 +695,28 @@ pub fn length_bucket(length: u64, k: Option<u32>) -> String {
     }
 }
 
+/// One warning per run id that more than one analysed run carries (a run
+/// copied into two directories, say): each copy is analysed, and none is
+/// paired with another for determinism.
+fn repeated_run_ids(runs: &[RunAnalysis]) -> Vec<String> {
+    let mut dirs: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for run in runs {
+        dirs.entry(&run.run_id)
+            .or_default()
+            .push(run.dir.display().to_string());
+    }
+    dirs.into_iter()
+        .filter(|(_, d)| d.len() > 1)
+        .map(|(id, d)| {
+            format!(
+                "run id {id} is held by {} directories ({}): copies of one run, never paired with each other for determinism",
+                d.len(),
+                d.join(", ")
+            )
+        })
+        .collect()
+}
+
 /// Pairs runs that share model, engine, prod dtype, prompt (token hash) and
 /// grafts: their prod logits should agree exactly if the engine is
 /// deterministic.
@@ -673,6 +743,8 @@ fn determinism_pairs(runs: &[RunAnalysis]) -> Vec<DeterminismPair> {
     by_identity
         .values()
         .flat_map(|group| group.windows(2))
+        // Copies of one run agree by construction: no determinism check.
+        .filter(|w| w[0].run_id != w[1].run_id)
         .filter_map(|w| {
             logits::agreement(&w[0].prod_top_n, &w[1].prod_top_n).map(|agreement| DeterminismPair {
                 a: w[0].run_id.clone(),

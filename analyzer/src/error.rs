@@ -220,7 +220,8 @@ pub enum LoadError {
 }
 
 /// What a run's own files contradict, found while it still reads: `inspect`
-/// reports it as an error (exit 2), `analyze` as a note of the run.
+/// reports it as an error (exit 2); `analyze` notes it and leaves the
+/// verdicts of the table it concerns not judged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunProblem {
@@ -256,6 +257,17 @@ pub enum RunProblem {
         manifest: PathBuf,
         /// What cannot be read.
         detail: String,
+    },
+    /// A part file in a run whose manifest says it is complete, and does not
+    /// list it: not read.
+    #[error(
+        "parquet file {path}: the run is complete and its manifest does not list this part ({rows} rows, not read)"
+    )]
+    UnlistedPart {
+        /// The part file.
+        path: PathBuf,
+        /// Rows its footer holds.
+        rows: u64,
     },
     /// A run that says it is complete, whose producer handed its writer more
     /// rows than the run holds or counts as dropped.
@@ -296,6 +308,7 @@ impl LoadError {
                 | RunProblem::SummaryDisagreement { manifest, .. }
                 | RunProblem::CaptureCheckUnreadable { manifest, .. },
             ) => manifest,
+            LoadError::Problem(RunProblem::UnlistedPart { path, .. }) => path,
         }
     }
 }

@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::analysis::{MANIFEST_TAG_PREFIX, RunAnalysis, identity_tag};
 use crate::outcome::Outcomes;
-use crate::verdict::topk_series;
+use crate::verdict::{Thresholds, hidden_series, topk_series};
 
 /// One group of runs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -28,6 +28,14 @@ pub struct GroupRow {
     pub worst_hidden_layer: Option<(i32, f64)>,
     /// Runs with a non-finite onset.
     pub nonfinite_runs: usize,
+    /// Runs whose capture self-check found a layer inconsistent.
+    pub capture_runs: usize,
+    /// Runs with a convention the engine ran differently from the model.
+    pub convention_runs: usize,
+    /// The onset layer of each run that has one.
+    pub nonfinite_layers: Vec<i32>,
+    /// Runs with a failed sentinel check.
+    pub sentinel_runs: usize,
     /// First hidden-divergence layer of each run that has one.
     pub hidden_verdicts: Vec<i32>,
     /// First top-k divergence layer of each run that has one.
@@ -49,6 +57,9 @@ pub struct Grid {
     pub user_tags: Vec<UserTag>,
     /// One row per group, sorted by key ([`tag_value_order`]).
     pub groups: Vec<GroupRow>,
+    /// The site whose error [`GroupRow::worst_hidden_layer`] is, as the
+    /// hidden verdict reads it (`--hidden-site`).
+    pub hidden_site: String,
 }
 
 impl Grid {
@@ -145,7 +156,7 @@ pub struct Comparison {
 /// Groups runs by the values of `group_by` tags (a missing tag reads `-`;
 /// `manifest.<name>` reads the identity's value whatever a user tag says).
 #[must_use]
-pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
+pub fn group_runs(runs: &[RunAnalysis], group_by: &[String], t: &Thresholds) -> Grid {
     let mut groups: BTreeMap<Vec<String>, Vec<&RunAnalysis>> = BTreeMap::new();
     for run in runs {
         let key = group_by
@@ -199,11 +210,10 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
                         worst_topk = Some((layer, j));
                     }
                 }
-                for s in run.hidden.iter().filter(|s| s.site == "layer_out") {
-                    if let Some(e) = s.rel_l2_err
-                        && worst_hidden.is_none_or(|(_, w)| e.p95 > w)
-                    {
-                        worst_hidden = Some((s.layer, e.p95));
+                // The site and mode the hidden verdict reads.
+                for (layer, p95) in hidden_series(&run.hidden, t) {
+                    if worst_hidden.is_none_or(|(_, w)| p95 > w) {
+                        worst_hidden = Some((layer, p95));
                     }
                 }
             }
@@ -215,6 +225,19 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
                 worst_topk_layer: worst_topk,
                 worst_hidden_layer: worst_hidden,
                 nonfinite_runs: runs.iter().filter(|r| r.onset.is_some()).count(),
+                capture_runs: runs.iter().filter(|r| r.capture_inconsistent()).count(),
+                convention_runs: runs
+                    .iter()
+                    .filter(|r| !r.convention_mismatches.is_empty())
+                    .count(),
+                nonfinite_layers: runs
+                    .iter()
+                    .filter_map(|r| r.onset.as_ref().map(|o| o.layer))
+                    .collect(),
+                sentinel_runs: runs
+                    .iter()
+                    .filter(|r| !r.failed_sentinels.is_empty())
+                    .count(),
                 hidden_verdicts: runs
                     .iter()
                     .filter_map(|r| r.hidden_verdict.as_ref().map(|v| v.layer))
@@ -233,6 +256,7 @@ pub fn group_runs(runs: &[RunAnalysis], group_by: &[String]) -> Grid {
         group_by: group_by.to_vec(),
         user_tags,
         groups: rows,
+        hidden_site: t.hidden_site.clone(),
     }
 }
 

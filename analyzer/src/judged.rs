@@ -17,6 +17,7 @@ use serde::Serialize;
 use shadowtrace_schemas::manifest::Status;
 use shadowtrace_schemas::{Convention, Manifest};
 
+use crate::RunProblem;
 use crate::capture_check::CaptureCheck;
 use crate::metrics::topk_check::SummaryCheck;
 
@@ -77,7 +78,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 20] = [
+const INFORMATIONAL: [&str; 21] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -122,6 +123,10 @@ const INFORMATIONAL: [&str; 20] = [
     // (`graft_pair`); `grafted_<site>` counts the grafts taken (below).
     "graft_refused",
     "graft_skipped_cached_steps",
+    // Parts the hooks closed without the `xxhash` package carry no content
+    // hash: their rows are whole, only unverified, and the loader says so in
+    // a note on the run.
+    "parts_unhashed",
     "graft_not_applied",
     "graft_indexer_on_shared_layer",
 ];
@@ -298,6 +303,68 @@ fn capture_not_measured(check: Result<Option<&CaptureCheck>, &String>) -> Vec<No
     }
 }
 
+/// What a run's files contradict ([`RunProblem`]) leaves not judged: the
+/// questions of the table concerned (its rows are not what the manifest
+/// says), or every question where the run as a whole lost rows.
+#[must_use]
+pub fn problems_not_measured(problems: &[RunProblem]) -> Vec<NotMeasured> {
+    problems
+        .iter()
+        .map(|p| {
+            let table = match p {
+                RunProblem::RowCount { table, .. } => Some((*table).to_owned()),
+                RunProblem::UnlistedPart { path, .. } => path
+                    .parent()
+                    .and_then(|d| d.file_name())
+                    .map(|d| d.to_string_lossy().into_owned()),
+                RunProblem::SummaryDisagreement { .. } => Some("topk".to_owned()),
+                RunProblem::Unaccounted { .. } => None,
+                // Whether the adapter read the engine right is unknown: the
+                // capture question, which bears on every verdict asked for.
+                RunProblem::CaptureCheckUnreadable { .. } => {
+                    return NotMeasured {
+                        questions: vec![Question::Capture],
+                        why: p.to_string(),
+                    };
+                }
+            };
+            let questions = table
+                .and_then(|t| questions_of_counter(&format!("dropped_rows.{t}")))
+                .unwrap_or_else(|| EVERY_QUESTION.to_vec());
+            NotMeasured {
+                questions,
+                why: p.to_string(),
+            }
+        })
+        .collect()
+}
+
+/// What a top-k part's rows whose stored counts contradict each other
+/// leave not judged ([`crate::metrics::topk_v2::Contradictions`]): the top-k
+/// verdict, with the part named relative to the run and the first such row.
+#[must_use]
+pub fn contradicting_counts(
+    run_dir: &std::path::Path,
+    part: &std::path::Path,
+    c: &crate::metrics::topk_v2::Contradictions,
+) -> NotMeasured {
+    let name = part.strip_prefix(run_dir).unwrap_or(part).display();
+    let first = c.first.as_ref().map_or_else(String::new, |(at, why)| {
+        format!(
+            "; the first at step {}, layer {}, token {}: {why}",
+            at.step, at.layer, at.token
+        )
+    });
+    NotMeasured {
+        questions: vec![Question::Topk],
+        why: format!(
+            "{name}: {} top-k row{} whose counts contradict each other (damaged or miswritten; left out){first}",
+            c.rows,
+            if c.rows == 1 { "" } else { "s" }
+        ),
+    }
+}
+
 /// The reasons among `list` that leave `question` not judged, joined for a
 /// report; `None` when its data is whole.
 #[must_use]
@@ -312,12 +379,12 @@ pub fn why_not_judged(list: &[NotMeasured], question: Question) -> Option<String
 
 /// A verdict cell: `found` where the data is whole; otherwise `not judged:
 /// <why>`, followed by what the partial data showed when it showed
-/// something (`none` is no finding).
+/// something (`none`, and `n/a` with its reason, are no finding).
 #[must_use]
 pub fn cell(list: &[NotMeasured], question: Question, found: &str) -> String {
     match why_not_judged(list, question) {
         None => found.to_owned(),
-        Some(why) if found == "none" => format!("not judged: {why}"),
+        Some(why) if found == "none" || found.starts_with("n/a") => format!("not judged: {why}"),
         Some(why) => format!("not judged: {why}; the partial data shows {found}"),
     }
 }

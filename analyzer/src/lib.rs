@@ -8,6 +8,7 @@
 //!   non-finite onset — one per module, each with its definition;
 //! - [`verdict`]: first-divergence layers and the thresholds behind them;
 //! - [`judged`]: what a run did not measure, and the verdicts it leaves not judged;
+//! - [`fail_on`]: which runs fail `--fail-on`, and the exit status a CI reads;
 //! - [`analysis`], [`grid`], [`report`]: runs to answers, tables, files;
 //! - [`cache_pair`]: prefix-cache hits against the same prompt from scratch;
 //! - [`graft_pair`]: a graft run against its ungrafted base run;
@@ -21,6 +22,7 @@ pub mod cache_pair;
 pub mod capture_check;
 mod error;
 pub mod export;
+pub mod fail_on;
 mod frame;
 pub mod graft_pair;
 pub mod grid;

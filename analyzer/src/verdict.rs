@@ -135,6 +135,17 @@ pub fn hidden_series(sites: &[SiteError], t: &Thresholds) -> Vec<(i32, f64)> {
         .collect()
 }
 
+/// Why the hidden verdict has nothing to judge in a run: no capture at the
+/// deciding site and shadow mode with a shadow to compare (a site the run
+/// did not record, a mode it did not run); `None` where some layer has one.
+/// "none" there would read as a pass over data that does not exist.
+#[must_use]
+pub fn hidden_not_captured(sites: &[SiteError], t: &Thresholds) -> Option<String> {
+    hidden_series(sites, t)
+        .is_empty()
+        .then(|| format!("no {}/{} captures", t.hidden_site, deciding_mode(sites, t)))
+}
+
 /// Mean churn-free Jaccard per layer with informative rows.
 #[must_use]
 pub fn topk_series(layers: &[LayerOverlap]) -> Vec<(i32, f64)> {
@@ -366,4 +377,317 @@ pub fn convention_verdict(conventions: &[Convention]) -> Vec<ConventionMismatch>
             model_source: c.model_source.clone(),
         })
         .collect()
+}
+
+/// A kind of verdict, as `--fail-on` names it, in the order a run's
+/// verdicts are listed: what makes every other one meaningless first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VerdictKind {
+    /// The capture self-check found recorded selections production's own
+    /// scores contradict (`capture inconsistent`).
+    Capture,
+    /// A convention the engine ran differently from the model.
+    Convention,
+    /// A non-finite onset in prod, or a failed sentinel check.
+    Nonfinite,
+    /// A hidden-state divergence.
+    Hidden,
+    /// A top-k selection divergence.
+    Topk,
+    /// A prefix-cache hit that parts from a miss of the same prompt.
+    Cache,
+}
+
+/// Every kind, in listing order.
+pub const EVERY_KIND: [VerdictKind; 6] = [
+    VerdictKind::Capture,
+    VerdictKind::Convention,
+    VerdictKind::Nonfinite,
+    VerdictKind::Hidden,
+    VerdictKind::Topk,
+    VerdictKind::Cache,
+];
+
+impl VerdictKind {
+    /// The kind as `--fail-on` and the JSON name it.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            VerdictKind::Capture => "capture",
+            VerdictKind::Convention => "convention",
+            VerdictKind::Nonfinite => "nonfinite",
+            VerdictKind::Hidden => "hidden",
+            VerdictKind::Topk => "topk",
+            VerdictKind::Cache => "cache",
+        }
+    }
+}
+
+/// One verdict a run has: its kind, and the short mark the summary lines,
+/// the grid and `--fail-on` print: `topk@L1 (J 0.749 < 0.8)`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Found {
+    /// The kind.
+    pub kind: VerdictKind,
+    /// Where and what, thresholds included.
+    pub mark: String,
+}
+
+/// A limit or value as few digits as say it: `0.8`, `0.749`.
+fn short(v: f64) -> String {
+    let text = format!("{v:.4}");
+    let text = text.trim_end_matches('0').trim_end_matches('.');
+    text.to_owned()
+}
+
+/// Every verdict of `run`, in [`VerdictKind`] order (cache verdicts are the
+/// pairs', not a run's). `hidden_site` names the site when it is not the
+/// default `layer_out`.
+#[must_use]
+pub fn found(run: &crate::analysis::RunAnalysis, hidden_site: &str) -> Vec<Found> {
+    let mut out = Vec::new();
+    let mut push = |kind, mark: String| out.push(Found { kind, mark });
+    if let Some(check) = &run.capture_check {
+        for l in check.inconsistent() {
+            push(
+                VerdictKind::Capture,
+                format!(
+                    "capture inconsistent@L{} ({} of {} rows)",
+                    l.layer, l.disagree, l.rows
+                ),
+            );
+        }
+    }
+    for m in &run.convention_mismatches {
+        push(
+            VerdictKind::Convention,
+            format!(
+                "convention {} (engine {}, model {})",
+                m.name.replace('_', " "),
+                convention_value(&m.engine),
+                convention_value(&m.model)
+            ),
+        );
+    }
+    for s in &run.failed_sentinels {
+        push(
+            VerdictKind::Nonfinite,
+            format!("sentinel {}@L{} step {}", s.check, s.layer, s.step),
+        );
+    }
+    if let Some(o) = &run.onset {
+        let token = o.token.map_or_else(String::new, |t| format!(" t{t}"));
+        let step = if o.step == 0 {
+            String::new()
+        } else {
+            format!(" step {}", o.step)
+        };
+        push(
+            VerdictKind::Nonfinite,
+            format!("nonfinite@L{} {}{token}{step}", o.layer, o.site),
+        );
+    }
+    if let Some(v) = &run.hidden_verdict {
+        let site = if hidden_site == "layer_out" {
+            String::new()
+        } else {
+            format!(" {hidden_site}")
+        };
+        push(
+            VerdictKind::Hidden,
+            format!(
+                "hidden@L{}{site} (p95 {:.2e} > {:.2e})",
+                v.layer, v.value, v.limit
+            ),
+        );
+    }
+    if let Some(v) = &run.topk_verdict {
+        push(
+            VerdictKind::Topk,
+            format!(
+                "topk@L{} (J {} < {})",
+                v.layer,
+                short(v.value),
+                short(v.limit)
+            ),
+        );
+    }
+    out
+}
+
+/// Where a run, or the whole analysis, stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Every verdict judged, and none found.
+    Pass,
+    /// A verdict found.
+    Fail,
+    /// No verdict found, and some verdict's data not whole (or a run not
+    /// read): not a pass.
+    NotJudged,
+}
+
+impl Status {
+    /// As the summary line prints it.
+    #[must_use]
+    pub fn word(self) -> &'static str {
+        match self {
+            Status::Pass => "PASS",
+            Status::Fail => "FAIL",
+            Status::NotJudged => "NOT JUDGED",
+        }
+    }
+}
+
+/// A question whose verdict is not judged in a run, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NotJudged {
+    /// The question.
+    pub question: crate::judged::Question,
+    /// Why, as the reports say it.
+    pub why: String,
+}
+
+/// One run's verdicts, for a CI: its status, the verdicts found, and the
+/// questions not judged.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunVerdict {
+    /// Run id.
+    pub run_id: String,
+    /// Fail where a verdict was found; else not judged where a question's
+    /// data is not whole; else pass.
+    pub status: Status,
+    /// The verdicts found, in [`VerdictKind`] order.
+    pub found: Vec<Found>,
+    /// The questions not judged.
+    pub not_judged: Vec<NotJudged>,
+}
+
+impl RunVerdict {
+    /// The run's summary line: `glm-tool-3k FAIL topk@L1 (J 0.749 < 0.8);
+    /// nonfinite@L2 mlp_out t2500`, `r PASS`, or `r NOT JUDGED (hidden
+    /// divergence: no layer_out/local captures)`.
+    #[must_use]
+    pub fn line(&self) -> String {
+        let marks: Vec<&str> = self.found.iter().map(|f| f.mark.as_str()).collect();
+        let not_judged: Vec<String> = self
+            .not_judged
+            .iter()
+            .map(|n| format!("{}: {}", n.question.name(), n.why))
+            .collect();
+        match self.status {
+            Status::Fail if not_judged.is_empty() => {
+                format!("{} FAIL {}", self.run_id, marks.join("; "))
+            }
+            Status::Fail => format!(
+                "{} FAIL {} (not judged: {})",
+                self.run_id,
+                marks.join("; "),
+                self.not_judged
+                    .iter()
+                    .map(|n| n.question.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Status::NotJudged => format!("{} NOT JUDGED ({})", self.run_id, not_judged.join("; ")),
+            Status::Pass => format!("{} PASS", self.run_id),
+        }
+    }
+}
+
+/// The analysis's verdict as a CI reads it (`--format json`'s `verdict`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Overall {
+    /// Fail where any run or prefix-cache pair has a verdict; else not
+    /// judged where a run's verdict is not judged or a run was skipped (or
+    /// none was read); else pass.
+    pub status: Status,
+    /// Every kind `--fail-on` knows, each with what has it: `run: mark`,
+    /// or the cache pair; empty where nothing has it.
+    pub kinds: BTreeMap<&'static str, Vec<String>>,
+    /// Per run.
+    pub runs: Vec<RunVerdict>,
+    /// Runs that could not be read (not judged).
+    pub skipped: usize,
+}
+
+/// The questions a run's status is judged on: every verdict's, and the
+/// convention's.
+const STATUS_QUESTIONS: [crate::judged::Question; 4] = [
+    crate::judged::Question::Convention,
+    crate::judged::Question::Nonfinite,
+    crate::judged::Question::Hidden,
+    crate::judged::Question::Topk,
+];
+
+impl Overall {
+    /// The verdict of `runs`, with `cache`'s pairs and `skipped` runs not
+    /// read; `hidden_site` as [`found`] takes it.
+    #[must_use]
+    pub fn of(
+        runs: &[crate::analysis::RunAnalysis],
+        cache: Option<&crate::cache_pair::CachePairs>,
+        skipped: usize,
+        hidden_site: &str,
+    ) -> Overall {
+        let mut kinds: BTreeMap<&'static str, Vec<String>> =
+            EVERY_KIND.iter().map(|k| (k.name(), Vec::new())).collect();
+        let runs: Vec<RunVerdict> = runs
+            .iter()
+            .map(|run| {
+                let found = found(run, hidden_site);
+                let not_judged: Vec<NotJudged> = STATUS_QUESTIONS
+                    .iter()
+                    .filter_map(|&q| {
+                        crate::judged::why_not_judged(&run.not_measured, q)
+                            .map(|why| NotJudged { question: q, why })
+                    })
+                    .collect();
+                for f in &found {
+                    kinds
+                        .entry(f.kind.name())
+                        .or_default()
+                        .push(format!("{}: {}", run.run_id, f.mark));
+                }
+                let status = if !found.is_empty() {
+                    Status::Fail
+                } else if !not_judged.is_empty() {
+                    Status::NotJudged
+                } else {
+                    Status::Pass
+                };
+                RunVerdict {
+                    run_id: run.run_id.clone(),
+                    status,
+                    found,
+                    not_judged,
+                }
+            })
+            .collect();
+        for p in cache
+            .into_iter()
+            .flat_map(|c| &c.pairs)
+            .filter(|p| p.parted_or_flipped())
+        {
+            kinds
+                .entry(VerdictKind::Cache.name())
+                .or_default()
+                .push(format!("cache hit {} against miss {}", p.hit, p.miss));
+        }
+        let status = if kinds.values().any(|v| !v.is_empty()) {
+            Status::Fail
+        } else if runs.is_empty() || skipped > 0 || runs.iter().any(|r| r.status != Status::Pass) {
+            Status::NotJudged
+        } else {
+            Status::Pass
+        };
+        Overall {
+            status,
+            kinds,
+            runs,
+            skipped,
+        }
+    }
 }

@@ -670,13 +670,21 @@ fn render_terminal_of(run: &RunAnalysis) -> String {
         floors: std::collections::BTreeMap::new(),
         runs: vec![run.clone()],
         skipped: Vec::new(),
+        warnings: Vec::new(),
         grid: shadowtrace_analyzer::grid::group_runs(
             std::slice::from_ref(run),
             &["model".to_owned()],
+            &Thresholds::default(),
         ),
         determinism: Vec::new(),
         cache: None,
         grafts: None,
+        verdict: shadowtrace_analyzer::verdict::Overall::of(
+            std::slice::from_ref(run),
+            None,
+            0,
+            "layer_out",
+        ),
     };
     shadowtrace_analyzer::report::render_terminal(&analysis)
 }

@@ -106,7 +106,10 @@ fn plant_rows(
 }
 
 /// [`plant_rows`] on the first sparse row with a shadow, one row group.
-fn plant(run: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) -> RowAt {
+pub(crate) fn plant(
+    run: &Path,
+    edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>,
+) -> RowAt {
     plant_rows(
         run,
         |_| vec![0],
@@ -115,7 +118,7 @@ fn plant(run: &Path, edit: impl Fn(&str, &ArrayRef, usize) -> Option<ArrayRef>) 
     )[0]
 }
 
-fn with_i32(c: &ArrayRef, row: usize, f: impl Fn(i32) -> i32) -> ArrayRef {
+pub(crate) fn with_i32(c: &ArrayRef, row: usize, f: impl Fn(i32) -> i32) -> ArrayRef {
     with_i32_rows(c, &[row], f)
 }
 

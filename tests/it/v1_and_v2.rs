@@ -117,9 +117,26 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
     let thresholds = got["thresholds"].as_object_mut().unwrap();
     let band = thresholds.remove("churn_band").unwrap();
     thresholds.insert("churn_margin".to_owned(), band);
+    // The verdict a CI reads, and the grid's count of every verdict kind
+    // and the site of its hidden column (issue 44).
+    let status = got.as_object_mut().unwrap().remove("verdict").unwrap()["status"].clone();
+    assert!(status == "fail" || status == "pass", "{status}");
+    let grid = got["grid"].as_object_mut().unwrap();
+    assert_eq!(
+        grid.remove("hidden_site"),
+        Some(serde_json::json!("layer_out"))
+    );
     for group in got["grid"]["groups"].as_array_mut().unwrap() {
         let group = group.as_object_mut().unwrap();
         assert_eq!(group.remove("not_judged_runs"), Some(serde_json::json!(0)));
+        for none in ["capture_runs", "convention_runs", "sentinel_runs"] {
+            assert_eq!(group.remove(none), Some(serde_json::json!(0)), "{none}");
+        }
+        let onsets = group.remove("nonfinite_layers").unwrap();
+        assert_eq!(
+            Some(onsets.as_array().unwrap().len() as u64),
+            group["nonfinite_runs"].as_u64()
+        );
     }
     for run in got["runs"].as_array_mut().unwrap() {
         let run = run.as_object_mut().unwrap();

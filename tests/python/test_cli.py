@@ -373,3 +373,42 @@ def test_an_unreadable_capture_check_is_a_broken_run_for_inspect_and_every_fail_
     inspected = shadowtrace("inspect", tmp_path)
     assert inspected.returncode == 2
     assert "settings.capture_check unreadable" in inspected.stderr
+
+
+def test_analyze_refuses_a_hidden_site_outside_the_vocabulary(tmp_path: Path) -> None:
+    """A typo would find no capture, and the hidden verdict would have nothing to judge."""
+    out = shadowtrace("analyze", tmp_path, "--hidden-site", "bogus")
+    assert out.returncode == 2, out.stderr
+    expected = 'unknown hidden-state site "bogus": expected one of layer_in, attn_out, mlp_out, layer_out'
+    assert expected in out.stderr
+
+
+def test_analyze_exits_2_when_no_run_could_be_read_with_or_without_fail_on(tmp_path: Path) -> None:
+    """CI that runs a plain `analyze` must not go green when nothing was read."""
+    run = tmp_path / "garbage"
+    (run / "hidden").mkdir(parents=True)
+    (run / "manifest.json").write_text("{ not json")
+    for extra in ([], ["--fail-on", "any"]):
+        out = shadowtrace("analyze", tmp_path, *extra)
+        assert out.returncode == 2, (extra, out.stderr)
+        assert "error: no run could be read (1 skipped)" in out.stderr
+
+
+def test_fail_on_prints_which_run_and_verdicts_failed_it(demo_run: Path) -> None:
+    out = shadowtrace("analyze", demo_run, "--fail-on", "any")
+    assert out.returncode == 1, out.stderr
+    fail = [line for line in out.stderr.splitlines() if line.startswith("FAIL (--fail-on any): ")]
+    assert len(fail) == 1, out.stderr
+    assert fail[0].startswith("FAIL (--fail-on any): glm-tool-3k "), out.stderr
+    assert "topk@L1 (J " in fail[0], fail[0]
+    assert "nonfinite@L" in fail[0], fail[0]
+
+
+def test_analyze_summary_prints_one_line_per_run(demo_runs: Path) -> None:
+    out = shadowtrace("analyze", demo_runs, "--summary")
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("glm-tool-3k FAIL topk@L1 (J ") for line in lines), out.stdout
+    assert all(line.split(" ")[1] in ("FAIL", "PASS", "NOT") for line in lines), out.stdout
+    verdict = json.loads(shadowtrace("analyze", demo_runs, "--format", "json").stdout)["verdict"]
+    assert sorted(verdict["kinds"]) == ["cache", "capture", "convention", "hidden", "nonfinite", "topk"]
+    assert verdict["status"] == "fail"

@@ -3,15 +3,14 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::ValueEnum;
-use shadowtrace_analyzer::judged::{Question, why_not_judged};
 use shadowtrace_analyzer::metrics::check_memo;
-use shadowtrace_analyzer::report::{render_terminal, sizes_line, write_report};
+use shadowtrace_analyzer::report::{render_summary, render_terminal, sizes_line, write_report};
 use shadowtrace_analyzer::verdict::{
     DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
 };
-use shadowtrace_analyzer::{Analysis, Options, analyze};
+use shadowtrace_analyzer::{Analysis, Options, analyze, fail_on};
 
-use super::{Format, exit_error};
+use super::Format;
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct AnalyzeArgs {
@@ -30,8 +29,9 @@ pub(crate) struct AnalyzeArgs {
     /// state has diverged, without a baseline.
     #[arg(long, default_value_t = DEFAULT_HIDDEN_REL_ERR, value_name = "ERR")]
     hidden_threshold: f64,
-    /// Capture site whose hidden-state error decides.
-    #[arg(long, default_value = "layer_out", value_name = "SITE")]
+    /// Capture site whose hidden-state error decides (a site of the
+    /// format's vocabulary; `shadowtrace schema` lists them).
+    #[arg(long, default_value = "layer_out", value_name = "SITE", value_parser = hidden_site)]
     hidden_site: String,
     /// Shadow mode whose error decides [default: local where recorded, else free].
     #[arg(long, value_parser = ["local", "free"], value_name = "MODE")]
@@ -70,7 +70,13 @@ pub(crate) struct AnalyzeArgs {
     /// text for people, json for scripts.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
-    /// Exit with status 1 when a run has this verdict. Repeatable. A run
+    /// Print one line per run instead of the tables: `RUN FAIL <verdicts>`,
+    /// `RUN PASS`, or `RUN NOT JUDGED (<why>)`, then the skipped runs.
+    #[arg(long, conflicts_with = "format")]
+    summary: bool,
+    /// Exit with status 1 when a run has this verdict, with one line per
+    /// such run: `FAIL (--fail-on any): RUN topk@L1 (J 0.749 < 0.8);
+    /// nonfinite@L2 mlp_out t2500`. Repeatable. A run
     /// whose capture is inconsistent (the adapter's self-check found
     /// recorded selections that production's own scores contradict) fails
     /// whichever verdict is asked for. When no
@@ -101,6 +107,27 @@ pub(crate) struct AnalyzeArgs {
     /// leave the memo as it is).
     #[arg(long, conflicts_with = "check_memo")]
     recheck: bool,
+}
+
+/// `--hidden-site`: a hidden-state site of the vocabulary. A typo would
+/// otherwise find no capture, and the verdict would have nothing to judge.
+fn hidden_site(s: &str) -> Result<String, String> {
+    let sites: Vec<&str> = shadowtrace_schemas::vocabulary()
+        .sites
+        .iter()
+        .map(|site| site.name.as_str())
+        // The indexer's rows are top-k selections, the logits' top-N lists:
+        // neither is a hidden state.
+        .filter(|name| !matches!(*name, "indexer" | "logits"))
+        .collect();
+    if sites.contains(&s) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "unknown hidden-state site {s:?}: expected one of {}",
+            sites.join(", ")
+        ))
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -174,6 +201,9 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     )?;
     let mut stdout = std::io::stdout().lock();
     match args.format {
+        Format::Text if args.summary => {
+            stdout.write_all(render_summary(&analysis).as_bytes())?;
+        }
         Format::Text => stdout.write_all(render_terminal(&analysis).as_bytes())?,
         Format::Json => writeln!(stdout, "{}", serde_json::to_string_pretty(&analysis)?)?,
     }
@@ -190,54 +220,24 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
     for s in &analysis.skipped {
         eprintln!("warning: skipped {s}");
     }
+    for w in &analysis.warnings {
+        eprintln!("warning: {w}");
+    }
     if let Some(line) = remembered_line(&analysis, options.check_memo.as_deref()) {
         eprintln!("{line}");
     }
-    if fails(&analysis, &args.fail_on) {
-        return Ok(ExitCode::from(1));
+    let names: Vec<String> = args
+        .fail_on
+        .iter()
+        .filter_map(|f| f.to_possible_value().map(|v| v.get_name().to_owned()))
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let asked = fail_on::FailOn::parse(&names, args.allow_partial).map_err(anyhow::Error::msg)?;
+    let exit = fail_on::exit(&analysis, &asked);
+    for line in &exit.lines {
+        eprintln!("{line}");
     }
-    let lines = not_judged_lines(&analysis, &args.fail_on);
-    let none_judged = !args.fail_on.is_empty() && !analysis.runs.iter().any(|r| r.can_be_judged());
-    if none_judged || !args.allow_partial {
-        for line in &lines {
-            eprintln!("error: --fail-on: {line}");
-        }
-    }
-    if none_judged {
-        eprintln!(
-            "error: --fail-on: no run could be judged: {}",
-            unjudged(&analysis)
-        );
-        return Ok(exit_error());
-    }
-    if !args.allow_partial && !lines.is_empty() {
-        eprintln!(
-            "error: --fail-on: {} verdict{} not judged: data missing is not a pass (--allow-partial accepts it)",
-            lines.len(),
-            if lines.len() == 1 { "" } else { "s" }
-        );
-        return Ok(exit_error());
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// The questions a `--fail-on` verdict answers: the ones whose "not
-/// judged" it cannot pass.
-fn questions(f: FailOn) -> &'static [Question] {
-    match f {
-        FailOn::Any => &[
-            Question::Convention,
-            Question::Nonfinite,
-            Question::Hidden,
-            Question::Topk,
-        ],
-        FailOn::Convention => &[Question::Convention],
-        FailOn::Nonfinite => &[Question::Nonfinite],
-        FailOn::Hidden => &[Question::Hidden],
-        FailOn::Topk => &[Question::Topk],
-        // From paired runs' own verdicts.
-        FailOn::Cache => &[],
-    }
+    Ok(ExitCode::from(exit.code))
 }
 
 /// One line saying how many top-k parts took their summary check from the
@@ -253,79 +253,5 @@ fn remembered_line(a: &Analysis, memo: Option<&Path>) -> Option<String> {
             "top-k summary check: {remembered} of {parts} parts remembered from an earlier check of the same bytes ({}; --recheck checks them again)",
             memo.map_or_else(String::new, |m| m.display().to_string())
         )
-    })
-}
-
-/// One line per run and question asked for by `fail_on` whose verdict is
-/// not judged: `run r1: top-k divergence not judged: <why>`.
-fn not_judged_lines(a: &Analysis, fail_on: &[FailOn]) -> Vec<String> {
-    let mut asked: Vec<Question> = fail_on
-        .iter()
-        .flat_map(|&f| questions(f).to_vec())
-        .collect();
-    // A capture the adapter may have misread fails whatever is asked for
-    // (`fails`): one whose self-check cannot be read is not judged for any.
-    if !fail_on.is_empty() {
-        asked.push(Question::Capture);
-    }
-    asked.sort_unstable();
-    asked.dedup();
-    a.runs
-        .iter()
-        .flat_map(|run| {
-            asked.iter().filter_map(move |&q| {
-                why_not_judged(&run.not_measured, q)
-                    .map(|why| format!("run {}: {} not judged: {why}", run.run_id, q.name()))
-            })
-        })
-        .collect()
-}
-
-/// Why no run could be judged, counted: `1 unreadable, 2 incomplete, ...`.
-fn unjudged(a: &Analysis) -> String {
-    let unreadable = a
-        .skipped
-        .iter()
-        .filter(|s| !s.starts_with("baseline "))
-        .count();
-    let incomplete = a.runs.iter().filter(|r| !r.complete).count();
-    let unmeasured = a
-        .runs
-        .iter()
-        .filter(|r| r.complete && !r.can_be_judged())
-        .count();
-    let parts: Vec<String> = [
-        (unreadable, "unreadable"),
-        (incomplete, "incomplete"),
-        (unmeasured, "with data not measured"),
-    ]
-    .into_iter()
-    .filter(|(n, _)| *n > 0)
-    .map(|(n, what)| format!("{n} {what}"))
-    .collect();
-    if parts.is_empty() {
-        "no runs".to_owned()
-    } else {
-        parts.join(", ")
-    }
-}
-
-fn fails(a: &Analysis, fail_on: &[FailOn]) -> bool {
-    let cache = a.cache.as_ref().is_some_and(|c| c.any_parted());
-    // A capture the adapter misread fails whatever verdict was asked for: no
-    // verdict of that run can be trusted to mean what it says.
-    if !fail_on.is_empty() && a.runs.iter().any(|r| r.capture_inconsistent()) {
-        return true;
-    }
-    fail_on.iter().any(|f| match f {
-        FailOn::Cache => cache,
-        FailOn::Any => cache || a.runs.iter().any(|r| r.has_verdict()),
-        FailOn::Convention => a.runs.iter().any(|r| !r.convention_mismatches.is_empty()),
-        FailOn::Nonfinite => a
-            .runs
-            .iter()
-            .any(|r| r.onset.is_some() || !r.failed_sentinels.is_empty()),
-        FailOn::Hidden => a.runs.iter().any(|r| r.hidden_verdict.is_some()),
-        FailOn::Topk => a.runs.iter().any(|r| r.topk_verdict.is_some()),
     })
 }

@@ -24,8 +24,8 @@ pub(crate) fn exit_error() -> ExitCode {
 /// run`, `shadowtrace demo`). This program reads them, without libtorch.
 ///
 /// Exit codes: 0 success, 1 a verdict `analyze --fail-on` names, 2 bad input
-/// or error (`inspect`: a bad run; `analyze --fail-on`: a verdict not judged,
-/// or no run that could be judged).
+/// or error (`inspect`: a bad run; `analyze`: no run could be read;
+/// `analyze --fail-on`: a verdict not judged, or no run that could be judged).
 #[derive(Debug, Parser)]
 #[command(
     name = "shadowtrace",
@@ -54,9 +54,10 @@ enum Command {
     /// grouped into a grid.
     ///
     /// Every verdict is printed with the rule and threshold that produced
-    /// it. Exit codes: 0 success, 1 a verdict named by --fail-on, 2 error,
-    /// or under --fail-on no run that could be judged (every run unreadable,
-    /// incomplete, or with hook errors).
+    /// it. Exit codes: 0 success, 1 a verdict named by --fail-on (one line
+    /// per failing run names it), 2 error, no run that could be read, or
+    /// under --fail-on a verdict not judged or no run that could be judged
+    /// (every run incomplete, or with hook errors).
     Analyze(Box<analyze::AnalyzeArgs>),
     /// Print the SHADOWTRACE_* environment variables: values here, defaults,
     /// meaning.

@@ -32,6 +32,9 @@ pub struct Dataset {
     pub runs: Vec<Run>,
     /// Runs that failed a check, each with the file and the problem.
     pub skipped: Vec<LoadError>,
+    /// Run directories reached more than once (a path given twice, or
+    /// inside another given path): read once.
+    pub repeated: Vec<PathBuf>,
 }
 
 impl Dataset {
@@ -59,6 +62,17 @@ impl Dataset {
             }
         }
         let mut dataset = Dataset::default();
+        // One directory read twice would be counted twice, and paired with
+        // itself as a determinism check.
+        let mut seen = std::collections::BTreeSet::new();
+        dirs.retain(|dir| {
+            let key = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            let first = seen.insert(key);
+            if !first {
+                dataset.repeated.push(dir.clone());
+            }
+            first
+        });
         for (i, dir) in dirs.iter().enumerate() {
             match Run::open(dir) {
                 Ok(run) if strict && !run.problems.is_empty() => {

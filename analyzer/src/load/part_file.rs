@@ -62,10 +62,23 @@ impl PartFile {
         run_version: u32,
     ) -> Result<PartFile, LoadError> {
         let bytes = check_footer(path)?;
-        let file = File::open(path).map_err(|source| LoadError::Io {
-            path: path.to_owned(),
-            source,
+        let open = || {
+            File::open(path).map_err(|source| LoadError::Io {
+                path: path.to_owned(),
+                source,
+            })
+        };
+        // The parquet crate's footer reader first: it refuses a damaged
+        // footer with an error, where polars' own Thrift reader panics on
+        // some (a flipped byte in a boolean field: tests/it/fuzzed_parts.rs).
+        parquet::file::reader::SerializedFileReader::new(open()?).map_err(|source| {
+            LoadError::ParquetDecode {
+                path: path.to_owned(),
+                part: "footer".to_owned(),
+                source,
+            }
         })?;
+        let file = open()?;
         let mut reader = ParquetReader::new(file);
         let decode = |source| LoadError::Decode {
             path: path.to_owned(),

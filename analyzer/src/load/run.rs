@@ -128,6 +128,15 @@ impl Run {
                 }
                 if listed.iter().any(|l| **l == relative) {
                     listed_rows += part.rows;
+                } else if manifest.status == Status::Complete {
+                    // A closed run lists every part it wrote: another one
+                    // (a copy, a part of another run) is not this run's
+                    // data, and reading it would count its rows twice.
+                    problems.push(RunProblem::UnlistedPart {
+                        path: path.clone(),
+                        rows: part.rows,
+                    });
+                    continue;
                 } else {
                     notes.push(format!(
                         "{relative}: complete but not yet listed in the manifest (read anyway)"

@@ -277,7 +277,10 @@ impl RowOverlap {
     /// Keys one path selected and the other did not.
     #[must_use]
     pub fn differing_keys(&self) -> usize {
-        (self.all.union - self.all.intersection) as usize
+        // Saturating: counts a damaged part stored may claim more shared
+        // keys than either path selected (the v2 reader leaves such rows
+        // out; this keeps any other source from wrapping or panicking).
+        self.all.union.saturating_sub(self.all.intersection) as usize
     }
 
     /// Of those, the keys that were churn.
@@ -498,13 +501,13 @@ pub fn row_overlaps_v1(
                 token: token[i],
                 dequant: dequant[i],
             };
-            let differing = |o: Overlap| o.union - o.intersection;
+            let differing = |o: Overlap| o.union.saturating_sub(o.intersection);
             Some(RowOverlap::new(
                 at,
                 all,
                 clean,
                 excluded.len(),
-                differing(all) - differing(clean),
+                differing(all).saturating_sub(differing(clean)),
                 churn_unknown,
             ))
         })

@@ -278,9 +278,91 @@ impl<'a> Summary<'a> {
 }
 
 /// A count as stored (i32, never negative from a producer); a negative one
-/// from a damaged file counts as zero rather than wrapping.
+/// from a damaged file counts as zero rather than wrapping (the metric
+/// refuses such a row first: [`contradiction`]).
 pub(super) fn count(v: i32) -> usize {
     usize::try_from(v).unwrap_or(0)
+}
+
+/// What is impossible in one row's stored counts, `None` where they can
+/// hold together: a negative count, more shared keys than either path
+/// selected, or churn among the shared or one-path keys beyond what there
+/// are. A damaged file, or a producer's defect: such a row's Jaccard would
+/// be computed from counts no selection has, so it is counted as not
+/// measured, never averaged in.
+fn contradiction(
+    prod_selected: i32,
+    shadow_selected: i32,
+    shared: i32,
+    churn: Option<[i32; 4]>,
+) -> Option<String> {
+    let churn_named = [
+        "churn_shared",
+        "churn_prod_only",
+        "churn_shadow_only",
+        "churn_unselected",
+    ];
+    let mut named = vec![
+        ("prod_selected", prod_selected),
+        ("shadow_selected", shadow_selected),
+        ("shared", shared),
+    ];
+    if let Some(churn) = churn {
+        named.extend(churn_named.into_iter().zip(churn));
+    }
+    if let Some((name, v)) = named.iter().find(|(_, v)| *v < 0) {
+        return Some(format!("{name} {v} < 0"));
+    }
+    let (prod, shadow, shared) = (
+        i64::from(prod_selected),
+        i64::from(shadow_selected),
+        i64::from(shared),
+    );
+    if shared > prod {
+        return Some(format!("shared {shared} > prod_selected {prod}"));
+    }
+    if shared > shadow {
+        return Some(format!("shared {shared} > shadow_selected {shadow}"));
+    }
+    let [c_shared, c_prod, c_shadow, _] = churn?.map(i64::from);
+    [
+        ("churn_shared", c_shared, "shared", shared),
+        (
+            "churn_prod_only",
+            c_prod,
+            "prod_selected - shared",
+            prod - shared,
+        ),
+        (
+            "churn_shadow_only",
+            c_shadow,
+            "shadow_selected - shared",
+            shadow - shared,
+        ),
+    ]
+    .into_iter()
+    .find(|(_, churn, _, limit)| churn > limit)
+    .map(|(name, churn, what, limit)| format!("{name} {churn} > {what} {limit}"))
+}
+
+/// Rows of one part whose stored counts contradict each other
+/// ([`contradiction`]): left out of every average, and counted so the
+/// run's top-k verdict is not judged, with the part named.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contradictions {
+    /// Such rows.
+    pub rows: usize,
+    /// The first of them in the part's order: where, and what is impossible.
+    pub first: Option<(RowAt, String)>,
+}
+
+impl Contradictions {
+    fn add(&mut self, other: Contradictions) {
+        self.rows += other.rows;
+        if self.first.is_none() {
+            self.first = other.first;
+        }
+    }
 }
 
 /// Row `i`'s churn counts as recorded in the four churn columns (shared,
@@ -384,6 +466,8 @@ pub struct PartOverlaps {
     pub skipped: Skipped,
     /// Each layer's unit ([`selection_unit`]).
     pub units: BTreeMap<i32, SelectionUnit>,
+    /// Rows whose counts contradict each other, left out.
+    pub contradictions: Contradictions,
 }
 
 /// Per-row overlap of a v2 `topk` part, row groups in parallel:
@@ -421,6 +505,7 @@ pub fn part_overlaps(
         out.rows.append(group.rows);
         out.dequant_rows.append(group.dequant_rows);
         out.skipped.add(group.skipped);
+        out.contradictions.add(group.contradictions);
     }
     Ok(out)
 }
@@ -495,6 +580,25 @@ fn group_overlaps(
                 left_out.push(skip(false));
                 continue;
             };
+            let at = RowAt {
+                step: s.step.at(i),
+                layer: s.layer[i],
+                token: s.token[i],
+                dequant,
+            };
+            let stored_churn = match s.churn.each_ref().map(|c| c.get(i)) {
+                [Some(a), Some(b), Some(c), Some(d)] => Some([a, b, c, d]),
+                _ => None,
+            };
+            if let Some(why) =
+                contradiction(s.prod_selected[i], shadow_selected, shared, stored_churn)
+            {
+                out.contradictions.rows += 1;
+                if out.contradictions.first.is_none() {
+                    out.contradictions.first = Some((at, why));
+                }
+                continue;
+            }
             let recorded = s.recorded_churn(i);
             let (churn, churn_unknown) = match s.band.get(i) {
                 // No band: no candidate was recorded, whatever the margin.
@@ -519,12 +623,6 @@ fn group_overlaps(
                 shadow_selected: count(shadow_selected),
                 shared: count(shared),
                 churn,
-            };
-            let at = RowAt {
-                step: s.step.at(i),
-                layer: s.layer[i],
-                token: s.token[i],
-                dequant,
             };
             let kept = if dequant {
                 &mut dequant_rows

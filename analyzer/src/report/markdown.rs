@@ -3,9 +3,7 @@
 use std::fmt::Write;
 
 use super::terminal::layer_rows;
-use super::{
-    LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, model_label, sci,
-};
+use super::{argmax_text, churn_unknown_text, comparison_table, grid_table, model_label, sci};
 use crate::Analysis;
 use crate::judged::{Question, cell, why_not_judged};
 
@@ -24,6 +22,9 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
     );
     for s in &a.skipped {
         let _ = writeln!(out, "- skipped: `{s}`");
+    }
+    for w in &a.warnings {
+        let _ = writeln!(out, "- warning: {w}");
     }
     let _ = writeln!(out, "## Rules\n");
     for line in a.rule_lines() {
@@ -202,7 +203,7 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             },
         );
         let topk = run.topk_verdict.as_ref().map_or_else(
-            || "none".to_owned(),
+            || super::topk_none(run).to_owned(),
             |v| {
                 format!(
                     "layer {} (mean Jaccard {:.4} < {:.4})",
@@ -237,8 +238,11 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             let _ = writeln!(out, "- note: {note}");
         }
         let _ = writeln!(out);
-        let header = LAYER_COLUMNS.map(str::to_owned);
-        table(&mut out, &header, &layer_rows(run));
+        table(
+            &mut out,
+            &super::layer_header(&a.thresholds),
+            &layer_rows(run, &a.thresholds),
+        );
     }
     out
 }

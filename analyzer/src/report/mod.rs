@@ -12,11 +12,12 @@ use std::path::{Path, PathBuf};
 
 pub use markdown::render_markdown;
 pub use plot::{HIDDEN_CHART, NO_ROWS, TOPK_CHART, heatmap_file, sizes_line};
-pub use terminal::render_terminal;
+pub use terminal::{render_summary, render_terminal};
 
 use crate::analysis::RunAnalysis;
 use crate::grid::{Grid, GroupRow};
 use crate::metrics::logits::Agreement;
+use crate::verdict::Thresholds;
 use crate::{Analysis, AnalyzeError};
 
 /// Files a report directory holds, relative to it.
@@ -110,6 +111,25 @@ pub(crate) fn churn_unknown_text(run: &RunAnalysis) -> Option<String> {
     })
 }
 
+/// What a run's top-k line says where no layer diverged: `none` only where
+/// informative rows were measured; otherwise `n/a` and why, so that a run
+/// whose rows were all dense (no row saw more than k keys, every key
+/// selected on both paths) never reads as a pass.
+pub(crate) fn topk_none(run: &RunAnalysis) -> &'static str {
+    let sum = |f: fn(&crate::metrics::topk_overlap::LayerOverlap) -> usize| -> usize {
+        run.topk.iter().map(f).sum()
+    };
+    if sum(|l| l.informative_rows) > 0 {
+        "none"
+    } else if sum(|l| l.dense_rows) > 0 {
+        "n/a (dense: no row saw more than k keys)"
+    } else if sum(|l| l.rows_without_shadow) > 0 {
+        "n/a (no top-k row has a shadow selection)"
+    } else {
+        "n/a (no top-k rows recorded)"
+    }
+}
+
 /// A number for a table: fixed decimals, or `-` when absent.
 pub(crate) fn num(v: Option<f64>, decimals: usize) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.decimals$}"))
@@ -147,14 +167,33 @@ pub(crate) fn marks(nonfinite: Option<i32>, hidden: &[i32], topk: &[i32]) -> Str
     }
 }
 
-/// A group's verdict marks, then how many of its runs have a verdict not
-/// judged: `topk@L4 not-judged x1`, or `-`.
+/// A group's verdict marks, every kind `--fail-on` knows, then how many of
+/// its runs have a verdict not judged: `convention x6 NaN@L2 topk@L4
+/// not-judged x1`, or `-`. A reader who scans only the grid must not take a
+/// run for clean.
 fn group_marks(g: &GroupRow) -> String {
+    let mut out: Vec<String> = Vec::new();
+    for (n, kind) in [
+        (g.capture_runs, "capture-inconsistent"),
+        (g.convention_runs, "convention"),
+        (g.sentinel_runs, "sentinel"),
+    ] {
+        if n > 0 {
+            out.push(format!("{kind} x{n}"));
+        }
+    }
+    out.extend(g.nonfinite_layers.iter().map(|l| format!("NaN@L{l}")));
     let found = marks(None, &g.hidden_verdicts, &g.topk_verdicts);
-    match (g.not_judged_runs, found.as_str()) {
-        (0, _) => found,
-        (n, "-") => format!("not-judged x{n}"),
-        (n, _) => format!("{found} not-judged x{n}"),
+    if found != "-" {
+        out.push(found);
+    }
+    if g.not_judged_runs > 0 {
+        out.push(format!("not-judged x{}", g.not_judged_runs));
+    }
+    if out.is_empty() {
+        "-".to_owned()
+    } else {
+        out.join(" ")
     }
 }
 
@@ -179,20 +218,29 @@ pub(crate) const LAYER_COLUMNS: [&str; 12] = [
     "marks",
 ];
 
+/// The layer table's header, its hidden-state columns named after the site
+/// and shadow mode the hidden verdict reads (`--hidden-site`,
+/// `--shadow-mode`), so the table and the verdict above it agree.
+pub(crate) fn layer_header(t: &Thresholds) -> Vec<String> {
+    LAYER_COLUMNS
+        .map(|c| match c {
+            "hidden p95" => format!("{} p95", t.hidden_site),
+            other => other.to_owned(),
+        })
+        .to_vec()
+}
+
 /// The grid table: header, then one row per group.
 pub(crate) fn grid_table(grid: &Grid) -> (Vec<String>, Vec<Vec<String>>) {
     let mut header = grid.group_by.clone();
-    header.extend(
-        [
-            "runs",
-            "J no churn",
-            "worst top-k layer",
-            "worst hidden p95",
-            "NaN runs",
-            "verdicts",
-        ]
-        .map(str::to_owned),
-    );
+    header.extend([
+        "runs".to_owned(),
+        "J no churn".to_owned(),
+        "worst top-k layer".to_owned(),
+        format!("worst {} p95", grid.hidden_site),
+        "NaN runs".to_owned(),
+        "verdicts".to_owned(),
+    ]);
     // The user's outcomes, where any run records one ([`crate::outcome`]).
     let outcomes = grid.has_outcomes();
     if outcomes {
@@ -232,19 +280,15 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
     let outcomes = grid.has_outcomes();
     let mut header = c.rest.clone();
     header.extend(c.columns.iter().cloned());
+    // The NaN onsets are among the marks.
     let cell = |g: &GroupRow| {
-        let nan = if g.nonfinite_runs > 0 {
-            format!(" NaN x{}", g.nonfinite_runs)
-        } else {
-            String::new()
-        };
         let outcome = if outcomes {
             format!(", outcome {}", g.outcomes.cell())
         } else {
             String::new()
         };
         format!(
-            "{} {}{nan}{outcome}",
+            "{} {}{outcome}",
             num(g.jaccard_no_churn, 4),
             group_marks(g)
         )

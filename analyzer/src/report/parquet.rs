@@ -101,6 +101,28 @@ fn runs(a: &Analysis) -> Frame {
         col_map("topk_verdict_layer", r, |x| {
             x.topk_verdict.as_ref().map(|v| v.layer)
         }),
+        // Null where none: the verdicts a reader of this file must not miss.
+        col_map("convention_mismatches", r, |x| {
+            (!x.convention_mismatches.is_empty()).then(|| {
+                x.convention_mismatches
+                    .iter()
+                    .map(crate::verdict::ConventionMismatch::line)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            })
+        }),
+        // consistent, inconsistent (with the layers' lines), or null where
+        // the producer ran no capture self-check.
+        col_map("capture_check", r, |x| {
+            x.capture_check.as_ref().map(|c| {
+                let (inconsistent, lines) = c.report_lines();
+                if inconsistent {
+                    format!("inconsistent: {}", lines.join("; "))
+                } else {
+                    format!("consistent: {}", lines.join("; "))
+                }
+            })
+        }),
         col_map("argmax_agreement", r, |x| {
             x.logits.as_ref().and_then(|l| l.argmax_agreement)
         }),

@@ -3,12 +3,13 @@
 use std::fmt::Write;
 
 use super::{
-    LAYER_COLUMNS, argmax_text, churn_unknown_text, comparison_table, grid_table, marks,
+    argmax_text, churn_unknown_text, comparison_table, grid_table, layer_header, marks,
     model_label, num, sci,
 };
 use crate::Analysis;
 use crate::analysis::RunAnalysis;
 use crate::judged::{Question, cell, why_not_judged};
+use crate::verdict::{Thresholds, deciding_mode};
 
 /// Renders an analysis for a terminal: thresholds, grid, comparison,
 /// determinism, then each run with its verdicts and layer table.
@@ -24,6 +25,9 @@ pub fn render_terminal(a: &Analysis) -> String {
     );
     for s in &a.skipped {
         let _ = writeln!(out, "  skipped: {s}");
+    }
+    for w in &a.warnings {
+        let _ = writeln!(out, "  warning: {w}");
     }
     let _ = writeln!(out);
     let _ = writeln!(out, "rules");
@@ -73,7 +77,27 @@ pub fn render_terminal(a: &Analysis) -> String {
         let _ = writeln!(out);
     }
     for run in &a.runs {
-        run_section(&mut out, run);
+        run_section(&mut out, run, &a.thresholds);
+    }
+    out
+}
+
+/// One line per run (`analyze --summary`): its status and verdicts
+/// ([`crate::verdict::RunVerdict::line`]), then each prefix-cache pair that
+/// parted, and each run skipped.
+#[must_use]
+pub fn render_summary(a: &Analysis) -> String {
+    let mut out = String::new();
+    for run in &a.verdict.runs {
+        let _ = writeln!(out, "{}", run.line());
+    }
+    if let Some(pairs) = a.verdict.kinds.get("cache") {
+        for p in pairs {
+            let _ = writeln!(out, "{p} FAIL");
+        }
+    }
+    for s in &a.skipped {
+        let _ = writeln!(out, "NOT JUDGED (skipped: {s})");
     }
     out
 }
@@ -105,7 +129,7 @@ fn grid_section(out: &mut String, a: &Analysis) {
     }
 }
 
-fn run_section(out: &mut String, run: &RunAnalysis) {
+fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds) {
     let tag = |k: &str| run.tags.get(k).map_or("-", String::as_str);
     let status = if run.complete {
         "complete"
@@ -226,7 +250,7 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
         cell(&run.not_measured, Question::Hidden, &hidden)
     );
     let topk = run.topk_verdict.as_ref().map_or_else(
-        || "none".to_owned(),
+        || super::topk_none(run).to_owned(),
         |v| {
             format!(
                 "layer {}: mean Jaccard {:.4} < {:.4}",
@@ -264,14 +288,14 @@ fn run_section(out: &mut String, run: &RunAnalysis) {
             cell(&run.not_measured, Question::Logits, &found)
         );
     }
-    let header = LAYER_COLUMNS.map(str::to_owned);
-    table(out, &header, &layer_rows(run));
+    table(out, &layer_header(t), &layer_rows(run, t));
     let _ = writeln!(out);
 }
 
 /// The per-run layer table: layer | top-k overlap | hidden-state error |
 /// non-finite | verdict marks.
-pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
+pub(crate) fn layer_rows(run: &RunAnalysis, th: &Thresholds) -> Vec<Vec<String>> {
+    let mode = deciding_mode(&run.hidden, th);
     let mut layers: Vec<i32> = run
         .topk
         .iter()
@@ -287,7 +311,7 @@ pub(crate) fn layer_rows(run: &RunAnalysis) -> Vec<Vec<String>> {
             let h = run
                 .hidden
                 .iter()
-                .find(|s| s.layer == layer && s.site == "layer_out");
+                .find(|s| s.layer == layer && s.site == th.hidden_site && s.shadow_mode == mode);
             let worst = |count: fn(&crate::metrics::hidden_error::SiteError) -> usize| {
                 run.hidden
                     .iter()
