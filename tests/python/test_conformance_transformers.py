@@ -56,7 +56,8 @@ def test_deepseek_v32s_rope_function_is_read_through_the_kernels_wrapper_as_5_25
         "print(layout.hub_kernel_layer(fn), layout.parameters(fn))\n"
         "print(layout.select(hf.layouts(m.__name__), {m.__name__: m}, 'probe').name)\n"
     )
-    path = [transformers_path("5.25.0")["PYTHONPATH"], *sys.path]  # the hooks as this process has them
+    # the hooks as this process has them (5.25 itself where it is the virtualenv's)
+    path = [*transformers_path("5.25.0").values(), *sys.path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
