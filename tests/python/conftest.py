@@ -12,17 +12,23 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "schemas" / "v1"
 # What format v2 redefines (topk, the manifest); the rest is v1's.
 SCHEMAS_V2 = REPO / "schemas" / "v2"
-# The transformers releases the HF adapter is executed on: the virtualenv's, 5.24 (the last
-# without `kernels`) and the newest (with it: DeepSeek-V3.2's RoPE function is a hub-kernel
-# module there).
-TRANSFORMERS = ["5.17.0", "5.24.0", "5.25.0"]
+# The transformers releases the HF adapter is executed on: the virtualenv's (5.17.0 in .venv;
+# on the engines' torch, the release the engines bring: ./dev), 5.24 (the last without
+# `kernels`) and the newest (with it: DeepSeek-V3.2's RoPE function is a hub-kernel module
+# there). 5.17 is executed wherever its requirements can be met (transformers_path).
+TRANSFORMERS = list(dict.fromkeys([transformers.__version__, "5.17.0", "5.24.0", "5.25.0"]))
 
 
 def transformers_path(version: str) -> dict[str, str]:
     """PYTHONPATH for a subprocess running `version` of transformers: the virtualenv's own
-    release, or the release installed apart (tests/python/upstream.py)."""
+    release, or the release installed apart (tests/python/upstream.py). A release whose
+    requirements this environment cannot meet (transformers refuses them at import) skips the
+    test, saying which."""
     if version == transformers.__version__:
         return {}
+    unmet = upstream.unmet("transformers", version)
+    if unmet:
+        pytest.skip(f"transformers {version} cannot run beside this environment: requires {'; '.join(unmet)}")
     return {"PYTHONPATH": str(upstream.site("transformers", version))}
 
 

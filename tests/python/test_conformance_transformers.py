@@ -6,8 +6,11 @@ DeepSeek-V3.2 to the modules it hooks."""
 import os
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
+import transformers
+import upstream
 from conformance import mapping, selected
 from conftest import transformers_path
 from shadowtrace_hooks.adapters import TARGETS, hf
@@ -56,7 +59,8 @@ def test_deepseek_v32s_rope_function_is_read_through_the_kernels_wrapper_as_5_25
         "print(layout.hub_kernel_layer(fn), layout.parameters(fn))\n"
         "print(layout.select(hf.layouts(m.__name__), {m.__name__: m}, 'probe').name)\n"
     )
-    path = [transformers_path("5.25.0")["PYTHONPATH"], *sys.path]  # the hooks as this process has them
+    # the hooks as this process has them (5.25 itself where it is the virtualenv's)
+    path = [*transformers_path("5.25.0").values(), *sys.path]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
@@ -65,3 +69,16 @@ def test_deepseek_v32s_rope_function_is_read_through_the_kernels_wrapper_as_5_25
         "rotary_pos_emb ['q', 'k', 'cos', 'sin', 'unsqueeze_dim']",
         "cache=",
     ]
+
+
+def test_a_release_is_skipped_only_for_a_requirement_this_environment_cannot_meet() -> None:
+    """`upstream.unmet` decides which transformers releases skip their tests here
+    (conftest.transformers_path). pip built this environment from the registry's metadata, so
+    its own release has every requirement met; 5.17 requires huggingface_hub < 2, unmet
+    exactly where the installed hub is 2 or later (the engines' torch environments)."""
+    assert upstream.unmet("transformers", transformers.__version__) == []
+    hub = metadata.version("huggingface_hub")
+    unmet = upstream.unmet("transformers", "5.17.0")
+    assert [r for r in unmet if r.startswith("huggingface-hub")] == (
+        [f"huggingface-hub<2.0,>=1.5.0 (found {hub})"] if int(hub.split(".")[0]) >= 2 else []
+    )

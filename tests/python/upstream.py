@@ -9,13 +9,17 @@ with `pip download --no-deps` and cached under `~/.cache/shadowtrace/upstream` (
 """
 
 import ast
+import email
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from functools import cache
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shadowtrace" / "upstream"
 
@@ -49,6 +53,40 @@ COMPANIONS = {
         "truststore==0.10.5", "tomlkit==0.15.3",
     ),
 }  # fmt: skip
+
+
+def unmet(package: str, version: str) -> list[str]:
+    """The requirements of `package==version`, as its wheel's metadata states them, that
+    neither this environment nor the release's pinned `COMPANIONS` meet: such a release is
+    refused at import (transformers 5.17 requires huggingface_hub < 2, which an environment
+    with vLLM 0.34's huggingface_hub 2 cannot give it beside its own)."""
+    pinned = {}
+    for companion in COMPANIONS.get((package, version), ()):
+        requirement = Requirement(companion)
+        pinned[canonical(requirement.name)] = next(iter(requirement.specifier)).version
+    with zipfile.ZipFile(wheel(package, version)) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = email.message_from_bytes(archive.read(name)).get_all("Requires-Dist") or []
+    missing = []
+    for line in requires:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        found = pinned.get(canonical(requirement.name))
+        if found is None:
+            try:
+                found = metadata.version(requirement.name)
+            except metadata.PackageNotFoundError:
+                missing.append(f"{requirement} (not installed)")
+                continue
+        if not requirement.specifier.contains(found, prereleases=True):
+            missing.append(f"{requirement} (found {found})")
+    return missing
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as the registry compares them (PEP 503)."""
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def site(package: str, version: str) -> Path:
