@@ -70,8 +70,10 @@ def rows_per_forward(tokens: int = LENGTH, layers: int = 3) -> dict[str, int]:
 # Counters by which a manifest names a loss it cannot number: the rows missing from such a
 # run are "counted (named)", not lost silently. Events are counted when their shipment is
 # decoded (unflushed_shipments, undecoded_shipments); a capture that failed (hook_errors,
-# sites_disabled) or a step that could not open (step_open_failed) produced none of its rows.
-NAMING = ("unflushed_shipments", "undecoded_shipments", "hook_errors", "sites_disabled", "step_open_failed")
+# sites_disabled), a step that could not open (step_open_failed) or a hook that failed before
+# the forward's first row (forward_failed_before_rows) produced none of its rows.
+NAMING = ("unflushed_shipments", "undecoded_shipments", "hook_errors", "sites_disabled", "step_open_failed",
+          "forward_failed_before_rows")  # fmt: skip
 _RUN_ID = re.compile(r"-(\d{3})(?:-s\d+)?-rank\d+-pid(\d+)$")
 
 

@@ -21,7 +21,8 @@ The contract is the Rust writer's (tracer/src/writer):
   what was sent and is neither written nor counted as dropped was lost, and readers say so;
 - it says `incomplete` until the worker has written every row after `close()`; a run whose
   rows are not written within the flush deadline, or whose request was interrupted, stays
-  `incomplete` with the rows still queued counted (`counters.unflushed_rows`);
+  `incomplete` with the rows still queued counted (`counters.unflushed_rows`); so does a run
+  whose producer lost rows it never sent (`lose_rows`, with its counter and reason);
 - the writer owns its manifest: the forward's thread changes it only through `RunWriter`'s
   methods (`set_setting`, `tag`, `add_conventions`, ...), under the lock the worker takes to
   copy it before serialising, so the worker never reads a dict that is changing;
@@ -279,6 +280,9 @@ class RunWriter:
         self.counters: dict[str, int] = {}
         self.errors: list[str] = []
         self.interrupted = False
+        # The producer lost rows of this run before they were made (`lose_rows`): it closes
+        # incomplete, whatever was written.
+        self.lost = False
         self._lock = threading.Lock()  # counts and the manifest document
         # The manifest's file: one writer at a time, so an older copy never replaces a newer.
         self._file_lock = threading.Lock()
@@ -316,8 +320,18 @@ class RunWriter:
             for name in definitions.TABLES
         }
         self._write_manifest()
-        self._worker = threading.Thread(target=self._run, name=f"shadowtrace-writer-{run_id}", daemon=True)
-        self._worker.start()
+        try:
+            self._worker = threading.Thread(
+                target=self._run, name=f"shadowtrace-writer-{run_id}", daemon=True
+            )
+            self._worker.start()
+        except BaseException as e:
+            # The manifest is on disk: it says the run never started (nothing will close it).
+            with contextlib.suppress(Exception):
+                self.count("step_open_failed")
+                self.lose_rows(f"step_open_failed: the run's writer could not start: {type(e).__name__}: {e}")
+                self._write_manifest()
+            raise
 
     # --- the caller's side ------------------------------------------------------------
 
@@ -552,6 +566,15 @@ class RunWriter:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
+    def lose_rows(self, reason: str) -> None:
+        """The producer lost rows of this run that were never sent, so that no table count can
+        name them (a hook failed before a forward's first row; the producer counts what it
+        lost): the run closes `incomplete`, and `settings.rows_lost_reason` keeps the first
+        reason."""
+        with self._lock:
+            self.lost = True
+            self.manifest["settings"].setdefault("rows_lost_reason", reason)
+
     def set_counters(self, values: dict[str, int]) -> None:
         """Sets manifest counters to totals counted elsewhere (the run's, the process's)."""
         with self._lock:
@@ -677,6 +700,7 @@ class RunWriter:
             if self.interrupted:
                 m["counters"]["interrupted"] = 1
             if final and not self.errors and not self.interrupted:
-                m["status"] = "complete"
+                # A run that lost rows before they were sent is closed, and incomplete.
+                m["status"] = "incomplete" if self.lost else "complete"
                 m["closed_unix_ms"] = _now_ms()
             return copy.deepcopy(m)
