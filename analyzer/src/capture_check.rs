@@ -8,8 +8,10 @@
 //! the scores. That is the adapter misreading the engine, not numerics, so
 //! a layer that disagrees gets a verdict of its own, `capture inconsistent`,
 //! printed before every numerics verdict, and its top-k verdict is not
-//! judged. Producers that record no check (the reference engine, which
-//! computes its selection itself) give no verdict here.
+//! judged. A producer that ran no check says so, and why (`run` false: the
+//! reference engine, which computes its selection itself): the reports print
+//! `capture self-check: not run (why)`. Older runs that record nothing give
+//! no line here.
 
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::Manifest;
@@ -29,6 +31,10 @@ pub struct LayerCheck {
     pub disagree: u64,
     /// The first such row's token.
     pub first_token: Option<i64>,
+    /// Informative rows the check could not judge (a non-finite k-th or
+    /// selected score): never among `rows`. Absent in older runs.
+    #[serde(default)]
+    pub unchecked: u64,
 }
 
 impl LayerCheck {
@@ -70,10 +76,17 @@ pub struct CaptureCheck {
     pub sources: Vec<String>,
     /// Per layer, ascending.
     pub layers: Vec<LayerCheck>,
+    /// Why the producer ran no check, where it says so (`run` false: the
+    /// reference engine, adapters whose selection the check cannot read).
+    pub not_run: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct Stored {
+    #[serde(default = "ran")]
+    run: bool,
+    #[serde(default)]
+    why: Option<String>,
     tolerance: f64,
     #[serde(default)]
     sources: Vec<String>,
@@ -108,11 +121,17 @@ impl CaptureCheck {
         }
         layers.sort_by_key(|c| c.layer);
         let engine = &manifest.identity.engine;
+        let not_run = (!stored.run).then(|| {
+            stored
+                .why
+                .unwrap_or_else(|| "the producer gave no reason".to_owned())
+        });
         Ok(Some(Self {
             engine: format!("{} {}", engine.name, engine.version),
             tolerance: stored.tolerance,
             sources: stored.sources,
             layers,
+            not_run,
         }))
     }
 
@@ -143,6 +162,9 @@ impl CaptureCheck {
     /// One line for a check that found every layer consistent, or that had
     /// no informative row to check (dense rows only): never read as clean.
     fn consistent_line(&self) -> String {
+        if let Some(why) = &self.not_run {
+            return format!("capture self-check: not run ({why})");
+        }
         let rows: u64 = self.layers.iter().map(|c| c.rows).sum();
         if rows == 0 {
             return format!(
@@ -161,11 +183,19 @@ impl CaptureCheck {
     }
 }
 
+fn ran() -> bool {
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn check(layers: serde_json::Value) -> Result<Option<CaptureCheck>, String> {
+        stored(serde_json::json!({"tolerance": 1e-3, "sources": ["s"], "layers": layers}))
+    }
+
+    fn stored(setting: serde_json::Value) -> Result<Option<CaptureCheck>, String> {
         let mut m: Manifest = serde_json::from_value(serde_json::json!({
             "schema_version": 2, "tool": {"name": "t", "version": "0"}, "run_id": "r",
             "status": "complete", "started_unix_ms": 0, "closed_unix_ms": 1,
@@ -180,10 +210,7 @@ mod tests {
             "settings": {}, "tags": {}, "tables": {}, "counters": {}, "injections": []
         }))
         .map_err(|e| e.to_string())?;
-        m.identity.settings.insert(
-            SETTING.to_owned(),
-            serde_json::json!({"tolerance": 1e-3, "sources": ["s"], "layers": layers}),
-        );
+        m.identity.settings.insert(SETTING.to_owned(), setting);
         CaptureCheck::of(&m)
     }
 
@@ -219,6 +246,28 @@ mod tests {
             (
                 false,
                 vec!["capture self-check: not judged: no informative row (every row saw at most k keys) in 1 layer".to_owned()]
+            )
+        );
+    }
+
+    #[test]
+    fn a_check_the_producer_did_not_run_says_so_and_why() {
+        assert_eq!(check(serde_json::json!({})).unwrap().unwrap().not_run, None);
+        // As the reference engine writes it (tracer/src/trace/mod.rs).
+        let c = stored(
+            serde_json::json!({"run": false, "why": "the reference engine selects itself",
+            "tolerance": 0.0, "sources": [], "layers": {}}),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.inconsistent().count(), 0);
+        assert_eq!(
+            c.report_lines(),
+            (
+                false,
+                vec![
+                    "capture self-check: not run (the reference engine selects itself)".to_owned()
+                ]
             )
         );
     }

@@ -409,10 +409,11 @@ class Run:
             contradicting = selection.check_counts(first, arrays)
             if contradicting is not None:
                 sparse = visible > k
+                unchecked = sparse & (contradicting == selection.UNCHECKED)
                 bad = sparse & (contradicting > 0)
                 self.writer.capture_check(
-                    layer, str(check), check_tolerance, int(sparse.sum()), int(bad.sum()),
-                    int(np.asarray(positions)[bad][0]) if bad.any() else None,
+                    layer, str(check), check_tolerance, int((sparse & ~unchecked).sum()), int(bad.sum()),
+                    int(np.asarray(positions)[bad][0]) if bad.any() else None, unchecked=int(unchecked.sum()),
                 )  # fmt: skip
             for shadow_input, spec in specs.items():
                 try:

@@ -68,6 +68,9 @@ _ROW_GROUP_ROWS = {"topk": 1 << 16, "hidden": 1 << 20, "events": 1 << 16, "logit
 _PART_MAX_BYTES = 256 << 20
 # A row given as a dict: its size in the queue, for the byte bound (lists counted apart).
 _ROW_BYTES = 256
+# What the capture self-check's relative tolerance multiplies (settings.capture_check's
+# `tolerance_scale`): selection.score_scale over the keys production selected.
+CHECK_TOLERANCE_SCALE = "mean_abs_selected_score"
 # While rows arrive, the manifest's sent and written counts are at most this old on disk.
 _MANIFEST_EVERY_S = 1.0
 
@@ -602,26 +605,49 @@ class RunWriter:
                 settings[key] = value
 
     def capture_check(
-        self, layer: int, source: str, tolerance: float, rows: int, disagree: int, first_token: int | None
+        self,
+        layer: int,
+        source: str,
+        tolerance: float,
+        rows: int,
+        disagree: int,
+        first_token: int | None,
+        *,
+        unchecked: int = 0,
     ) -> None:
         """Adds one indexer call's capture self-check (`selection`: production's selection
         against its own scores) to `settings.capture_check`: per layer, the informative
-        rows checked, those that disagree and the first of them; `source` says where
-        production's scores came from, `tolerance` is the check's (relative)."""
+        rows checked, those that disagree and the first of them, and the informative rows it
+        could not check (`unchecked`: a non-finite k-th or selected score), never among the
+        rows checked; `source` says where production's scores came from, `tolerance` is the
+        check's, relative to `tolerance_scale`."""
         with self._lock:
             check = self.manifest["settings"].setdefault(
-                "capture_check", {"tolerance": tolerance, "sources": [], "layers": {}}
-            )
+                "capture_check",
+                {"run": True, "tolerance": tolerance, "tolerance_scale": CHECK_TOLERANCE_SCALE,
+                 "sources": [], "layers": {}},
+            )  # fmt: skip
             if source not in check["sources"]:
                 check["sources"].append(source)
             # The loosest tolerance any call of the run was checked with.
             check["tolerance"] = max(check["tolerance"], tolerance)
-            entry = check["layers"].setdefault(str(layer), {"rows": 0, "disagree": 0, "first_token": None})
+            entry = check["layers"].setdefault(
+                str(layer), {"rows": 0, "disagree": 0, "first_token": None, "unchecked": 0}
+            )
             entry["rows"] += rows
             entry["disagree"] += disagree
+            entry["unchecked"] += unchecked
             first = entry["first_token"]
             if first_token is not None and (first is None or first_token < first):
                 entry["first_token"] = first_token
+
+    def capture_check_not_run(self, why: str) -> None:
+        """Records that this run has no capture self-check, and why (`settings.capture_check`
+        with `run` false; the fields a reader of checks that ran expects are there, empty)."""
+        with self._lock:
+            self.manifest["settings"]["capture_check"] = {
+                "run": False, "why": why, "tolerance": 0.0, "sources": [], "layers": {},
+            }  # fmt: skip
 
     def tag(self, key: str, value: str) -> None:
         """Sets the run's tag `key`."""

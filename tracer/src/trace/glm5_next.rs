@@ -195,6 +195,7 @@ fn identity(
     let mut settings = serde_json::Map::new();
     settings.insert("fp8_indexer".to_owned(), "none".into());
     super::band_settings(&mut settings, opts.band);
+    super::capture_check_not_run(&mut settings);
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),

@@ -480,6 +480,25 @@ pub(crate) fn band_settings(settings: &mut serde_json::Map<String, serde_json::V
     );
 }
 
+/// The manifest's `settings.capture_check` of a reference-engine run: not
+/// run, and why. The capture self-check catches an adapter that misread an
+/// engine's selection; this engine selects from the scores it records
+/// itself, so nothing was read. The fields of a check that ran are there,
+/// empty, so that a reader of those reads this one (`run` false says it is
+/// none).
+pub(crate) fn capture_check_not_run(settings: &mut serde_json::Map<String, serde_json::Value>) {
+    settings.insert(
+        "capture_check".to_owned(),
+        serde_json::json!({
+            "run": false,
+            "why": "the reference engine selects from the scores it records itself: no engine's selection was read, so there is no capture to check",
+            "tolerance": 0.0,
+            "sources": [],
+            "layers": {},
+        }),
+    );
+}
+
 /// The prompt-hash salt of the directory `run_dir` lies in
 /// ([`directory_salt`]).
 pub(crate) fn runs_dir_salt(run_dir: &Path) -> Vec<u8> {
@@ -524,6 +543,7 @@ fn identity(
         opts.fp8_indexer_name.clone().into(),
     );
     band_settings(&mut settings, opts.band);
+    capture_check_not_run(&mut settings);
     settings.insert("tokens".to_owned(), opts.tokens_setting.clone());
     settings.insert(
         "prod_linears".to_owned(),

@@ -481,6 +481,9 @@ class _Tracer:
     # Whether this adapter's layers can take the shadow's values (subclasses whose layers
     # differ say why not).
     GRAFTS_REFUSED: str | None = None
+    # Why this adapter runs no capture self-check on its indexers' selections (None: it runs
+    # one): recorded in each run (`settings.capture_check`, `run` false), never left unsaid.
+    CAPTURE_CHECK_NOT_RUN: str | None = None
 
     def _why_no_graft(self) -> str | None:
         """Why SHADOWTRACE_GRAFT is not applied (None: it is): a graft takes the local
@@ -691,6 +694,8 @@ class _Tracer:
         writer = run.writer
         for key, value in run_settings(layout, NAME, _version()).items():
             writer.set_setting(key, value)
+        if self.CAPTURE_CHECK_NOT_RUN is not None:
+            writer.capture_check_not_run(self.CAPTURE_CHECK_NOT_RUN)
         self.sess.guarded("transformers:production", run, self._record_production, run)
         if self.shadow_refused is not None:
             writer.refuse_shadow(self.shadow_refused)
