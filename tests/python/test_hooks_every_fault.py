@@ -10,7 +10,8 @@ its first occurrence and at its last one in that window (the last run of a batch
 torch's OutOfMemoryError and once with a plain Exception, each in a fresh session.
 The engine's own calls that pass through the hooks (the model's forward that
 `traced_forward` wraps, the indexer's ops under `_TopkInput`) are the engine's: their
-errors are the engine's to raise, and they are left out.
+errors are the engine's to raise, and they are left out; so are a `with` block's lock
+releases (`LOCK_RELEASES`), which cannot fail.
 
 After each fault: the forward returns production's logits unchanged (nothing reaches the
 engine), and every run of the clean forward is either whole (each table's rows on disk, read
@@ -38,6 +39,10 @@ import torch
 
 LAYERS, LENGTH, BATCH = 1, 24, 2
 LOSSES = ("step_open_failed", "forward_failed_before_rows")
+# A `with` block's release of a lock it holds: CPython runs it whatever was raised inside, and
+# releasing a held lock does not fail. A fault planted there (the profiler raises instead of
+# the call) would leave the lock held, which no code can do, and hang the writer's thread.
+LOCK_RELEASES = {"lock.__exit__", "RLock.__exit__", "Condition.__exit__", "Semaphore.__exit__"}
 
 
 def produced() -> dict[str, int]:
@@ -59,6 +64,13 @@ class Calls:
         self.torch_function = hf._TopkInput.__torch_function__.__code__
         lines, first = inspect.getsourcelines(hf._TopkInput.__torch_function__)
         self.engine_line = first + next(i for i, line in enumerate(lines) if "= func(*args" in line)
+        # traced_forward's and traced_generate's calls of the model's own (decorated) method
+        lines, first = inspect.getsourcelines(hf.patch)
+        self.model_calls = {
+            first + i
+            for i, line in enumerate(lines)
+            if "forward(self, *args" in line or "generate(self, *args" in line
+        }
         self.inject, self.error = inject, error
         self.calls: list[tuple[tuple, int]] = []
         self.seen: Counter = Counter()
@@ -75,7 +87,8 @@ class Calls:
                 return
             caller = frame.f_back
             callee = f"{code.co_filename}:{code.co_qualname}"
-            if code.co_name == "forward" and caller is not None and caller.f_code.co_name == "traced_forward":
+            wrapper = caller is not None and caller.f_code.co_name in ("traced_forward", "traced_generate")
+            if wrapper and caller.f_lineno in self.model_calls:
                 return  # the model's own forward, which traced_forward wraps
         elif event == "c_call" and self.active:
             caller = frame
@@ -86,6 +99,8 @@ class Calls:
             return
         if caller.f_code is self.torch_function and caller.f_lineno == self.engine_line:
             return  # the indexer's own op, passed through the capture's mode
+        if callee.rsplit(":", 1)[-1] in LOCK_RELEASES:
+            return  # cannot raise: an exception there would leave the lock held for good
         site = (caller.f_code.co_filename.removeprefix(self.package), caller.f_lineno, callee)
         self.seen[site] += 1
         call = (site, self.seen[site])
