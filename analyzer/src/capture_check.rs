@@ -9,12 +9,12 @@
 //! a layer that disagrees gets a verdict of its own, `capture inconsistent`,
 //! printed before every numerics verdict, and its top-k verdict is not
 //! judged. A layer with no informative row to check is not judged, and
-//! said so. Producers that record no check (the reference engine, which
-//! computes its selection itself; an adapter whose selection the check does
-//! not cover) give no verdict here, and the reports say `not run` with the
-//! producer's reason (`settings.capture_check_not_run`) where it gave one.
-//! A setting that cannot be read is a broken run: not judged for capture,
-//! never read as "no check".
+//! said so. A producer that ran no check says so, and why (`run` false in
+//! `settings.capture_check`: the reference engine, which computes its
+//! selection itself; DeepSeek-V4's compressed keys, not calibrated): the
+//! reports print `capture self-check: not run (why)`; older runs that record
+//! nothing print `not run` with [`NOT_RUN_UNSAID`]. A setting that cannot be
+//! read is a broken run: not judged for capture, never read as "no check".
 
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::Manifest;
@@ -40,6 +40,10 @@ pub struct LayerCheck {
     pub disagree: u64,
     /// The first such row's token.
     pub first_token: Option<i64>,
+    /// Informative rows the check could not judge (a non-finite k-th or
+    /// selected score): never among `rows`. Absent in older runs.
+    #[serde(default)]
+    pub unchecked: u64,
 }
 
 impl LayerCheck {
@@ -81,10 +85,17 @@ pub struct CaptureCheck {
     pub sources: Vec<String>,
     /// Per layer, ascending.
     pub layers: Vec<LayerCheck>,
+    /// Why the producer ran no check, where it says so (`run` false: the
+    /// reference engine, adapters whose selection the check cannot read).
+    pub not_run: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct Stored {
+    #[serde(default = "ran")]
+    run: bool,
+    #[serde(default)]
+    why: Option<String>,
     tolerance: f64,
     #[serde(default)]
     sources: Vec<String>,
@@ -119,11 +130,17 @@ impl CaptureCheck {
         }
         layers.sort_by_key(|c| c.layer);
         let engine = &manifest.identity.engine;
+        let not_run = (!stored.run).then(|| {
+            stored
+                .why
+                .unwrap_or_else(|| "the producer gave no reason".to_owned())
+        });
         Ok(Some(Self {
             engine: format!("{} {}", engine.name, engine.version),
             tolerance: stored.tolerance,
             sources: stored.sources,
             layers,
+            not_run,
         }))
     }
 
@@ -208,6 +225,9 @@ impl Recorded {
     #[must_use]
     pub fn of(manifest: &Manifest) -> Recorded {
         match CaptureCheck::of(manifest) {
+            Ok(Some(CaptureCheck {
+                not_run: Some(why), ..
+            })) => Recorded::NotRun(why),
             Ok(Some(check)) => Recorded::Checked(check),
             Err(why) => Recorded::Unreadable(why),
             Ok(None) => Recorded::NotRun(
@@ -259,6 +279,10 @@ pub fn unreadable_line(why: &str) -> String {
     )
 }
 
+fn ran() -> bool {
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,6 +308,10 @@ mod tests {
         CaptureCheck::of(&manifest(serde_json::json!({
             SETTING: {"tolerance": 1e-3, "sources": ["s"], "layers": layers}
         })))
+    }
+
+    fn stored(setting: serde_json::Value) -> Result<Option<CaptureCheck>, String> {
+        CaptureCheck::of(&manifest(serde_json::json!({ SETTING: setting })))
     }
 
     #[test]
@@ -378,6 +406,23 @@ mod tests {
             lines[0]
                 .starts_with("CAPTURE SELF-CHECK UNREADABLE: settings.capture_check unreadable:"),
             "{lines:?}"
+        );
+    }
+
+    #[test]
+    fn a_check_the_producer_did_not_run_says_so_and_why() {
+        assert_eq!(check(serde_json::json!({})).unwrap().unwrap().not_run, None);
+        // As the reference engine writes it (tracer/src/trace/mod.rs).
+        let setting = serde_json::json!({"run": false, "why": "the reference engine selects itself",
+            "tolerance": 0.0, "sources": [], "layers": {}});
+        let c = stored(setting.clone()).unwrap().unwrap();
+        assert_eq!(c.inconsistent().count(), 0);
+        assert_eq!(
+            Recorded::of(&manifest(serde_json::json!({ SETTING: setting }))).report_lines(),
+            (
+                false,
+                vec!["capture self-check: not run (the reference engine selects itself)".to_owned()]
+            )
         );
     }
 

@@ -27,7 +27,12 @@ pub fn render_run(run: &Run) -> String {
             )
         }
         (Status::Complete, None) => "complete".to_owned(),
-        (Status::Incomplete, _) => format!(
+        // Closed by its producer, which lost rows it never sent (counters say which).
+        (Status::Incomplete, Some(closed)) => format!(
+            "INCOMPLETE (closed {} with rows its producer lost: see counters)",
+            utc(closed)
+        ),
+        (Status::Incomplete, None) => format!(
             "INCOMPLETE (opened {}, never closed)",
             utc(m.started_unix_ms)
         ),

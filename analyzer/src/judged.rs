@@ -236,7 +236,12 @@ pub fn not_measured(
     if manifest.status != Status::Complete {
         out.push(NotMeasured {
             questions: EVERY_QUESTION.to_vec(),
-            why: "the run is incomplete: its producer never closed it".to_owned(),
+            why: if manifest.closed_unix_ms.is_some() {
+                "the run is incomplete: its producer closed it with rows it lost (counted)"
+            } else {
+                "the run is incomplete: its producer never closed it"
+            }
+            .to_owned(),
         });
     }
     if let Some(sites) = manifest

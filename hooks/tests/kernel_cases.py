@@ -230,13 +230,17 @@ def test_the_compare_kernels_write_torchs_packet_exactly(monkeypatch):
     assert len(coded) == len(cases) + len(checks), coded
     assert sum(n > 0 for n in coded) == (len(cases) - 1) + 1, coded
     # what the checks counted, through the kernel: on the honest selection only row 60's
-    # padded slot, the same where production appends a tail key, more on each misread one
-    counted = []
+    # padded slot, the same where production appends a tail key, more on each misread one;
+    # row 40, whose NaN production selected (torch.topk ranks NaN first), is unchecked
+    counted, unchecked = [], []
     for case in checks:
         packet = Packet()
         spec = selection.compare(packet, q_pos=q_pos, keys=keys, k=k, **case)
-        counted.append(int(selection.check_counts(spec, packet.ship().arrays()).sum()))
+        counts = selection.check_counts(spec, packet.ship().arrays())
+        counted.append(int(counts[counts > 0].sum()))
+        unchecked.append(np.flatnonzero(counts == selection.UNCHECKED).tolist())
     assert counted[0] == 1, counted
+    assert unchecked[0] == unchecked[2] == [40], unchecked
     assert counted[1] > t, counted
     assert counted[2] == 1, counted
     assert counted[3] == 1 + t - 80, counted

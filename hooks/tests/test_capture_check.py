@@ -5,6 +5,7 @@ tied at the k-th score never count, and a selection read against other tokens (t
 misreading the check exists to catch) disagrees on nearly every sparse row."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,11 +67,32 @@ def test_keys_tied_at_the_kth_score_never_count() -> None:
 def test_a_key_within_the_tolerance_of_the_kth_score_is_not_counted_and_one_past_it_is() -> None:
     q_pos = [7, 7]
     scores = torch.tensor([[10.0, 9, 8, 7, 6, 5, 4, 3]] * 2)
-    tol = selection.CHECK_TOLERANCE * 10.0  # the row's largest selected |score| is 10
-    scores[0, 7] = 7.0 - 0.5 * tol  # within: rounding between two sums of the same terms
-    scores[1, 7] = 7.0 - 2.0 * tol  # past it
+    # the row's scale is the mean |score| of the keys selected (10, 9, 8 and about 7): 8.5
+    tol = selection.CHECK_TOLERANCE * 8.5
+    scores[0, 7] = 7.0 - 0.9 * tol  # within: rounding between two sums of the same terms
+    scores[1, 7] = 7.0 - 1.1 * tol  # past it
     chosen = torch.tensor([[0, 1, 2, 7], [0, 1, 2, 7]])
     assert contradicting(chosen, scores, q_pos, 4) == [0, 1]
+
+
+def test_one_dominant_key_does_not_widen_the_tolerance_for_the_others() -> None:
+    """An attention-sink key scored far above the rest: scaled by the row's largest score it
+    would excuse every key within CHECK_TOLERANCE of 1000 below the k-th; scaled by the mean
+    of the selected scores (score_scale's definition, for its reason) it excuses rounding of
+    scores like the k-th's only. Issue 42: one dominant key excused a key 0.5 below a k-th of
+    1.5."""
+    q_pos = [39]
+    scores = torch.zeros(1, 40)
+    scores[0, 0] = 1000.0
+    scores[0, 1:15] = 2.0
+    scores[0, 15] = 1.5  # the k-th of the true top-16: keys 0..15
+    scores[0, 16] = 1.0  # selected instead of key 15: 0.5 below the k-th
+    chosen = torch.tensor([[*range(15), 16]])
+    mean = (1000.0 + 14 * 2.0 + 1.0) / 16
+    shortfall = 1.5 - 1.0
+    assert shortfall > selection.CHECK_TOLERANCE * mean  # a contradiction at the mean's scale...
+    assert shortfall < selection.CHECK_TOLERANCE * 1000.0  # ...that the largest score would excuse
+    assert contradicting(chosen, scores, q_pos, 16) == [1]
 
 
 def test_a_key_the_query_cannot_see_counts_on_sparse_rows_and_dense_rows_are_never_judged() -> None:
@@ -115,10 +137,28 @@ def test_an_appended_tail_key_is_productions_own_and_left_alone_only_where_the_m
     assert contradicting(chosen, scores, q_pos, 4) == [1, 1]
 
 
-def test_nan_scores_count_no_key_below_them() -> None:
-    q_pos = [7]
-    scores = torch.full((1, 8), math.nan)
-    assert contradicting(torch.tensor([[4, 5, 6, 7]]), scores, q_pos, 4) == [0]
+def test_rows_whose_selected_or_kth_score_is_not_finite_are_unchecked_never_agreeing() -> None:
+    """Every comparison with NaN is false: a row whose scores are NaN would otherwise count as
+    checked with no key below the k-th (issue 42). Such a sparse row is unchecked, apart from
+    the rows checked; a key it cannot see or an empty slot still contradicts it for sure, and
+    a dense row is never judged."""
+    k, q_pos = 4, [7, 7, 7, 7, 7, 7, 2]
+    g = torch.Generator().manual_seed(8)
+    scores = torch.randn(7, 8, generator=g)
+    scores[6, 3:] = -math.inf  # row 6 sees 3 keys: dense
+    chosen = scores.topk(k, dim=-1).indices.clone()
+    scores[0] = math.nan  # every score NaN, the k-th too
+    scores[1, chosen[1, 2]] = math.nan  # one selected key's score NaN (it stays selected)
+    scores[2, 1:] = math.inf  # the k-th score +inf: no bound below it
+    chosen[2] = torch.arange(4)
+    scores[3, chosen[3, 0]] = math.nan  # a NaN, and a key the query cannot see: contradicted
+    chosen[3, 1] = 9
+    scores[4, chosen[4, 3]] = -math.inf  # a selected key at -inf: not a number to bound
+    # row 5 finite: checked, and agreeing
+    scores[6, 0] = math.nan
+    chosen[6] = torch.tensor([0, 1, 2, -1])
+    unchecked = selection.UNCHECKED
+    assert contradicting(chosen, scores, q_pos, k) == [unchecked, unchecked, unchecked, 1, unchecked, 0, 0]
 
 
 def test_a_selection_read_against_shifted_tokens_disagrees_on_nearly_every_sparse_row() -> None:
@@ -165,13 +205,38 @@ def test_the_bf16_logits_tolerance_covers_a_head_by_head_bf16_reduction_of_64_he
     fp32 = mqa_logits(q8, weights, k8, k_scale, first, end)
     chosen = mqa_logits(q8, weights, k8, k_scale, first, end, torch.bfloat16).topk(k, dim=-1).indices
     q_pos = [keys - 1] * rows
-    # the largest shortfall, measured here with torch.topk: below the tolerance by 1.5x
+    # the largest shortfall, measured here with torch.topk against the mean |score| of the
+    # keys selected: below the tolerance by 1.5x
     kth = fp32.topk(k, dim=-1).values[:, -1]
     got = fp32.gather(1, chosen)
-    shortfall = ((kth[:, None] - got).clamp(min=0).amax(-1) / got.abs().amax(-1)).max().item()
+    shortfall = ((kth[:, None] - got).clamp(min=0).amax(-1) / got.abs().mean(-1)).max().item()
     assert selection.CHECK_TOLERANCE < shortfall < engine.BF16_LOGITS_CHECK_TOLERANCE / 1.5
     assert (
         contradicting(chosen, fp32, q_pos, k, check_tolerance=engine.BF16_LOGITS_CHECK_TOLERANCE)
         == [0] * rows
     )
     assert sum(c > 0 for c in contradicting(chosen, fp32, q_pos, k)) > rows // 4
+
+
+def test_the_manifest_counts_unchecked_rows_apart_from_the_rows_checked(tmp_path: Path) -> None:
+    """What the writer's thread records per layer (`settings.capture_check`): a NaN row among
+    the informative ones is `unchecked`, never one of the `rows` checked, and the tolerance
+    names the scale it multiplies."""
+    from shadowtrace_hooks import session
+    from shadowtrace_hooks.writer import RunWriter
+    from test_writer_off_path import IDENTITY
+
+    settings = session.Settings.from_environ({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path)})
+    run = session.Run(RunWriter(tmp_path / "run", IDENTITY), settings)
+    q_pos = [3, 7, 7, 7]  # k = 4: row 0 dense, rows 1..3 informative
+    scores = causal_scores(4, 8, q_pos, seed=9)
+    chosen = scores.topk(4, dim=-1).indices.clone()
+    scores[2, chosen[2, 0]] = math.nan
+    chosen[3, 0] = int(scores[3].argmin())  # the key scored lowest: below the k-th
+    run.topk(0, 0, 4, np.array(q_pos, dtype=np.int32), torch.tensor(q_pos), chosen, scores, {},
+             check="captured")  # fmt: skip
+    run.ship()
+    check = run.writer.close()["settings"]["capture_check"]
+    assert check["run"] is True
+    assert check["tolerance_scale"] == "mean_abs_selected_score"
+    assert check["layers"]["0"] == {"rows": 2, "disagree": 1, "first_token": 7, "unchecked": 1}

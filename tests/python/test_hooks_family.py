@@ -90,14 +90,16 @@ def test_tracing_leaves_logits_generate_and_cache_identical_and_selections_count
     assert generate["tables"]["topk"]["rows"] == len(layers) * (LENGTH + 2)
     # The capture self-check on GLM-5.3-Flash's pools: production's selection, its appended
     # tail pool aside, is the top-k of its own recomputed pool scores on every sparse row.
-    # DeepSeek-V4's compressed selection records no check (not calibrated).
+    # DeepSeek-V4's compressed selection runs no check (not calibrated), and its runs say so.
     check = forward["settings"].get("capture_check")
     if model == "glm5_next":
         sparse = sum(1 for p in range(LENGTH) if (p + 1) // tokens > k)
-        assert check["layers"] == {str(layer): {"rows": sparse, "disagree": 0, "first_token": None}
-                                   for layer in layers}  # fmt: skip
+        assert check["run"] is True
+        assert check["layers"] == {str(layer): {"rows": sparse, "disagree": 0, "first_token": None,
+                                                "unchecked": 0} for layer in layers}  # fmt: skip
     else:
-        assert check is None
+        assert (check["run"], check["layers"]) == (False, {})
+        assert "not calibrated" in check["why"]
 
     rows, version = topk_rows(runs / forward["run_id"])
     positions = torch.tensor(rows["token"])

@@ -87,10 +87,13 @@ impl Run {
         let mut problems = Vec::new();
         let mut unhashed = 0_usize;
         if manifest.status == Status::Incomplete {
-            notes.push(
+            notes.push(if manifest.closed_unix_ms.is_some() {
+                "run is incomplete: closed by a producer that lost rows it never sent (its counters say which)"
+                    .to_owned()
+            } else {
                 "run is incomplete: its writer has not closed it (still running, or killed)"
-                    .to_owned(),
-            );
+                    .to_owned()
+            });
         }
         if let Some(why) = manifest
             .identity

@@ -679,7 +679,9 @@ def _member_kernel() -> Any:
         vis = tl.load(vis_ptr + row)
         sparse = vis > k
         cols = tl.arange(0, BLOCK)
-        top = tl.zeros([BLOCK], dtype=tl.float32)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        finites = tl.zeros([BLOCK], dtype=tl.int32)
+        unknown = tl.zeros([BLOCK], dtype=tl.int32)
         filled = tl.zeros([BLOCK], dtype=tl.int32)
         for block in range(BLOCKS):
             j = block * BLOCK + cols
@@ -691,12 +693,18 @@ def _member_kernel() -> Any:
             if CHECK:
                 got = tl.load(s_ptr + r64 * stride_s + idx * stride_sk, mask=valid, other=0.0).to(tl.float32)
                 finite = valid & (got == got) & (tl.abs(got) != float("inf"))
-                top = tl.maximum(top, tl.where(finite, tl.abs(got), 0.0))
+                total += tl.where(finite, tl.abs(got), 0.0)
+                finites += finite.to(tl.int32)
+                unknown += (valid & ~finite).to(tl.int32)
                 filled += (ok & (idx >= 0)).to(tl.int32)
         if CHECK:
-            # the bound reads the largest |score| of the whole row: a second pass
-            bound = tl.load(kth_ptr + row) - tol * tl.max(top, axis=0)
+            # the bound reads the mean |score| of the row's selected keys (selection's
+            # score_scale over them): a second pass
+            kth = tl.load(kth_ptr + row)
+            scale = tl.sum(total, axis=0) / tl.maximum(tl.sum(finites, axis=0), 1).to(tl.float32)
+            bound = kth - tol * scale
             bad = tl.zeros([BLOCK], dtype=tl.int32)
+            unseen = tl.zeros([BLOCK], dtype=tl.int32)
             for block in range(BLOCKS):
                 j = block * BLOCK + cols
                 ok = j < N
@@ -709,7 +717,13 @@ def _member_kernel() -> Any:
                 if TAIL:  # the appended tail key is production's by definition, never scored
                     beyond = beyond & (idx != vis)
                 bad += ((below | beyond) & sparse).to(tl.int32)
+                unseen += (beyond & sparse).to(tl.int32)
             missing = tl.maximum(k - tl.sum(filled, axis=0), 0) * sparse.to(tl.int32)
-            tl.store(check_ptr + row, tl.sum(bad, axis=0) + missing)
+            certain = tl.sum(unseen, axis=0) + missing
+            # a non-finite selected or k-th score: unchecked (-1, selection.UNCHECKED) unless
+            # a key the query cannot see or an empty slot already contradicts the row
+            blind = (tl.sum(unknown, axis=0) > 0) | (kth != kth) | (tl.abs(kth) == float("inf"))
+            count = tl.sum(bad, axis=0) + missing
+            tl.store(check_ptr + row, tl.where(sparse & blind & (certain == 0), -1, count))
 
     return member_kernel

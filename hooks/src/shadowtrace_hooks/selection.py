@@ -38,11 +38,15 @@ The capture self-check (`compare(..., check=True)`, issue 27): where `prod_score
 production's own scores (captured from its top-k call, or recomputed from its own operands),
 production's selection must be their top-k. On each sparse row it counts the keys production
 selected that contradict them: a key its query cannot see (beyond the causal limit), one
-scored below the k-th score by more than `CHECK_TOLERANCE` of the row's largest selected
-|score|, and each of the k slots left without a key (a sparse row's top-k always fills k).
+scored below the k-th score by more than `CHECK_TOLERANCE` of the row's score scale (the
+mean |score| of the keys production selected: `score_scale`'s definition, for its reason),
+and each of the k slots left without a key (a sparse row's top-k always fills k).
 Keys tied at the k-th score never count. A row with any such key disagrees: the
 adapter read the selection against other tokens, another request or another layer than the
-scores, which is a misreading of the engine, not numerics.
+scores, which is a misreading of the engine, not numerics. A sparse row whose k-th score or
+a selected key's score is not finite cannot be checked against a bound (every comparison
+with NaN is false): unless a key it cannot see or an empty slot already contradicts it, it
+is unchecked (`UNCHECKED`), counted apart from the rows checked.
 """
 
 import math
@@ -55,7 +59,11 @@ from shadowtrace_hooks import kernels
 from shadowtrace_hooks.numerics import Lists
 from shadowtrace_hooks.transfer import Later, Packet
 
-# The capture self-check's tolerance, relative to the row's largest selected |score|. A
+# The capture self-check's count for a row it could not check (a non-finite k-th score or
+# selected score): never a number of keys.
+UNCHECKED = -1
+
+# The capture self-check's tolerance, relative to the row's score scale. A
 # recompute of production's operands in fp32 differs from the engine's kernel by its
 # summation order: a few fp32 ulps of the sum's terms (below 1e-6 relative; the stand-ins'
 # kernels, emulated, and HF's captured scores give 0). 1e-3 leaves three decades to that and
@@ -427,8 +435,9 @@ def _contradicting(
     tail: bool = False,
 ) -> torch.Tensor:
     """[rows] int32: the keys of production's selection that its own scores contradict, and
-    its empty slots (the module's capture self-check), 0 on dense rows. Reads only the
-    selected keys' scores, a [rows, n] gather, never the whole [rows, keys] matrix again."""
+    its empty slots (the module's capture self-check), 0 on dense rows, `UNCHECKED` on a
+    sparse row that only a non-finite score could judge. Reads only the selected keys'
+    scores, a [rows, n] gather, never the whole [rows, keys] matrix again."""
     idx = prod_topk.long()
     beyond = idx >= visible[:, None]  # never gathered: a misread row may point past the keys
     if tail:  # the appended tail key is production's by definition, never scored
@@ -437,16 +446,22 @@ def _contradicting(
     valid = (idx >= 0) & (idx < visible[:, None])
     got = prod_scores.gather(1, torch.where(valid, idx, 0)).float()
     finite = valid & torch.isfinite(got)
-    scale = torch.where(finite, got.abs(), 0.0).amax(-1)
-    below = valid & (got < (kth.float() - tolerance * scale)[:, None]) & sparse[:, None]
+    kth = kth.float()
+    unknown = (valid & ~finite).any(-1) | ~torch.isfinite(kth)
+    # score_scale over the selected keys: on a row it checks, every selected score is finite
+    scale = torch.where(finite, got.abs(), 0.0).sum(-1) / finite.sum(-1).clamp(min=1)
+    below = valid & (got < (kth - tolerance * scale)[:, None]) & sparse[:, None]
     # Padding (-1) in place of a key: a sparse row's top-k fills k slots.
     missing = (k - (idx >= 0).sum(-1)).clamp(min=0) * sparse
-    return ((below | unseen).sum(-1) + missing).to(torch.int32)
+    certain = unseen.sum(-1) + missing
+    count = below.sum(-1) + certain
+    return torch.where(sparse & unknown & (certain == 0), UNCHECKED, count).to(torch.int32)
 
 
 def check_counts(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:
-    """[T] the capture self-check's contradicting keys per row (0 on dense rows), from the
-    packet's host arrays; None when the comparison did not run the check."""
+    """[T] the capture self-check's contradicting keys per row (0 on dense rows, `UNCHECKED`
+    where it could not check), from the packet's host arrays; None when the comparison did
+    not run the check."""
     if not spec.check:
         return None
     return np.concatenate([arrays[c.check] for c in spec.chunks if c.check is not None])

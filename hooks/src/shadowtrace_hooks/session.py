@@ -5,6 +5,7 @@ Adapters (shadowtrace_hooks.adapters) decide where tensors come from; this modul
 what is recorded and how: which layers, sites and tokens, the run's identity, the rows.
 """
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -28,6 +29,12 @@ log = logging.getLogger("shadowtrace")
 # Guard keys of the captures that open a forward's step (`transformers:step`, `vllm:step`):
 # their failure loses the whole step of every open run (`Session._step_open_failed`).
 STEP_OPEN_SUFFIX = ":step"
+
+# The counters of a run that lost rows of a forward to a hook's exception before the run's
+# first row of that forward: the step could not open, or a later hook failed first
+# (`Forward`). Either leaves the run incomplete, its first reason in `settings.rows_lost_reason`.
+STEP_OPEN_FAILED = "step_open_failed"
+FAILED_BEFORE_ROWS = "forward_failed_before_rows"
 
 
 def capturing() -> bool:
@@ -233,6 +240,11 @@ class Run:
         self._device: torch.device | None = None
         self._decoders: list[Decode] = []
         self._counted: dict[str, int] = {}
+        # Rows (of counted tables) registered since the forward in flight began to serve this
+        # run (`Forward.serve`): until there is one, a hook's exception is this run's loss.
+        self.forward_rows = 0
+        self._lost_in: object | None = None  # the Forward whose loss this run counted last
+        self.opened = -1  # its number among the session's runs
 
     @property
     def run_id(self) -> str:
@@ -244,6 +256,16 @@ class Run:
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq - 1
+
+    def lose(self, counter: str, reason: str, forward: object | None = None) -> None:
+        """This run lost rows to a hook's exception (`reason`) before it held any row of the
+        forward: counted once per `forward` (`counter`: STEP_OPEN_FAILED or
+        FAILED_BEFORE_ROWS), the first reason kept, and the run closes incomplete."""
+        if forward is not None and self._lost_in is forward:
+            return
+        self._lost_in = forward
+        self.count(counter)
+        self.writer.lose_rows(f"{counter}: {reason}")
 
     # --- the packet -------------------------------------------------------------------
 
@@ -264,6 +286,7 @@ class Run:
         self._decoders.append(decode)
         for table, n in counted.items():
             self._counted[table] = self._counted.get(table, 0) + n
+            self.forward_rows += n
 
     def ship(self) -> None:
         """Sends every capture since the last ship in one device-to-host copy."""
@@ -386,10 +409,11 @@ class Run:
             contradicting = selection.check_counts(first, arrays)
             if contradicting is not None:
                 sparse = visible > k
+                unchecked = sparse & (contradicting == selection.UNCHECKED)
                 bad = sparse & (contradicting > 0)
                 self.writer.capture_check(
-                    layer, str(check), check_tolerance, int(sparse.sum()), int(bad.sum()),
-                    int(np.asarray(positions)[bad][0]) if bad.any() else None,
+                    layer, str(check), check_tolerance, int((sparse & ~unchecked).sum()), int(bad.sum()),
+                    int(np.asarray(positions)[bad][0]) if bad.any() else None, unchecked=int(unchecked.sum()),
                 )  # fmt: skip
             for shadow_input, spec in specs.items():
                 try:
@@ -453,6 +477,67 @@ def _events(summary: np.ndarray, positions: np.ndarray, where: dict) -> list[tup
     return [("events", {**cols, **where, "path": "prod"}, len(rows))]
 
 
+class Forward:
+    """One traced forward, from its entry to its return (issue 42): the runs it serves, and
+    the first exception a hook caught in it. An exception before a run's first row of the
+    forward is that run's loss (`Run.lose`), whichever hook raised and whichever run its
+    guard named: the run then says what it lacks and stays incomplete. Runs served after an
+    exception (opened by the same forward) take it too. With no run served, the runs still
+    open (a decode step of theirs) or else the process count it, as a step that could not
+    open (`Session._step_open_failed`)."""
+
+    def __init__(self, sess: "Session") -> None:
+        self.sess = sess
+        self.runs: list[Run] = []
+        self.first = sess.opened  # runs opened from here on are this forward's, served or not
+        # How many runs the forward opens for its requests, once the adapter knows (a
+        # prefill): those it could not open are the process's loss.
+        self.requests = 0
+        self.failure: tuple[str, str] | None = None  # (counter, reason) of the first exception
+        self._counted_open = False  # a failure before any run: counted once
+        self._counted_missing = 0  # requests without a run, counted by the process
+
+    def serve(self, run: Run) -> None:
+        """`run` takes rows of this forward: none so far."""
+        if run in self.runs:
+            return
+        self.runs.append(run)
+        run.forward_rows = 0
+        if self.failure is not None:
+            run.lose(*self.failure, forward=self)
+
+    def mine(self) -> list[Run]:
+        """The runs this forward serves, and those it opened whose serving failed."""
+        opened = [r for r in self.sess.open_runs if r.opened >= self.first and r not in self.runs]
+        return self.runs + opened
+
+    def ended(self) -> None:
+        """The forward ends: a run opened after its failure, and never served, takes it too."""
+        if self.failure is not None:
+            for run in self.mine():
+                if run.forward_rows == 0:
+                    run.lose(*self.failure, forward=self)
+
+    def failed(self, key: str, reason: str) -> None:
+        counter = STEP_OPEN_FAILED if key.endswith(STEP_OPEN_SUFFIX) else FAILED_BEFORE_ROWS
+        why = f"{key}: {reason}"
+        if self.failure is None:
+            self.failure = (counter, why)
+        runs = self.mine()
+        if not runs and not self.requests:
+            if not self._counted_open:
+                self._counted_open = True
+                self.sess._step_open_failed(counter, why)
+            return
+        for run in runs:
+            if run.forward_rows == 0:
+                run.lose(counter, why, forward=self)
+        missing = self.requests - len(runs)
+        if missing > self._counted_missing:
+            self.sess.count(counter, missing - self._counted_missing)
+            self._counted_missing = missing
+
+
 class Session:
     """Process-wide tracing state: settings, the open runs, and sites disabled by errors."""
 
@@ -474,6 +559,9 @@ class Session:
         # capture or torch.compile, failed steps): every run closed afterwards carries the
         # totals so far as `process.<name>`, so that summing runs never double-counts them.
         self.counters: dict[str, int] = {}
+        # The traced forward in flight (adapters that call `begin_forward`), innermost last.
+        self.forwards: list[Forward] = []
+        self.opened = 0  # runs opened so far, each numbered (`Run.opened`)
 
     def open_run(
         self,
@@ -541,15 +629,25 @@ class Session:
             tool_version=__version__,
             budget=self.budget,
         )
-        run = Run(writer, s)
-        if s.grafts and grafts is not None:
-            run.count("graft_refused")
-            name = engine.get("name")
-            self.warn_once(
-                f"graft_refused:{name}",
-                f"SHADOWTRACE_GRAFT={s.graft_spec}: {name}: {grafts}; production runs ungrafted",
-            )
-        self.open_runs.append(run)
+        try:
+            run = Run(writer, s)
+            run.opened, self.opened = self.opened, self.opened + 1
+            if s.grafts and grafts is not None:
+                run.count("graft_refused")
+                name = engine.get("name")
+                self.warn_once(
+                    f"graft_refused:{name}",
+                    f"SHADOWTRACE_GRAFT={s.graft_spec}: {name}: {grafts}; production runs ungrafted",
+                )
+            self.open_runs.append(run)
+        except BaseException as e:
+            # The run's directory holds a manifest: it says why it holds nothing (the caller's
+            # guard counts the failure), and its writer is closed, never left open unseen.
+            with contextlib.suppress(Exception):
+                writer.count(STEP_OPEN_FAILED)
+                writer.lose_rows(f"{STEP_OPEN_FAILED}: the run could not open: {type(e).__name__}: {e}")
+                writer.close(wait=False)
+            raise
         return run
 
     def close_run(
@@ -610,18 +708,33 @@ class Session:
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
-    def _step_open_failed(self) -> None:
-        """A forward's step could not open (`<engine>:step` raised): the captures of that
-        forward do not run, so every run open now (the runs of the forward's requests, opened
-        by the step or earlier) misses its rows. Each counts it (`step_open_failed`): a run
-        that would otherwise read complete with none of the step's rows says what it lacks.
-        With no run open, the forward's request has no manifest, and the process counts it
-        (`process.step_open_failed` in every run closed afterwards)."""
+    def begin_forward(self) -> Forward:
+        """A traced forward begins: until it ends, an exception any guard catches is the
+        loss of the runs it serves that hold no row of it yet (`Forward`)."""
+        forward = Forward(self)
+        self.forwards.append(forward)
+        return forward
+
+    def end_forward(self, forward: Forward) -> None:
+        if forward in self.forwards:
+            forward.ended()
+            self.forwards.remove(forward)
+
+    def _step_open_failed(
+        self, counter: str = STEP_OPEN_FAILED, reason: str = "the step could not open"
+    ) -> None:
+        """A forward's step could not open (`<engine>:step` raised, or a hook before any run
+        of the forward was served): the captures of that forward do not run, so every run
+        open now (the runs of the forward's requests, opened by the step or earlier) misses
+        its rows. Each counts it (`counter`) and stays incomplete: a run that would otherwise
+        read complete with none of the step's rows says what it lacks. With no run open, the
+        forward's request has no manifest, and the process counts it (`process.<counter>` in
+        every run closed afterwards)."""
         if self.open_runs:
             for run in self.open_runs:
-                run.count("step_open_failed")
+                run.lose(counter, reason)
         else:
-            self.count("step_open_failed")
+            self.count(counter)
 
     def warn_once(self, key: str, message: str) -> None:
         """One line on stderr (through the `shadowtrace` logger) the first time `key` is
@@ -650,20 +763,27 @@ class Session:
             with torch.no_grad():
                 return fn(*args, **kwargs)
         except Exception as e:
-            self.errors += 1
-            reason = f"{type(e).__name__}: {e}"
-            (run or self).count("hook_errors")
-            if run is None and key.endswith(STEP_OPEN_SUFFIX):
-                self._step_open_failed()
-            if not disable:
-                self.warn_once(
-                    f"failed:{key}", f"capture {key} failed (counted, retried next time): {reason}"
-                )
-                return None
-            self.disabled[key] = reason
-            (run or self).count("sites_disabled")
-            log.warning("shadowtrace: capture %s failed and is disabled: %s", key, reason)
+            self.caught(key, run, e, disable=disable)
             return None
+
+    def caught(self, key: str, run: Run | None, error: Exception, *, disable: bool) -> None:
+        """A capture's exception (`guarded`'s, or one an adapter caught around its guards):
+        counted in the run (or the process), the loss of the forward in flight's runs that
+        hold no row of it yet (`Forward`), reported once, and with `disable` the capture
+        switched off for the rest of the process."""
+        self.errors += 1
+        reason = f"{type(error).__name__}: {error}"
+        (run or self).count("hook_errors")
+        if self.forwards:
+            self.forwards[-1].failed(key, reason)
+        elif run is None and key.endswith(STEP_OPEN_SUFFIX):
+            self._step_open_failed(STEP_OPEN_FAILED, f"{key}: {reason}")
+        if not disable:
+            self.warn_once(f"failed:{key}", f"capture {key} failed (counted, retried next time): {reason}")
+            return
+        self.disabled[key] = reason
+        (run or self).count("sites_disabled")
+        log.warning("shadowtrace: capture %s failed and is disabled: %s", key, reason)
 
 
 _session: Session | None = None

@@ -21,7 +21,8 @@ The contract is the Rust writer's (tracer/src/writer):
   what was sent and is neither written nor counted as dropped was lost, and readers say so;
 - it says `incomplete` until the worker has written every row after `close()`; a run whose
   rows are not written within the flush deadline, or whose request was interrupted, stays
-  `incomplete` with the rows still queued counted (`counters.unflushed_rows`);
+  `incomplete` with the rows still queued counted (`counters.unflushed_rows`); so does a run
+  whose producer lost rows it never sent (`lose_rows`, with its counter and reason);
 - the writer owns its manifest: the forward's thread changes it only through `RunWriter`'s
   methods (`set_setting`, `tag`, `add_conventions`, ...), under the lock the worker takes to
   copy it before serialising, so the worker never reads a dict that is changing;
@@ -72,6 +73,9 @@ _ROW_GROUP_ROWS = {"topk": 1 << 16, "hidden": 1 << 20, "events": 1 << 16, "logit
 _PART_MAX_BYTES = 256 << 20
 # A row given as a dict: its size in the queue, for the byte bound (lists counted apart).
 _ROW_BYTES = 256
+# What the capture self-check's relative tolerance multiplies (settings.capture_check's
+# `tolerance_scale`): selection.score_scale over the keys production selected.
+CHECK_TOLERANCE_SCALE = "mean_abs_selected_score"
 # While rows arrive, the manifest's sent and written counts are at most this old on disk.
 _MANIFEST_EVERY_S = 1.0
 
@@ -304,6 +308,9 @@ class RunWriter:
         self.counters: dict[str, int] = {}
         self.errors: list[str] = []
         self.interrupted = False
+        # The producer lost rows of this run before they were made (`lose_rows`): it closes
+        # incomplete, whatever was written.
+        self.lost = False
         self._lock = threading.Lock()  # counts and the manifest document
         # The manifest's file: one writer at a time, so an older copy never replaces a newer.
         self._file_lock = threading.Lock()
@@ -341,8 +348,18 @@ class RunWriter:
             for name in definitions.TABLES
         }
         self._write_manifest()
-        self._worker = threading.Thread(target=self._run, name=f"shadowtrace-writer-{run_id}", daemon=True)
-        self._worker.start()
+        try:
+            self._worker = threading.Thread(
+                target=self._run, name=f"shadowtrace-writer-{run_id}", daemon=True
+            )
+            self._worker.start()
+        except BaseException as e:
+            # The manifest is on disk: it says the run never started (nothing will close it).
+            with contextlib.suppress(Exception):
+                self.count("step_open_failed")
+                self.lose_rows(f"step_open_failed: the run's writer could not start: {type(e).__name__}: {e}")
+                self._write_manifest()
+            raise
 
     # --- the caller's side ------------------------------------------------------------
 
@@ -577,6 +594,15 @@ class RunWriter:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
 
+    def lose_rows(self, reason: str) -> None:
+        """The producer lost rows of this run that were never sent, so that no table count can
+        name them (a hook failed before a forward's first row; the producer counts what it
+        lost): the run closes `incomplete`, and `settings.rows_lost_reason` keeps the first
+        reason."""
+        with self._lock:
+            self.lost = True
+            self.manifest["settings"].setdefault("rows_lost_reason", reason)
+
     def set_counters(self, values: dict[str, int]) -> None:
         """Sets manifest counters to totals counted elsewhere (the run's, the process's)."""
         with self._lock:
@@ -604,26 +630,49 @@ class RunWriter:
                 settings[key] = value
 
     def capture_check(
-        self, layer: int, source: str, tolerance: float, rows: int, disagree: int, first_token: int | None
+        self,
+        layer: int,
+        source: str,
+        tolerance: float,
+        rows: int,
+        disagree: int,
+        first_token: int | None,
+        *,
+        unchecked: int = 0,
     ) -> None:
         """Adds one indexer call's capture self-check (`selection`: production's selection
         against its own scores) to `settings.capture_check`: per layer, the informative
-        rows checked, those that disagree and the first of them; `source` says where
-        production's scores came from, `tolerance` is the check's (relative)."""
+        rows checked, those that disagree and the first of them, and the informative rows it
+        could not check (`unchecked`: a non-finite k-th or selected score), never among the
+        rows checked; `source` says where production's scores came from, `tolerance` is the
+        check's, relative to `tolerance_scale`."""
         with self._lock:
             check = self.manifest["settings"].setdefault(
-                "capture_check", {"tolerance": tolerance, "sources": [], "layers": {}}
-            )
+                "capture_check",
+                {"run": True, "tolerance": tolerance, "tolerance_scale": CHECK_TOLERANCE_SCALE,
+                 "sources": [], "layers": {}},
+            )  # fmt: skip
             if source not in check["sources"]:
                 check["sources"].append(source)
             # The loosest tolerance any call of the run was checked with.
             check["tolerance"] = max(check["tolerance"], tolerance)
-            entry = check["layers"].setdefault(str(layer), {"rows": 0, "disagree": 0, "first_token": None})
+            entry = check["layers"].setdefault(
+                str(layer), {"rows": 0, "disagree": 0, "first_token": None, "unchecked": 0}
+            )
             entry["rows"] += rows
             entry["disagree"] += disagree
+            entry["unchecked"] += unchecked
             first = entry["first_token"]
             if first_token is not None and (first is None or first_token < first):
                 entry["first_token"] = first_token
+
+    def capture_check_not_run(self, why: str) -> None:
+        """Records that this run has no capture self-check, and why (`settings.capture_check`
+        with `run` false; the fields a reader of checks that ran expects are there, empty)."""
+        with self._lock:
+            self.manifest["settings"]["capture_check"] = {
+                "run": False, "why": why, "tolerance": 0.0, "sources": [], "layers": {},
+            }  # fmt: skip
 
     def tag(self, key: str, value: str) -> None:
         """Sets the run's tag `key`."""
@@ -707,6 +756,7 @@ class RunWriter:
             if self.interrupted:
                 m["counters"]["interrupted"] = 1
             if final and not self.errors and not self.interrupted:
-                m["status"] = "complete"
+                # A run that lost rows before they were sent is closed, and incomplete.
+                m["status"] = "incomplete" if self.lost else "complete"
                 m["closed_unix_ms"] = _now_ms()
             return copy.deepcopy(m)

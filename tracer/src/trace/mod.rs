@@ -480,15 +480,22 @@ pub(crate) fn band_settings(settings: &mut serde_json::Map<String, serde_json::V
     );
 }
 
-/// Why the reference engine runs no capture self-check, for the manifest's
-/// `settings.capture_check_not_run` (the analyzer prints it: `capture
-/// self-check: not run (...)`): the check asks whether an adapter read another
-/// engine's selection right, and this engine's selection is its own.
+/// The manifest's `settings.capture_check` of a reference-engine run: not
+/// run, and why. The capture self-check catches an adapter that misread an
+/// engine's selection; this engine selects from the scores it records
+/// itself, so nothing was read. The fields of a check that ran are there,
+/// empty, so that a reader of those reads this one (`run` false says it is
+/// none).
 pub(crate) fn capture_check_not_run(settings: &mut serde_json::Map<String, serde_json::Value>) {
     settings.insert(
-        "capture_check_not_run".to_owned(),
-        "the reference engine computes its selection itself: no other engine's capture to check"
-            .into(),
+        "capture_check".to_owned(),
+        serde_json::json!({
+            "run": false,
+            "why": "the reference engine selects from the scores it records itself: no engine's selection was read, so there is no capture to check",
+            "tolerance": 0.0,
+            "sources": [],
+            "layers": {},
+        }),
     );
 }
 

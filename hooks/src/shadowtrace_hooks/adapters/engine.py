@@ -441,12 +441,15 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 # The capture self-check's tolerance where production ranks bf16 logits reduced in bf16
 # (vLLM 0.34, DeepSeek-V3.2 on SM100): the sum over heads may round at every head, so a
-# selected key's fp32 score can lie below the fp32 k-th score by a few bf16 ulps of the row's
-# largest score. 2^-5 is eight bf16 unit roundoffs (2^-8) of it. Calibrated on an emulation
-# that rounds at every one of 64 heads (DeepSeek-V3.2's index_n_heads), more pessimistic than
-# one rounding: its largest shortfall is 1.2e-2 to 1.6e-2, and 1e-3 flags a quarter of the
-# rows and more (hooks/tests/test_capture_check.py).
-BF16_LOGITS_CHECK_TOLERANCE = 2.0**-5
+# selected key's fp32 score can lie below the fp32 k-th score by a few bf16 ulps of the scores
+# summed. Relative to the row's score scale (the mean |score| of the keys selected, as every
+# tolerance of the check), 2^-4 is sixteen bf16 unit roundoffs (2^-8) of it. Calibrated on an
+# emulation that rounds at every one of 64 heads (DeepSeek-V3.2's index_n_heads), more
+# pessimistic than one rounding: its largest shortfall is 3.6e-2 of the mean (8.4e-3 of the
+# row's largest score, the scale before issue 42, under which 2^-5 of the largest excused
+# shortfalls four times this), and 1e-3 flags a quarter of the rows and more
+# (hooks/tests/test_capture_check.py).
+BF16_LOGITS_CHECK_TOLERANCE = 2.0**-4
 
 
 def logits_dtype_convention(dtype: torch.dtype | None, engine_source: str, config: Any) -> dict:

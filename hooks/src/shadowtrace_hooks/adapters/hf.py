@@ -185,43 +185,103 @@ def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -
     inputs = _Inputs(forward, cache_name)
     attach = tracer.attach
 
+    def begin(
+        model: torch.nn.Module, sess: Session, window: session.Forward, args: tuple, kwargs: dict
+    ) -> Any:
+        """The tracer of `model`, its step open; None (the window ended) when untraced."""
+        tracer = sess.guarded("transformers:attach", None, attach, model, sess, rope, inputs)
+        if tracer is not None and session.capturing():
+            sess.count("captures_skipped_cuda_graph")
+            tracer = None
+        if tracer is None:
+            sess.end_forward(window)
+            return None
+        tracer.begin(window, model, args, kwargs)
+        return tracer
+
     @functools.wraps(forward)
     def traced_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        sess = session.current()
-        if sess is None:
-            return forward(self, *args, **kwargs)
-        tracer = sess.guarded("transformers:attach", None, attach, self, sess, rope, inputs)
+        # Every call the hooks make around the model's forward is inside a try (issue 42): an
+        # exception there, guarded or not, is counted and is the loss of the forward's runs
+        # (`session.Forward`), never the engine's. The model's own forward is called outside
+        # them, so that its exceptions reach the caller unchanged.
+        sess = window = tracer = None
+        try:
+            sess = session.current()
+            if sess is not None:
+                window = sess.begin_forward()
+                tracer = begin(self, sess, window, args, kwargs)
+        except Exception as e:
+            tracer = None
+            _escaped(sess, window, e, lost=True)
         if tracer is None:
             return forward(self, *args, **kwargs)
-        if session.capturing():
-            sess.count("captures_skipped_cuda_graph")
-            return forward(self, *args, **kwargs)
-        return tracer.forward(forward, self, args, kwargs)
+        try:
+            out = forward(self, *args, **kwargs)
+        except BaseException:
+            try:
+                tracer.forward_raised(window)
+            except Exception as e:
+                _escaped(sess, window, e)
+            raise
+        try:
+            tracer.forward_returned(out, window)
+        except Exception as e:
+            _escaped(sess, window, e)
+        return out
 
     @functools.wraps(generate)
     def traced_generate(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        sess = session.current()
-        tracer = (
-            None
-            if sess is None
-            else sess.guarded("transformers:attach", None, attach, self, sess, rope, inputs)
-        )
+        # As traced_forward: the hooks' calls in a try, the model's own outside it.
+        sess = tracer = None
+        try:
+            sess = session.current()
+            if sess is not None:
+                tracer = sess.guarded("transformers:attach", None, attach, self, sess, rope, inputs)
+            if tracer is not None:
+                tracer.in_generate += 1
+        except Exception as e:
+            tracer = None
+            _escaped(sess, None, e, lost=True)
         if tracer is None:
             return generate(self, *args, **kwargs)
-        tracer.in_generate += 1
         try:
             return generate(self, *args, **kwargs)
         except BaseException:
             tracer.interrupted = True
             raise
         finally:
-            tracer.in_generate -= 1
-            if tracer.in_generate == 0:
-                sess.guarded("transformers:close", None, tracer.close_runs)
+            try:
+                tracer.in_generate -= 1
+                if tracer.in_generate == 0:
+                    sess.guarded("transformers:close", None, tracer.close_runs)
+            except Exception as e:
+                _escaped(sess, None, e)
 
     cls.forward, cls.generate = traced_forward, traced_generate
     cls._shadowtrace_patched = True
     cls._shadowtrace_layout = layout
+
+
+def _escaped(
+    sess: Session | None, window: "session.Forward | None", error: Exception, *, lost: bool = False
+) -> None:
+    """An exception of the hooks' work around a forward that no guard caught: counted as a
+    guard counts one, the loss of the forward's runs, and the forward's window ended. With
+    no window to take it (the forward's began no window, or generate's entry failed) and
+    `lost` (the forward goes on untraced), the runs open now, or else the process, count it."""
+    # A second exception here has nowhere left to be counted: the engine must go on.
+    with contextlib.suppress(Exception):
+        sess = sess or session.current()  # the failure may have been the session's lookup
+    if sess is None:
+        return
+    with contextlib.suppress(Exception):
+        sess.caught("transformers:forward", None, error, disable=False)
+        if window is None and lost:
+            sess._step_open_failed(session.FAILED_BEFORE_ROWS, f"transformers:forward: {error}")
+    if window is not None:
+        with contextlib.suppress(Exception):
+            sess.end_forward(window)
 
 
 class _Inputs:
@@ -310,13 +370,19 @@ class _TopkInput(torch.overrides.TorchFunctionMode):
         self.scores: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.calls = 0
+        self.error: Exception | None = None  # what the keeping raised: nothing is kept
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.topk or func is torch.topk:
-            self.calls += 1
-            self.scores = args[0] if args else (kwargs or {}).get("input")
-            self.values = result[0] if isinstance(result, tuple) else None
+        result = func(*args, **(kwargs or {}))  # the indexer's own call: its errors are its own
+        try:
+            if func is torch.Tensor.topk or func is torch.topk:
+                self.calls += 1
+                self.scores = args[0] if args else (kwargs or {}).get("input")
+                self.values = result[0] if isinstance(result, tuple) else None
+        except Exception as e:
+            # Never into the indexer: the capture is void (production's scores are then
+            # recomputed, counted), the error counted when the mode leaves.
+            self.error, self.calls = e, -1
         return result
 
 
@@ -346,6 +412,7 @@ class _Tracer:
         self.in_generate = 0
         self.interrupted = False
         self.step: _Step | None = None
+        self.window: session.Forward | None = None  # the traced forward in flight
         self.forwards = 0
         self.fired: set[str] = set()
         self.inner = inner = self._decoder()
@@ -414,6 +481,9 @@ class _Tracer:
     # Whether this adapter's layers can take the shadow's values (subclasses whose layers
     # differ say why not).
     GRAFTS_REFUSED: str | None = None
+    # Why this adapter runs no capture self-check on its indexers' selections (None: it runs
+    # one): recorded in each run (`settings.capture_check`, `run` false), never left unsaid.
+    CAPTURE_CHECK_NOT_RUN: str | None = None
 
     def _why_no_graft(self) -> str | None:
         """Why SHADOWTRACE_GRAFT is not applied (None: it is): a graft takes the local
@@ -459,35 +529,50 @@ class _Tracer:
 
     def _hook(self, kind: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Every hook body runs inside the guard: a failure is counted and disables that
-        capture, and never reaches the model's forward."""
-        if self.step is None or not self.runs:
-            return
-        self.fired.add(kind)
-        self.sess.guarded(f"transformers:{kind}", self.runs[0], fn, *args, **kwargs)
+        capture, and never reaches the model's forward (the guard's own call included)."""
+        try:
+            if self.step is None or not self.runs:
+                return
+            self.fired.add(kind)
+            self.sess.guarded(f"transformers:{kind}", self.runs[0], fn, *args, **kwargs)
+        except Exception as e:
+            self._unguarded(e)
+
+    def _unguarded(self, error: Exception) -> None:
+        """An exception a hook's own bookkeeping raised around its guard: counted as the
+        guard would, never raised into the model."""
+        with contextlib.suppress(Exception):
+            self.sess.caught("transformers:hook", self.runs[0] if self.runs else None, error, disable=False)
 
     # --- requests and steps ---------------------------------------------------------
 
-    def forward(self, forward: Any, model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        # A step that fails to open (an out-of-memory error) is counted and retried at the
-        # next forward: it must not switch tracing off for the process.
+    def begin(self, window: session.Forward, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Opens the forward's step. A step that fails to open (an out-of-memory error) is
+        counted and retried at the next forward: it must not switch tracing off for the
+        process."""
+        self.window = window
         self.sess.guarded("transformers:step", None, self._begin_step, model, args, kwargs, disable=False)
-        try:
-            out = forward(model, *args, **kwargs)
-            self._end_step(out)
-        except BaseException:
-            # SystemExit from a serving engine's SIGTERM handler (in the forward, or in the
-            # bookkeeping after it), an out-of-memory error: the request's rows stop half
-            # way, and its runs must say so.
-            self.interrupted = True
-            self.step = None
-            for run in self.runs:
-                run.cut = True  # closed interrupted by the exit flush if not here
-            if not self.in_generate:
-                self.sess.guarded("transformers:close", None, self.close_runs)
-            raise
-        return out
 
-    def _end_step(self, out: Any) -> None:
+    def forward_raised(self, window: session.Forward) -> None:
+        """The model's forward raised: SystemExit from a serving engine's SIGTERM handler,
+        an out-of-memory error. The request's rows stop half way, and its runs must say so."""
+        self.interrupted = True
+        self.step = None
+        for run in self.runs:
+            run.cut = True  # closed interrupted by the exit flush if not here
+        self.sess.end_forward(window)
+        if not self.in_generate:
+            self.sess.guarded("transformers:close", None, self.close_runs)
+
+    def forward_returned(self, out: Any, window: session.Forward) -> None:
+        try:
+            self._end_step(out, window)
+        except BaseException:
+            # SystemExit landing in the bookkeeping after the forward: as if the forward raised.
+            self.forward_raised(window)
+            raise
+
+    def _end_step(self, out: Any, window: session.Forward) -> None:
         step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
@@ -495,6 +580,8 @@ class _Tracer:
             self.sess.guarded("transformers:first_forward", None, self._check_first_forward)
             self.sess.guarded("transformers:fp8_kernel", None, self._record_kernel_loaded)
             self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, out, self.runs)
+        # Before the runs close: a loss counted after would miss their final manifest.
+        self.sess.end_forward(window)
         if not self.in_generate:
             self.sess.guarded("transformers:close", None, self.close_runs)
 
@@ -547,12 +634,14 @@ class _Tracer:
             # names the whole prompt (the prefix's ids, remembered on the cache) and says so.
             prefixes = hf_prefix.cached_ids(cache, past_len, batch)
             hit = past_len > 0
+            if self.window is not None:
+                self.window.requests = batch
             for b, row in enumerate(ids):
                 prefix = None if prefixes is None else prefixes[b]
                 run = self._open(row if prefix is None else prefix + row, device)
                 hf_prefix.tag(run, past_len, prefix)
-                self.runs.append(run)
         for run, row in zip(self.runs, ids, strict=False):
+            self._serve(run)
             run.step += 1
             run.state.setdefault("ids", run.state.pop("prompt_ids", [])).extend(row)
         self.step = _Step(position_ids.to(device), decode=past_len > 0)
@@ -561,6 +650,12 @@ class _Tracer:
         elif self.step.decode and self.settings.layer_modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
+
+    def _serve(self, run: Run) -> None:
+        """`run` takes rows of the forward in flight: a hook's exception before its first
+        row of it is its loss (`session.Forward`)."""
+        if self.window is not None:
+            self.window.serve(run)
 
     def _crop_to_cache(self, past_len: int) -> None:
         """A cache shorter than the tokens a run has seen was cropped by `generate`: assisted
@@ -593,9 +688,14 @@ class _Tracer:
             dtypes={"prod": prod, "shadow": self.settings.precision},
             grafts=self.graft_refused,
         )
+        # The tracer holds it at once: whatever fails next, it is closed with the others.
+        self.runs.append(run)
+        self._serve(run)
         writer = run.writer
         for key, value in run_settings(layout, NAME, _version()).items():
             writer.set_setting(key, value)
+        if self.CAPTURE_CHECK_NOT_RUN is not None:
+            writer.capture_check_not_run(self.CAPTURE_CHECK_NOT_RUN)
         self.sess.guarded("transformers:production", run, self._record_production, run)
         if self.shadow_refused is not None:
             writer.refuse_shadow(self.shadow_refused)
@@ -719,9 +819,13 @@ class _Tracer:
     def _graft(self, site: str, layer: int, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """A graft: the block's output replaced by the local shadow's, in production's dtype.
         In a guard: a failure is counted, disables the graft and leaves production's output."""
-        if self.step is None or not self.runs or site not in self.settings.graft_sites(layer):
+        try:
+            if self.step is None or not self.runs or site not in self.settings.graft_sites(layer):
+                return None
+            return self.sess.guarded(f"graft:{site}", self.runs[0], self._grafted, site, layer, output)
+        except Exception as e:
+            self._unguarded(e)
             return None
-        return self.sess.guarded(f"graft:{site}", self.runs[0], self._grafted, site, layer, output)
 
     def _grafted(self, site: str, layer: int, output: Any) -> Any:
         step = self.step
@@ -896,9 +1000,12 @@ class _Tracer:
                 run.hidden(layer, site, prod[b].flatten(1), site_shadows, rows)
 
     def _guard_enter(self, layer: int, module: torch.nn.Module, args: tuple) -> None:
-        self._captured = None
-        if self.step is not None and self.runs:
-            self.sess.guarded("transformers:indexer_capture", self.runs[0], self._scores_enter, layer)
+        try:
+            self._captured = None
+            if self.step is not None and self.runs:
+                self.sess.guarded("transformers:indexer_capture", self.runs[0], self._scores_enter, layer)
+        except Exception as e:
+            self._unguarded(e)
 
     def _scores_enter(self, layer: int) -> None:
         """Before a traced indexer call: the mode that keeps its top-k input."""
@@ -921,10 +1028,14 @@ class _Tracer:
         try:
             mode.__exit__(None, None, None)
         except Exception as e:  # a mode stack another mode left unbalanced: no capture
-            self.sess.count("hook_errors")
-            self.sess.warn_once("transformers:indexer_capture_exit", f"indexer score capture: {e}")
+            self._unguarded(e)
             return
-        self._captured = (layer, mode)
+        try:
+            if mode.error is not None:
+                self._unguarded(mode.error)
+            self._captured = (layer, mode)
+        except Exception as e:
+            self._unguarded(e)
 
     def _captured_scores(
         self, layer: int, batch: int, seq: int, k: int
