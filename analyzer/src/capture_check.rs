@@ -421,7 +421,9 @@ mod tests {
             Recorded::of(&manifest(serde_json::json!({ SETTING: setting }))).report_lines(),
             (
                 false,
-                vec!["capture self-check: not run (the reference engine selects itself)".to_owned()]
+                vec![
+                    "capture self-check: not run (the reference engine selects itself)".to_owned()
+                ]
             )
         );
     }

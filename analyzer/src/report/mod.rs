@@ -287,11 +287,7 @@ pub(crate) fn comparison_table(grid: &Grid) -> Option<(String, Vec<String>, Vec<
         } else {
             String::new()
         };
-        format!(
-            "{} {}{outcome}",
-            num(g.jaccard_no_churn, 4),
-            group_marks(g)
-        )
+        format!("{} {}{outcome}", num(g.jaccard_no_churn, 4), group_marks(g))
     };
     let rows = c
         .rows
