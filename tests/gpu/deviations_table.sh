@@ -13,9 +13,11 @@ S=${SUSPECTS:-./gpu-bin/shadowtrace-suspects}
 LENGTHS=${LENGTHS:-3072,6144}
 DEVS=${DEVS:-indexer_rope_neox,indexer_rope_interleaved,indexer_fp8,hadamard_dropped,indexer_k_cache_fp8,weights_proj_bf16,indexer_logits_bf16,tie_order,kv_slot_nan,zero_rope_writer,kcache_wrong_blocks,stale_prefix_state,indexer_logits_lowprec,indexer_logits_lowprec_fp16,paged_logits_past_len,paged_logits_past_len:2048,topk_drops_winners,topk_drops_winners:256,fp8_gemm_mtile_rows,reduction_zeros_large,reduction_zeros_large:4096}
 mkdir -p "$OUT"
-for model in glm5-tiny dsv32-tiny; do
-  $S --model "models/$model" --prompts heldout=models/corpus/heldout_head.bin --lengths "$LENGTHS" \
-    --deviations "$DEVS" --report "$OUT/$model" 2>&1 | tee "$OUT/$model.log" | tail -80
+for length in ${LENGTHS//,/ }; do
+  for model in glm5-tiny dsv32-tiny; do
+    $S --model "models/$model" --prompts heldout=models/corpus/heldout_head.bin --lengths "$length" \
+      --deviations "$DEVS" --report "$OUT/$model-$length" 2>&1 | tee "$OUT/$model-$length.log" | tail -80
+  done
 done
 python3 - "$OUT" <<'PY'
 import json, sys

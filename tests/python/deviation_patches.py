@@ -38,7 +38,9 @@ def indexers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def selecting(model: torch.nn.Module, select: Callable[[torch.Tensor, int, int], torch.Tensor]) -> Iterator[None]:
+def selecting(
+    model: torch.nn.Module, select: Callable[[torch.Tensor, int, int], torch.Tensor]
+) -> Iterator[None]:
     """Within the block, each indexer's final `index_scores.topk(k, dim=-1)` returns
     `select(index_scores, k, layer_idx)` as its indices; everything before it is
     transformers' own."""

@@ -12,8 +12,8 @@ import torch
 import trained
 from deviation_patches import (
     coarse_key,
-    exact,
     drops_winners,
+    exact,
     lowprec_head_sum,
     paged_past_len,
     selecting,
@@ -101,7 +101,8 @@ def test_an_overflowing_candidate_buffer_drops_later_winners_for_earlier_keys(mo
         # `capacity` in key order.
         assert missed <= set(candidates[capacity:].tolist()), (family, r)
         short += bool(missed)
-    assert overflowed > 0 and short > 0, (family, overflowed, short)
+    assert overflowed > 0, (family, "some row overflows a 256-entry buffer")
+    assert short > 0, (family, overflowed, "some overflowing row loses a winner")
 
 
 def test_a_reduction_returning_zeros_past_a_length_keeps_each_querys_trailing_keys(model_and_ids) -> None:

@@ -900,6 +900,61 @@ mod tests {
     }
 
     #[test]
+    fn a_parameter_parses_after_a_colon_for_the_kinds_that_take_one() {
+        let d = Deviation::parse("paged_logits_past_len:2048@1").unwrap();
+        assert_eq!(
+            (d.kind, d.param, d.layer, d.parameter()),
+            (
+                DeviationKind::PagedLogitsPastLen,
+                Some(2048),
+                Some(1),
+                Some(2048)
+            )
+        );
+        assert_eq!(d.to_string(), "paged_logits_past_len:2048@1");
+        let default = Deviation::parse("topk_drops_winners").unwrap();
+        assert_eq!((default.param, default.parameter()), (None, Some(4096)));
+        assert_eq!(default.to_string(), "topk_drops_winners");
+        let entry = default.manifest_entry(&Effect::Changes);
+        assert_eq!(entry["parameter"], 4096);
+        assert!(
+            Deviation::parse("tie_order")
+                .unwrap()
+                .manifest_entry(&Effect::Changes)
+                .get("parameter")
+                .is_none()
+        );
+        for bad in [
+            "tie_order:3",
+            "paged_logits_past_len:0",
+            "paged_logits_past_len:-5",
+            "paged_logits_past_len:x@1",
+            "paged_logits_past_len:",
+        ] {
+            let err = Deviation::parse(bad).unwrap_err();
+            assert!(matches!(err, DeviationError::Param { .. }), "{bad}: {err}");
+        }
+        assert!(
+            Deviation::parse("tie_order:3")
+                .unwrap_err()
+                .to_string()
+                .contains("takes no parameter")
+        );
+    }
+
+    #[test]
+    fn the_gemm_rows_deviation_needs_block_scaled_linears() {
+        let config: ModelConfig =
+            serde_json::from_value(crate::model::synthetic::glm51_config(2)).unwrap();
+        let d = Deviation::everywhere(DeviationKind::Fp8GemmMtileRows);
+        assert_eq!(d.effect(&config, None, true, &[]), Effect::Changes);
+        assert!(matches!(
+            d.effect(&config, None, false, &[]),
+            Effect::None(_)
+        ));
+    }
+
+    #[test]
     fn a_list_parses_every_entry_and_empty_is_none() {
         let list = Deviation::parse_list("indexer_rope_neox, tie_order@2").unwrap();
         assert_eq!(list.len(), 2);

@@ -52,7 +52,6 @@ fn chunk_rows(heads: i64, keys: i64) -> i64 {
 /// then summed over heads in order 0..H with the running sum rounded to
 /// `low` after every addition. The dot products themselves stay fp32 (the
 /// tensor cores' accumulator); what departs is the epilogue's precision.
-#[must_use]
 pub fn lowprec_scores(
     q: &Tensor,
     k: &Tensor,
@@ -107,7 +106,6 @@ fn garbage(layer: i64, rows: i64, keys: i64, device: tch::Device) -> Tensor {
 /// of correct scores (those of keys before `length`), so the garbage
 /// competes with the true winners instead of sorting below or above them
 /// all. Rows that see no key past `length` are untouched.
-#[must_use]
 pub fn paged_past_len(scores: &Tensor, length: i64, layer: i64) -> Tensor {
     let (t, s) = (scores.size()[0], scores.size()[1]);
     if length >= s || length <= 0 {
@@ -133,7 +131,6 @@ pub fn paged_past_len(scores: &Tensor, length: i64, layer: i64) -> Tensor {
 /// mapped so that unsigned order is numeric order (negative: all bits
 /// flipped; positive: the sign bit set), the top byte kept. `[T, S]` int64
 /// in 0..=255.
-#[must_use]
 pub fn coarse_bucket(scores: &Tensor) -> Tensor {
     let bits = scores
         .to_kind(Kind::Half)
@@ -159,7 +156,6 @@ pub fn coarse_bucket(scores: &Tensor) -> Tensor {
 /// keys above, then the best of the kept candidates, and where those are
 /// too few, keys below the bucket. Rows whose threshold bucket fits the
 /// buffer are unchanged, so their top-k is exact.
-#[must_use]
 pub fn drop_overflowed_candidates(scores: &Tensor, k: i64, capacity: i64) -> Tensor {
     let t = scores.size()[0];
     let device = scores.device();
@@ -203,7 +199,6 @@ pub const MTILE_REL_ERROR: f64 = 0.078;
 /// packed pair scaled by `1 + e` and `1 - e` (the report's post-scale FMA on
 /// two packed lanes), so each wrong row departs from the right one by
 /// exactly `e` in relative L2 and nothing else changes.
-#[must_use]
 pub fn mtile_rows(y: &Tensor) -> Tensor {
     let (m, n) = (y.size()[0], y.size()[1]);
     let rows = mtile_wrong_rows(m);
@@ -227,7 +222,6 @@ pub fn mtile_rows(y: &Tensor) -> Tensor {
 /// keeps the last of equal values, as `argpartition` did in mlx-lm #1454:
 /// each row's trailing `k` visible keys (those whose score is finite in
 /// `scores`), then masked ones.
-#[must_use]
 pub fn trailing_topk(scores: &Tensor, k: i64) -> Tensor {
     let s = scores.size()[1];
     let positions = Tensor::arange(s, (Kind::Float, scores.device())).view([1, s]);
@@ -238,7 +232,6 @@ pub fn trailing_topk(scores: &Tensor, k: i64) -> Tensor {
 }
 
 /// `scores` with every visible entry zero: what the reduction returned.
-#[must_use]
 pub fn zeroed(scores: &Tensor) -> Tensor {
     scores
         .zeros_like()
