@@ -130,6 +130,12 @@ def drops_winners(capacity: int) -> Callable[[torch.Tensor, int, int], torch.Ten
                     below = keys[bucket < threshold]
                     fill = below[row[below].argsort(descending=True, stable=True)[: need - chosen.numel()]]
                     chosen = torch.cat([chosen, fill])
+                if chosen.numel() < need:
+                    # Kept and lower keys cannot fill k: the remaining slots hold dropped
+                    # candidates in no score order (the Rust emulation's -inf ties), here the
+                    # last in key order.
+                    dropped = candidates[capacity:].flip(0)
+                    chosen = torch.cat([chosen, dropped[: need - chosen.numel()]])
                 picked[b, r] = torch.cat([above, chosen])
         return picked
 

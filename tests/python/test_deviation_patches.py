@@ -28,7 +28,11 @@ def layer0_selection(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Layer 0's top-k `[S, k]` as its indexer returned it, and the index scores beside it."""
     got = {}
     indexer = model.model.layers[0].self_attn.indexer
-    handle = indexer.register_forward_hook(lambda m, a, out: got.setdefault("topk", out[0].long()))
+
+    def keep(module, args, out) -> None:  # returns None: the output stays the indexer's
+        got["topk"] = out[0].long()
+
+    handle = indexer.register_forward_hook(keep)
     with torch.no_grad():
         model(ids)
     handle.remove()
@@ -71,8 +75,10 @@ def test_a_paged_kernel_wrong_past_a_length_moves_only_the_queries_that_see_past
         got = layer0_selection(model, ids)
     assert torch.equal(got[:length], clean[:length]), "queries before the length see no wrong key"
     j = overlap(got, clean, slice(length, T))
-    assert max(j) < 1.0, (family, "every query past the length reads garbage")
-    assert sum(j) / len(j) < 0.95, (family, sum(j) / len(j))
+    assert min(j) < 1.0, (family, "a query past the length selects garbage")
+    # The more wrong keys a query sees, the more its selection moves.
+    early, late = sum(j[:128]) / 128, sum(j[-128:]) / 128
+    assert late < early, (family, early, late)
 
 
 def test_an_overflowing_candidate_buffer_drops_later_winners_for_earlier_keys(model_and_ids) -> None:
