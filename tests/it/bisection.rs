@@ -326,6 +326,7 @@ fn every_deviation_at_one_layer_is_named_there_or_stays_within_the_clean_floor()
         opts.deviations = vec![Deviation {
             kind,
             layer: Some(1),
+            param: None,
         }];
         let b = bisected(&model, &ids, &opts);
         let named = b.named().map(|s| (s.site, s.layers));

@@ -62,10 +62,20 @@ struct Case {
     baseline: String,
 }
 
+/// `kind` at the planted layer, with a parameter that acts on a 256-token
+/// prompt where its default would not: a paged-logits kernel wrong past 128
+/// keys, a reduction that fails past 128, a candidate buffer of 8 (the
+/// defaults, 4096 and 131072 keys, lie past the prompt).
 fn at(kind: DeviationKind) -> Deviation {
+    let param = match kind {
+        DeviationKind::PagedLogitsPastLen | DeviationKind::ReductionZerosLarge => Some(128),
+        DeviationKind::TopkDropsWinners => Some(8),
+        _ => None,
+    };
     Deviation {
         kind,
         layer: Some(PLANTED),
+        param,
     }
 }
 
@@ -114,7 +124,7 @@ fn check_every_deviation(
     let mut none = Vec::new();
     for case in &cases {
         let planted = case.path.last().unwrap();
-        let effect = planted.effect(&model.config, None, &case.path);
+        let effect = planted.effect(&model.config, None, true, &case.path);
         let (r, base) = (run(&a, &case.name), run(&a, &case.baseline));
         assert_eq!(r.deviations.len(), case.path.len(), "{}", case.name);
         let differs: Vec<i64> = (0..layers)

@@ -16,6 +16,7 @@ test can tell a wrong FP8 implementation from a right one.
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -120,8 +121,12 @@ def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_a
     is_trained = family.startswith("trained-")
     ids = trained.prompt(T) if is_trained else tiny_models.prompt(T)
     (tmp_path / "ids.json").write_text(json.dumps(ids[0].tolist()))
-    hf, hf_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel_emulated())
-    control, control_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel(tiny_fp8.emu_matmul_fp64))
+    # A ue8m0 checkpoint's activations take DeepSeek's power-of-two scales in both.
+    quant = tiny_fp8.QUANT_ACT[scale_fmt]
+    hf, hf_logits = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel_emulated(scale_fmt))
+    control, control_logits = tiny_fp8.layer_outputs(
+        model, ids, tiny_fp8.kernel(functools.partial(tiny_fp8.emu_matmul_fp64, quant=quant))
+    )
     own = tiny_fp8.layer_outputs(bf16, ids, contextlib.nullcontext())[0] if is_trained else {}
     rust = engine(tmp_path, "fp8-checkpoint")
 
@@ -142,9 +147,18 @@ def test_the_reference_fp8_checkpoint_path_agrees_with_transformers_fp8_within_a
     first = rust["layer_out.0"]
     assert (first != hf[0]).any(-1).float().mean() <= (control[0] != hf[0]).any(-1).float().mean() + 0.02
 
-    # The power of the check: re-quantizing the stored weights departs by far more.
     requantized = engine(tmp_path, "fp8")
-    assert not within(departure(requantized["layer_out.0"], hf[0]), departure(control[0], hf[0]))
+    if scale_fmt == "float":
+        # The power of the check: re-quantizing the stored weights departs by far more.
+        assert not within(departure(requantized["layer_out.0"], hf[0]), departure(control[0], hf[0]))
+        return
+    # ue8m0: the stored codes times power-of-two block scales re-quantize to themselves, and
+    # the activations take the same power-of-two rule, so the engines' re-quantizing path is
+    # the checkpoint's, bit for bit. The power of the check: transformers' own kernel, whose
+    # activation scales stay fp32 (amax / 448), departs from the engine by far more.
+    assert torch.equal(requantized["layer_out.0"], first)
+    fp32_scales, _ = tiny_fp8.layer_outputs(model, ids, tiny_fp8.kernel_emulated("float"))
+    assert not within(departure(first, fp32_scales[0]), departure(control[0], hf[0]))
 
 
 def test_a_traced_fp8_checkpoint_records_transformers_fp8_against_its_dequantized_fp32(

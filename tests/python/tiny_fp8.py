@@ -19,6 +19,7 @@ cropped), written here and never taken from the hooks.
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 
 import tiny_models
@@ -54,7 +55,30 @@ def _quant_act(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.to(torch.float32) * scale).view(m, -1)[:, :k]
 
 
-def emu_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
+def _quant_act_ue8m0(x: torch.Tensor, group: int) -> torch.Tensor:
+    """DeepSeek-V3.2-Exp `inference/kernel.py` `act_quant` as its `linear()` calls it for a
+    checkpoint whose `scale_fmt` is ue8m0 (`round_scale`): per token and `group` columns,
+    amax clamped at 1e-4, the scale `fast_pow2(fast_log2_ceil(amax * (1 / 448)))` taken
+    from the fp32 bits (exponent - 127, plus one where the mantissa is not zero), codes
+    clamp(x / scale) in e4m3, dequantized again."""
+    m, k = x.shape
+    xp = torch.nn.functional.pad(x.to(torch.float32), (0, (-k) % group)).view(m, -1, group)
+    amax = xp.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    bits = (amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    scale = ((exponent + 127) << 23).view(torch.float32)
+    q = (xp / scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+    return (q.to(torch.float32) * scale).view(m, -1)[:, :k]
+
+
+# Activation quantization by the checkpoint's scale_fmt: transformers' kernel for "float",
+# DeepSeek's reference for "ue8m0" (the engines' definition the reference engine follows).
+QUANT_ACT = {"float": _quant_act, "ue8m0": _quant_act_ue8m0}
+
+
+def emu_matmul(
+    input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None, quant=_quant_act
+):
     """matmul_2d(input [..., K], weight [N, K] e4m3, scales, block_size, output_dtype,
     activation_scale) -> [..., N] in output_dtype."""
     shape = input.shape
@@ -62,16 +86,18 @@ def emu_matmul(input, weight, weight_scale_inv, block_size, output_dtype, activa
     if activation_scale is not None:  # static: one fp32 scale per tensor
         a = (x.float() / activation_scale).clamp(-FP8_MAX, FP8_MAX).to(E4M3).float() * activation_scale
     else:
-        a = _quant_act(x, block_size[1] if block_size is not None else shape[-1])
+        a = quant(x, block_size[1] if block_size is not None else shape[-1])
     out = a @ reference_weight(weight, weight_scale_inv, block_size).t()
     return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
 
 
-def emu_matmul_fp64(input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None):
+def emu_matmul_fp64(
+    input, weight, weight_scale_inv, block_size, output_dtype, activation_scale=None, quant=_quant_act
+):
     """`emu_matmul` with the products summed in fp64: the same FP8 path in another
     accumulation order (the control of the reference engine's FP8 agreement)."""
     shape = input.shape
-    a = _quant_act(input.reshape(-1, shape[-1]), block_size[1])
+    a = quant(input.reshape(-1, shape[-1]), block_size[1])
     out = a.double() @ reference_weight(weight, weight_scale_inv, block_size).double().t()
     return out.to(output_dtype).view(*shape[:-1], weight.shape[0])
 
@@ -117,9 +143,12 @@ def kernel(matmul, batched=None, grouped=None) -> Iterator[None]:
         ff._FINEGRAINED_FP8 = saved
 
 
-def kernel_emulated():
-    """transformers' FP8 kernel entry points are the emulation within the block."""
-    return kernel(emu_matmul)
+def kernel_emulated(scale_fmt: str = "float"):
+    """transformers' FP8 kernel entry points are the emulation within the block, its
+    activations quantized as `scale_fmt` checkpoints define (QUANT_ACT)."""
+    if scale_fmt == "float":
+        return kernel(emu_matmul)
+    return kernel(functools.partial(emu_matmul, quant=QUANT_ACT[scale_fmt]))
 
 
 def _quantize_padded(qop, key: str, value: torch.Tensor, block: int = 128) -> dict:

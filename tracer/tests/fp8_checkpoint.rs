@@ -54,3 +54,23 @@ fn a_sharded_fp8_checkpoint_with_an_mtp_layer_reads_through_its_index_and_runs()
     assert_eq!(out.logits.size(), [48, 256]);
     assert_eq!(out.logits.isfinite().all().int64_value(&[]), 1);
 }
+
+#[test]
+fn the_committed_deepseek_fp8_checkpoint_is_ue8m0_and_the_glm_one_is_not() {
+    // Production's FP8 path quantizes activations in the checkpoint's scale format:
+    // power-of-two scales for DeepSeek-V3.2's ue8m0, as its reference linear does.
+    let models = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models");
+    let format = |name: &str| {
+        Model::open(&models.join(name), Device::Cpu)
+            .unwrap()
+            .checkpoint_scale_format()
+    };
+    use shadowtrace_tracer::fp8::ScaleFormat;
+    assert_eq!(format("dsv32-tiny-fp8"), ScaleFormat::Ue8m0);
+    assert_eq!(format("glm5-tiny-fp8"), ScaleFormat::Fp32);
+    assert_eq!(
+        format("glm5-tiny"),
+        ScaleFormat::Fp32,
+        "no quantization_config"
+    );
+}

@@ -20,6 +20,7 @@ fn at(kind: DeviationKind, layer: i64) -> PathSpec {
     PathSpec::of(vec![Deviation {
         kind,
         layer: Some(layer),
+        param: None,
     }])
 }
 
@@ -34,12 +35,11 @@ fn a_deviation_planted_at_a_layer_departs_from_the_clean_path_there_and_not_befo
     let requested = [
         at(DeviationKind::IndexerRopeNeox, 1),
         at(DeviationKind::KvSlotNan, 2),
-        PathSpec::of(vec![Deviation {
-            kind: DeviationKind::IndexerRopeInterleaved,
-            layer: None,
-        }]),
+        PathSpec::of(vec![Deviation::everywhere(
+            DeviationKind::IndexerRopeInterleaved,
+        )]),
     ];
-    let (paths, not_run) = plan(&model, None, &requested);
+    let (paths, not_run) = plan(&model, None, ProdLinears::Fp8, &requested);
     let names: Vec<&str> = paths.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names, ["clean", "indexer_rope_neox@1", "kv_slot_nan@2"]);
     assert_eq!(not_run.len(), 1);
@@ -141,7 +141,7 @@ fn a_bf16_production_sweep_runs_its_clean_path_without_fp8_and_departs_less_from
     config["index_topk"] = 64.into();
     synthetic::write(tmp.path(), &config, 5).unwrap();
     let model = Model::open(tmp.path(), Device::Cpu).unwrap();
-    let (paths, _) = plan(&model, None, &[]);
+    let (paths, _) = plan(&model, None, ProdLinears::Fp8, &[]);
     let prompts = [SweepPrompt {
         kind: "tool".to_owned(),
         ids: demo_prompt(true, 256),
@@ -181,4 +181,47 @@ fn a_bf16_production_sweep_runs_its_clean_path_without_fp8_and_departs_less_from
         render_terminal(&report).contains("production: bf16 linears, no FP8"),
         "the report names the production it ran"
     );
+}
+
+#[test]
+fn the_fp8_indexer_deviations_move_the_selection_of_a_bf16_production_on_the_trained_glm() {
+    // Issue 40: against observed bf16 runs (transformers on glm5-tiny), the sweep runs
+    // production with bf16 linears; the FP8 indexer deviations must still quantize that
+    // production's indexer, as an FP8 indexer patched into transformers does (which moves
+    // the observed Jaccard from 0.999 to 0.977). They used to act only beside FP8 linears,
+    // so on this path they gave the clean path's selection on every layer.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/glm5-tiny");
+    let model = Model::open(&dir, Device::Cpu).unwrap();
+    let requested: Vec<PathSpec> = [
+        DeviationKind::IndexerFp8,
+        DeviationKind::IndexerKCacheFp8,
+        DeviationKind::HadamardDropped,
+    ]
+    .into_iter()
+    .map(|kind| PathSpec::of(vec![Deviation::everywhere(kind)]))
+    .collect();
+    let (paths, not_run) = plan(&model, None, ProdLinears::Bf16, &requested);
+    assert!(not_run.is_empty(), "{not_run:?}");
+    // 2560 tokens: the last 512 queries choose among more keys than k = 2048.
+    let prompts = [SweepPrompt {
+        kind: "tool".to_owned(),
+        ids: demo_prompt(true, 2560),
+    }];
+    let opts = SweepOptions {
+        prod: ProdLinears::Bf16,
+        ..SweepOptions::default()
+    };
+    let result = tch::no_grad(|| sweep(&model, &prompts, &paths, &opts, |_| {})).unwrap();
+    for cell in result.cells.iter().filter(|c| c.path != "clean") {
+        let vs_clean: Vec<f64> = cell
+            .layers
+            .iter()
+            .map(|l| l.topk_jaccard_vs_clean.unwrap())
+            .collect();
+        assert!(
+            vs_clean.iter().any(|j| *j < 1.0),
+            "{}: the selection equals the clean path's on every layer: {vs_clean:?}",
+            cell.path
+        );
+    }
 }

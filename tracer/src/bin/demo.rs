@@ -321,7 +321,12 @@ fn suspects_section(
                 });
             }
         }
-        let (paths, not_run) = plan(model, None, &PathSpec::every_deviation());
+        let (paths, not_run) = plan(
+            model,
+            None,
+            SweepOptions::default().prod,
+            &PathSpec::every_deviation(),
+        );
         let layers = model.config.num_hidden_layers;
         let mut bar = progress::bar(
             u64::try_from(layers).unwrap_or(0),

@@ -14,6 +14,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use shadowtrace_tracer::fp8::ScaleFormat;
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::glm5_next::{Glm5Next, is_glm5_next};
 use shadowtrace_tracer::model::graft::{self, Graft};
@@ -210,7 +211,12 @@ fn run(args: &Args) -> Result<()> {
             .check_prompt(&model, &opts, ids.len(), &path.display().to_string())?;
         let started = std::time::Instant::now();
         let Some(out) = &out else {
-            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.untraced_path())))?;
+            let forward = tch::no_grad(|| {
+                model.forward(
+                    &ids,
+                    numerics(args.untraced_path(), model.checkpoint_scale_format()),
+                )
+            })?;
             println!(
                 "{}: {} ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
                 path.display(),
@@ -325,7 +331,9 @@ fn run_glm5_next(args: &Args, device: Device) -> Result<()> {
         }
         let started = std::time::Instant::now();
         let Some(out) = &out else {
-            let forward = tch::no_grad(|| model.forward(&ids, numerics(args.untraced_path())))?;
+            let forward = tch::no_grad(|| {
+                model.forward(&ids, numerics(args.untraced_path(), ScaleFormat::Fp32))
+            })?;
             println!(
                 "{}: glm5_next ({} layers) on {device:?}, {} tokens, {:?}: {:.2} s",
                 path.display(),
@@ -397,13 +405,13 @@ fn model_name(args: &Args) -> String {
 }
 
 /// An untraced pass's numerics.
-fn numerics(path: Path) -> Numerics {
+fn numerics(path: Path, scales: ScaleFormat) -> Numerics {
     match path {
         Path::Fp32 => Numerics::Plain(Kind::Float),
         Path::Bf16 => Numerics::Plain(Kind::BFloat16),
         Path::Fp8 => Numerics::Fp8,
-        Path::Fp8Checkpoint => fp8_checkpoint_numerics(Kind::BFloat16),
-        Path::Fp8CheckpointFp32 => fp8_checkpoint_numerics(Kind::Float),
+        Path::Fp8Checkpoint => fp8_checkpoint_numerics(Kind::BFloat16, scales),
+        Path::Fp8CheckpointFp32 => fp8_checkpoint_numerics(Kind::Float, scales),
     }
 }
 

@@ -394,13 +394,20 @@ fn run(args: &SweepArgs) -> Result<()> {
         })?),
     };
     let requested = requested_paths(&args.deviations, c.num_hidden_layers)?;
-    let (paths, not_run) = plan(&model, base, &requested);
     let prompts = prompts(args, c.vocab_size)?;
     // Read the observed runs first: a bad path fails before the sweep's minutes.
     let observed = observed(&args.observed)?;
     let prod = production_of(&observed)
         .map_err(|e| anyhow::anyhow!("--observed: {e}"))?
         .unwrap_or(ProdLinears::Fp8);
+    let (paths, not_run) = plan(&model, base, prod, &requested);
+    anyhow::ensure!(
+        prod == ProdLinears::Fp8 || base.is_none(),
+        "--fp8-indexer {}: the observed runs ran bf16 linears, and the sweep runs an engine's FP8 \
+         indexer only beside FP8 linears; give it as a deviation instead (indexer_fp8, \
+         hadamard_dropped, indexer_k_cache_fp8 act on bf16 production too)",
+        args.fp8_indexer
+    );
     if !observed.is_empty() {
         eprintln!(
             "production path: {}, as the observed runs' manifests say",

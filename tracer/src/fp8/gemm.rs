@@ -25,16 +25,27 @@ pub const SPEC: QuantSpec = QuantSpec {
 };
 
 /// Activations quantized as an FP8 checkpoint's kernel quantizes them
-/// ([`stored`]): e4m3 per token in 1x128 groups, scales of `scale`'s format,
-/// each kept at or above 1e-12 (amax 448e-12) as transformers' fine-grained
-/// FP8 kernel keeps them (fp32 on Hopper, for its Triton kernel and DeepGEMM's
-/// SM90 recipe alike). An all-zero group gets zero codes whatever the floor.
+/// ([`stored`]): e4m3 per token in 1x128 groups, with the scales of the
+/// checkpoint's `scale_fmt`:
+/// - fp32 (`float`): `amax / 448`, each kept at or above 1e-12 (amax
+///   448e-12) as transformers' fine-grained FP8 kernel keeps them (fp32 on
+///   Hopper, for its Triton kernel and DeepGEMM's SM90 recipe alike);
+/// - ue8m0: DeepSeek's reference `act_quant` (DeepSeek-V3.2-Exp
+///   `inference/kernel.py` @3b99a53, `round_scale = scale_fmt is not None`,
+///   which `linear()` passes for a checkpoint whose config says `ue8m0`):
+///   amax clamped at 1e-4, the scale `fast_round_scale` makes of it,
+///   2^ceil(log2(amax / 448)), a power of two.
+///
+/// An all-zero group gets zero codes whatever the floor.
 #[must_use]
 pub fn checkpoint_activations(scale: ScaleFormat) -> QuantSpec {
     QuantSpec {
         format: Fp8Format::E4m3fn,
         scale,
-        amax_clamp: 448e-12,
+        amax_clamp: match scale {
+            ScaleFormat::Fp32 => 448e-12,
+            ScaleFormat::Ue8m0 => 1e-4,
+        },
     }
 }
 
@@ -259,5 +270,99 @@ mod tests {
         let wrong = scales.narrow(0, 0, 1);
         let err = stored(&x, &weight, &wrong, SPEC).unwrap_err();
         assert!(err.to_string().contains("[2, 3]"), "{err}");
+    }
+
+    /// DeepSeek-V3.2-Exp `inference/kernel.py` (@3b99a53) `act_quant` with
+    /// `scale_fmt` set, written out here from its source rather than taken
+    /// from the code under test: `amax = max(max|x|, 1e-4)`;
+    /// `fast_log2_ceil(amax * fp8_max_inv)` from the fp32 bits (exponent -
+    /// 127, plus one where the mantissa is not zero); `fast_pow2` of that.
+    fn deepseek_round_scale(amax: f32) -> f32 {
+        let fp8_max_inv = 1.0_f32 / 448.0;
+        let v = amax.max(1e-4) * fp8_max_inv;
+        let bits = v.to_bits();
+        let exp = ((bits >> 23) & 0xFF) as i32 - 127 + i32::from(bits & 0x7F_FFFF != 0);
+        f32::from_bits(((exp + 127) as u32) << 23)
+    }
+
+    #[test]
+    fn a_ue8m0_checkpoint_quantizes_activations_with_deepseeks_power_of_two_scales() {
+        // Rows whose amax sits on the edges of the rule: exactly 448 (scale 1), one
+        // ulp above (2), 3 (3/448 -> 2^-7), zeros and 1e-6 (clamped to 1e-4 -> 2^-22),
+        // 1000 (-> 4), then random rows.
+        let k = 256;
+        let x = Tensor::randn([10, k], (Kind::Float, Device::Cpu)) * 0.3;
+        for (row, amax) in [448.0_f32, 448.000_03, 3.0, 0.0, 1e-6, 1000.0]
+            .into_iter()
+            .enumerate()
+        {
+            let mut r = x.get(row as i64);
+            let _ = r.fill_(0.0);
+            let _ = r.get(7).fill_(f64::from(amax));
+            let _ = r.get(200).fill_(-f64::from(amax) / 3.0);
+        }
+        let weight = Tensor::randn([128, k], (Kind::Float, Device::Cpu)) * 0.05;
+        let scales = Tensor::full([1, 2], 1.0 / 448.0, (Kind::Float, Device::Cpu));
+        let codes = (&weight * 448.0)
+            .clamp(-448.0, 448.0)
+            .to_kind(Fp8Format::E4m3fn.kind());
+        let weight = codes.to_kind(Kind::Float) / 448.0;
+        let op = stored(
+            &x,
+            &weight,
+            &scales,
+            checkpoint_activations(ScaleFormat::Ue8m0),
+        )
+        .unwrap();
+        let got = op.x.scales.narrow(0, 0, 10);
+        let mut want = Vec::new();
+        for row in 0..10 {
+            for block in 0..2 {
+                let amax = x
+                    .get(row)
+                    .narrow(0, block * 128, 128)
+                    .abs()
+                    .max()
+                    .double_value(&[]);
+                want.push(deepseek_round_scale(amax as f32));
+            }
+        }
+        let want = Tensor::from_slice(&want).view([10, 2]);
+        assert!(
+            got.view_dtype(Kind::Int).equal(&want.view_dtype(Kind::Int)),
+            "scales {got:?} against the reference's {want:?}"
+        );
+        let first: Vec<f32> = Vec::try_from(want.select(1, 0).narrow(0, 0, 6)).unwrap();
+        assert_eq!(
+            first,
+            [1.0, 2.0, 2f32.powi(-7), 2f32.powi(-22), 2f32.powi(-22), 4.0]
+        );
+        // Codes: x over its scale, clamped, by PyTorch's own e4m3 cast.
+        let expanded = want.repeat_interleave_self_int(128, Some(1), None);
+        let codes = (&x / &expanded)
+            .clamp(-448.0, 448.0)
+            .to_kind(Fp8Format::E4m3fn.kind());
+        assert!(
+            op.x.values
+                .narrow(0, 0, 10)
+                .view_dtype(Kind::Uint8)
+                .equal(&codes.view_dtype(Kind::Uint8)),
+            "activation codes"
+        );
+        // The GEMM: dequantized activations times the stored weight, in f64 here.
+        let product = (codes.to_kind(Kind::Double) * expanded.to_kind(Kind::Double))
+            .matmul(&weight.to_kind(Kind::Double).tr());
+        let y = emulate(&op).unwrap().to_kind(Kind::Double);
+        let err = (&y - &product).abs().max().double_value(&[]);
+        assert!(err <= 1e-5 * product.abs().max().double_value(&[]), "{err}");
+        // transformers' fp32 scales are not powers of two: amax 3 gives 3/448.
+        let fp32 = stored(
+            &x,
+            &weight,
+            &scales,
+            checkpoint_activations(ScaleFormat::Fp32),
+        )
+        .unwrap();
+        assert_eq!(fp32.x.scales.double_value(&[2, 0]) as f32, 3.0_f32 / 448.0);
     }
 }

@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 use tch::{Kind, Tensor};
 
 use super::config::{Architecture, ModelConfig};
+use super::kernel_deviation::LowPrecision;
 use crate::TraceError;
 use crate::fp8::ACTIVATION_BLOCK;
 use crate::fp8::quant::{dequantize_blocks, quantize_blocks};
@@ -83,11 +84,26 @@ pub enum DeviationKind {
     /// Under prefix reuse, the last reused block holds the state of the block
     /// before it.
     StalePrefixState,
+    /// The logits kernel's per-head terms and head sum held in bf16.
+    IndexerLogitsLowprec,
+    /// The logits kernel's per-head terms and head sum held in fp16.
+    IndexerLogitsLowprecFp16,
+    /// The paged-logits kernel returning near-random scores for keys past a
+    /// context length (parameter: the length, default [`PAGED_LOGITS_LENGTH`]).
+    PagedLogitsPastLen,
+    /// The radix top-k's candidate buffer overflowing and silently dropping
+    /// winners (parameter: its capacity, default [`TOPK_CANDIDATE_BUFFER`]).
+    TopkDropsWinners,
+    /// Block-FP8 GEMM rows wrong next to 16-row M-tile boundaries.
+    Fp8GemmMtileRows,
+    /// The indexer's head reduction returning zeros past a prompt length
+    /// (parameter: the length, default [`REDUCTION_ZEROS_LENGTH`]).
+    ReductionZerosLarge,
 }
 
 impl DeviationKind {
     /// Every deviation, in the order reports list them.
-    pub const ALL: [DeviationKind; 12] = [
+    pub const ALL: [DeviationKind; 18] = [
         DeviationKind::IndexerRopeNeox,
         DeviationKind::IndexerRopeInterleaved,
         DeviationKind::IndexerFp8,
@@ -100,6 +116,12 @@ impl DeviationKind {
         DeviationKind::ZeroRopeWriter,
         DeviationKind::KCacheWrongBlocks,
         DeviationKind::StalePrefixState,
+        DeviationKind::IndexerLogitsLowprec,
+        DeviationKind::IndexerLogitsLowprecFp16,
+        DeviationKind::PagedLogitsPastLen,
+        DeviationKind::TopkDropsWinners,
+        DeviationKind::Fp8GemmMtileRows,
+        DeviationKind::ReductionZerosLarge,
     ];
 
     /// The name on the command line and in manifests.
@@ -118,6 +140,12 @@ impl DeviationKind {
             DeviationKind::ZeroRopeWriter => "zero_rope_writer",
             DeviationKind::KCacheWrongBlocks => "kcache_wrong_blocks",
             DeviationKind::StalePrefixState => "stale_prefix_state",
+            DeviationKind::IndexerLogitsLowprec => "indexer_logits_lowprec",
+            DeviationKind::IndexerLogitsLowprecFp16 => "indexer_logits_lowprec_fp16",
+            DeviationKind::PagedLogitsPastLen => "paged_logits_past_len",
+            DeviationKind::TopkDropsWinners => "topk_drops_winners",
+            DeviationKind::Fp8GemmMtileRows => "fp8_gemm_mtile_rows",
+            DeviationKind::ReductionZerosLarge => "reduction_zeros_large",
         }
     }
 
@@ -162,6 +190,27 @@ impl DeviationKind {
             }
             DeviationKind::StalePrefixState => {
                 "prefix hit: the last reused block holds the state of the block before it"
+            }
+            DeviationKind::IndexerLogitsLowprec => {
+                "indexer logits kernel with each head's weighted relu(q.k) and the running head sum in bf16"
+            }
+            DeviationKind::IndexerLogitsLowprecFp16 => {
+                "indexer logits kernel with each head's weighted relu(q.k) and the running head sum in fp16"
+            }
+            DeviationKind::PagedLogitsPastLen => {
+                "paged indexer logits near-random for keys at or past a context length (:LEN, default 4096 \
+                 = 64 tokens a block x 64 blocks)"
+            }
+            DeviationKind::TopkDropsWinners => {
+                "radix top-k on an fp16 8-bit coarse key whose threshold bucket overflows the candidate \
+                 buffer (:CAPACITY, default 4096): the first candidates in key order kept, later winners dropped"
+            }
+            DeviationKind::Fp8GemmMtileRows => {
+                "block-FP8 GEMM rows next to 16-row M-tile boundaries wrong by 0.078 relative (M >= 56)"
+            }
+            DeviationKind::ReductionZerosLarge => {
+                "the indexer's head reduction returns zeros for prompts longer than a size (:LEN, default \
+                 131072), so top-k keeps the trailing keys"
             }
         }
     }
@@ -234,17 +283,69 @@ impl DeviationKind {
                  the attention KV is complete); a DSA model has no recurrent state, so here the cached \
                  state is the KV (latent and indexer keys) of the last reused block"
             }
+            DeviationKind::IndexerLogitsLowprec | DeviationKind::IndexerLogitsLowprecFp16 => {
+                "DeepGEMM fp8_mqa_logits (sm90_fp8_mqa_logits.cuh @54e22612) sums relu(acc) * weight over \
+                 heads in fp32 registers; a kernel holding that epilogue in 16 bits (issue 40, item 4: \
+                 fp8_mqa_logits accumulating in lower precision; TensorRT-LLM #15295's remaining suspect)"
+            }
+            DeviationKind::PagedLogitsPastLen => {
+                "vLLM #47827 (GLM-5.2 on GB300: fp8_fp4_paged_mqa_logits wrong from about 4096 = 64 tokens \
+                 a block x 64 blocks; two top-k kernels give the same corruption) and #39303 (aiter \
+                 deepgemm_fp8_paged_mqa_logits_stage1 on gfx950: near-random top-k past context 2048)"
+            }
+            DeviationKind::TopkDropsWinners => {
+                "SGLang PR #37591 (ROCm topk.hip from topk.cu: the fp16 coarse key collapses a row into \
+                 one bucket and the overflowing candidate buffer drops valid winners, recall down to 0.53 \
+                 on GLM-5.2 logits) and issue #36807 (fast_topk_v2's 4096-entry candidate buffer)"
+            }
+            DeviationKind::Fp8GemmMtileRows => {
+                "SGLang #28685 and the PR #28471 comment (aiter gemm_a8w8_blockscale_bpreshuffle on gfx950, \
+                 ROCm 7.2: sparse wrong rows near 16-row M-tile boundaries at M >= 56, relative error up \
+                 to 0.078 at M = 64; GLM-5.1 residual cosine 0.10 at layer 78)"
+            }
+            DeviationKind::ReductionZerosLarge => {
+                "mlx-lm #1454 (cited in llama.cpp PR #27754): the per-head score mx.sum over \
+                 [1, 32, 4096, 131072] returns zeros and argpartition picks the trailing top_k positions"
+            }
         }
     }
 }
 
-/// A deviation as given: a kind, at every layer or at one.
+/// The context length past which [`DeviationKind::PagedLogitsPastLen`]'s
+/// kernel goes wrong by default: 64 tokens a block x 64 blocks (vLLM #47827).
+pub const PAGED_LOGITS_LENGTH: i64 = 4096;
+
+/// The candidate buffer of [`DeviationKind::TopkDropsWinners`] by default:
+/// SGLang's `fast_topk_v2` shared-memory buffer (#36807).
+pub const TOPK_CANDIDATE_BUFFER: i64 = 4096;
+
+/// The prompt length past which [`DeviationKind::ReductionZerosLarge`]'s
+/// reduction returns zeros by default: the 131072 keys of mlx-lm #1454.
+pub const REDUCTION_ZEROS_LENGTH: i64 = 131_072;
+
+impl DeviationKind {
+    /// The default of the kind's parameter (`NAME:VALUE`); `None`: it takes none.
+    #[must_use]
+    pub fn default_param(self) -> Option<i64> {
+        match self {
+            DeviationKind::PagedLogitsPastLen => Some(PAGED_LOGITS_LENGTH),
+            DeviationKind::TopkDropsWinners => Some(TOPK_CANDIDATE_BUFFER),
+            DeviationKind::ReductionZerosLarge => Some(REDUCTION_ZEROS_LENGTH),
+            _ => None,
+        }
+    }
+}
+
+/// A deviation as given: a kind, at every layer or at one, with its
+/// parameter where the kind takes one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Deviation {
     /// The behaviour.
     pub kind: DeviationKind,
     /// The one layer it acts in; `None`: every layer.
     pub layer: Option<i64>,
+    /// The parameter given (`NAME:VALUE`); `None`: the kind's default.
+    pub param: Option<i64>,
 }
 
 /// A deviation name that is not known, or a layer that does not read.
@@ -262,6 +363,19 @@ pub enum DeviationError {
     Layer {
         /// The text given.
         got: String,
+    },
+    /// `NAME:VALUE` on a kind that takes no parameter, or a VALUE that is not
+    /// a positive integer.
+    #[error(
+        "deviation {got:?}: {name} takes {takes}; expected NAME[:VALUE][@LAYER] with VALUE a positive integer"
+    )]
+    Param {
+        /// The text given.
+        got: String,
+        /// The kind's name.
+        name: &'static str,
+        /// What it takes.
+        takes: String,
     },
     /// A layer the model does not have.
     #[error("deviation {got}: layer {layer} outside the model's {layers} layers")]
@@ -293,11 +407,27 @@ pub enum Effect {
 }
 
 impl Deviation {
-    /// Parses `NAME` or `NAME@LAYER`.
+    /// A kind at every layer, with its default parameter.
+    #[must_use]
+    pub fn everywhere(kind: DeviationKind) -> Deviation {
+        Deviation {
+            kind,
+            layer: None,
+            param: None,
+        }
+    }
+
+    /// The parameter it runs with: the one given, else the kind's default.
+    #[must_use]
+    pub fn parameter(&self) -> Option<i64> {
+        self.param.or_else(|| self.kind.default_param())
+    }
+
+    /// Parses `NAME`, `NAME:VALUE`, `NAME@LAYER` or `NAME:VALUE@LAYER`.
     ///
     /// # Errors
-    /// An unknown name (the error lists the known ones) or a layer that is not
-    /// a non-negative integer.
+    /// An unknown name (the error lists the known ones), a layer that is not
+    /// a non-negative integer, or a parameter the kind does not take.
     pub fn parse(text: &str) -> Result<Deviation, DeviationError> {
         let (name, layer) = match text.split_once('@') {
             Some((name, layer)) => {
@@ -312,10 +442,34 @@ impl Deviation {
             }
             None => (text, None),
         };
+        let (name, value) = match name.split_once(':') {
+            Some((name, value)) => (name, Some(value)),
+            None => (name, None),
+        };
         let kind = DeviationKind::named(name.trim()).ok_or_else(|| DeviationError::Unknown {
             got: name.to_owned(),
         })?;
-        Ok(Deviation { kind, layer })
+        let param = match value {
+            None => None,
+            Some(value) => {
+                let bad = || DeviationError::Param {
+                    got: text.to_owned(),
+                    name: kind.name(),
+                    takes: kind.default_param().map_or_else(
+                        || "no parameter".to_owned(),
+                        |d| format!("a positive integer (default {d})"),
+                    ),
+                };
+                kind.default_param().ok_or_else(bad)?;
+                let v = value
+                    .parse::<i64>()
+                    .ok()
+                    .filter(|v| *v > 0 && value.bytes().all(|b| b.is_ascii_digit()))
+                    .ok_or_else(bad)?;
+                Some(v)
+            }
+        };
+        Ok(Deviation { kind, layer, param })
     }
 
     /// Parses a comma-separated list (`a,b@2`); an empty list is no deviation.
@@ -352,12 +506,14 @@ impl Deviation {
     }
 
     /// Whether it changes production of `config` whose FP8 indexer is `base`
-    /// (`None`: no FP8 in the indexer), given the other deviations run with it.
+    /// (`None`: no FP8 in the indexer) and whose linears are block-scaled
+    /// FP8 or not (`fp8_linears`), given the other deviations run with it.
     #[must_use]
     pub fn effect(
         &self,
         config: &ModelConfig,
         base: Option<Fp8Indexer>,
+        fp8_linears: bool,
         with: &[Deviation],
     ) -> Effect {
         let arch = config.architecture().ok();
@@ -394,6 +550,9 @@ impl Deviation {
             DeviationKind::ZeroRopeWriter if config.qk_rope_head_dim > 0 => none(
                 "qk_rope_head_dim > 0: the RoPE KV writers skip the reserved slot (SGLang #36003)",
             ),
+            DeviationKind::Fp8GemmMtileRows if !fp8_linears => {
+                none("production's linears are not block-scaled FP8 GEMMs")
+            }
             _ => Effect::Changes,
         }
     }
@@ -402,7 +561,7 @@ impl Deviation {
     /// [`Effect`] on the run's model.
     #[must_use]
     pub fn manifest_entry(&self, effect: &Effect) -> Value {
-        json!({
+        let mut entry = json!({
             "name": self.kind.name(),
             "layers": self.layer.map_or_else(|| Value::from("all"), |l| json!([l])),
             "behaviour": self.kind.behaviour(),
@@ -411,16 +570,24 @@ impl Deviation {
                 Effect::Changes => "changes production".to_owned(),
                 Effect::None(why) => format!("none: {why}"),
             },
-        })
+        });
+        if let (Some(p), Some(object)) = (self.parameter(), entry.as_object_mut()) {
+            object.insert("parameter".to_owned(), p.into());
+        }
+        entry
     }
 }
 
 impl fmt::Display for Deviation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.layer {
-            Some(l) => write!(f, "{}@{l}", self.kind.name()),
-            None => f.write_str(self.kind.name()),
+        f.write_str(self.kind.name())?;
+        if let Some(p) = self.param {
+            write!(f, ":{p}")?;
         }
+        if let Some(l) = self.layer {
+            write!(f, "@{l}")?;
+        }
+        Ok(())
     }
 }
 
@@ -470,6 +637,16 @@ pub struct AtLayer {
     pub wrong_gather: bool,
     /// [`DeviationKind::StalePrefixState`].
     pub stale_prefix: bool,
+    /// [`DeviationKind::IndexerLogitsLowprec`] and its fp16 twin.
+    pub logits_lowprec: Option<LowPrecision>,
+    /// [`DeviationKind::PagedLogitsPastLen`]: the length.
+    pub paged_past: Option<i64>,
+    /// [`DeviationKind::TopkDropsWinners`]: the candidate buffer's capacity.
+    pub topk_buffer: Option<i64>,
+    /// [`DeviationKind::Fp8GemmMtileRows`].
+    pub mtile_rows: bool,
+    /// [`DeviationKind::ReductionZerosLarge`]: the length past which it acts.
+    pub zeros_past: Option<i64>,
 }
 
 impl AtLayer {
@@ -493,6 +670,16 @@ impl AtLayer {
                 }
                 DeviationKind::KCacheWrongBlocks => at.wrong_gather = true,
                 DeviationKind::StalePrefixState => at.stale_prefix = true,
+                DeviationKind::IndexerLogitsLowprec => {
+                    at.logits_lowprec = Some(LowPrecision::Bf16);
+                }
+                DeviationKind::IndexerLogitsLowprecFp16 => {
+                    at.logits_lowprec = Some(LowPrecision::Fp16);
+                }
+                DeviationKind::PagedLogitsPastLen => at.paged_past = d.parameter(),
+                DeviationKind::TopkDropsWinners => at.topk_buffer = d.parameter(),
+                DeviationKind::Fp8GemmMtileRows => at.mtile_rows = true,
+                DeviationKind::ReductionZerosLarge => at.zeros_past = d.parameter(),
             }
         }
         at
@@ -632,6 +819,52 @@ pub fn keys_fp8_scores(
     index_scores(&q, &keys, w, query_positions, Precision::Fp32)
 }
 
+/// q `[T, H, D]` and k `[S, D]` (fp32, after RoPE) as an FP8 indexer's dot
+/// products see them: rotated by the Hadamard where the variant rotates,
+/// then quantized (q per token and head, k per token, 1x128 blocks) and
+/// dequantized where `quant` quantizes them. The products of dequantized
+/// e4m3 values are exact in fp32, so scoring these is the emulated FP8
+/// score up to the order of fp32 additions.
+///
+/// # Errors
+/// A quantization that does not take the shapes (D other than 128); a
+/// libtorch failure.
+pub fn dequantized_operands(
+    q: &Tensor,
+    k: &Tensor,
+    quant: IndexerQuant,
+) -> Result<(Tensor, Tensor), TraceError> {
+    let torch = |source| TraceError::Torch {
+        op: "dequantized_operands",
+        source,
+    };
+    let (variant, queries) = match quant {
+        IndexerQuant::None => return Ok((q.shallow_clone(), k.shallow_clone())),
+        IndexerQuant::Keys(v) => (v, false),
+        IndexerQuant::QueriesAndKeys(v) => (v, true),
+    };
+    let (t, h, d) = (q.size()[0], q.size()[1], q.size()[2]);
+    let (q, k) = if variant.hadamard {
+        let had = hadamard_matrix(d, k.device())?;
+        (
+            q.f_matmul(&had).map_err(torch)?,
+            k.f_matmul(&had).map_err(torch)?,
+        )
+    } else {
+        (q.shallow_clone(), k.shallow_clone())
+    };
+    let keys = dequantize_blocks(&quantize_blocks(&k, ACTIVATION_BLOCK, variant.quant)?)?;
+    let queries = if queries {
+        let flat = q.f_reshape([t * h, d]).map_err(torch)?;
+        dequantize_blocks(&quantize_blocks(&flat, ACTIVATION_BLOCK, variant.quant)?)?
+            .f_view([t, h, d])
+            .map_err(torch)?
+    } else {
+        q
+    };
+    Ok((queries, keys))
+}
+
 /// `x` rounded to bf16 and back to fp32.
 pub fn bf16_round(x: &Tensor) -> Tensor {
     x.to_kind(Kind::BFloat16).to_kind(Kind::Float)
@@ -664,6 +897,61 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn a_parameter_parses_after_a_colon_for_the_kinds_that_take_one() {
+        let d = Deviation::parse("paged_logits_past_len:2048@1").unwrap();
+        assert_eq!(
+            (d.kind, d.param, d.layer, d.parameter()),
+            (
+                DeviationKind::PagedLogitsPastLen,
+                Some(2048),
+                Some(1),
+                Some(2048)
+            )
+        );
+        assert_eq!(d.to_string(), "paged_logits_past_len:2048@1");
+        let default = Deviation::parse("topk_drops_winners").unwrap();
+        assert_eq!((default.param, default.parameter()), (None, Some(4096)));
+        assert_eq!(default.to_string(), "topk_drops_winners");
+        let entry = default.manifest_entry(&Effect::Changes);
+        assert_eq!(entry["parameter"], 4096);
+        assert!(
+            Deviation::parse("tie_order")
+                .unwrap()
+                .manifest_entry(&Effect::Changes)
+                .get("parameter")
+                .is_none()
+        );
+        for bad in [
+            "tie_order:3",
+            "paged_logits_past_len:0",
+            "paged_logits_past_len:-5",
+            "paged_logits_past_len:x@1",
+            "paged_logits_past_len:",
+        ] {
+            let err = Deviation::parse(bad).unwrap_err();
+            assert!(matches!(err, DeviationError::Param { .. }), "{bad}: {err}");
+        }
+        assert!(
+            Deviation::parse("tie_order:3")
+                .unwrap_err()
+                .to_string()
+                .contains("takes no parameter")
+        );
+    }
+
+    #[test]
+    fn the_gemm_rows_deviation_needs_block_scaled_linears() {
+        let config: ModelConfig =
+            serde_json::from_value(crate::model::synthetic::glm51_config(2)).unwrap();
+        let d = Deviation::everywhere(DeviationKind::Fp8GemmMtileRows);
+        assert_eq!(d.effect(&config, None, true, &[]), Effect::Changes);
+        assert!(matches!(
+            d.effect(&config, None, false, &[]),
+            Effect::None(_)
+        ));
     }
 
     #[test]

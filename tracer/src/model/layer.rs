@@ -13,6 +13,7 @@ use super::config::{Architecture, ModelConfig};
 use super::deviation::{self, AtLayer, Deviation, IndexerQuant};
 use super::fault::Fault;
 use super::graft::{GraftSites, Grafted};
+use super::kernel_deviation;
 use super::rope::Rope;
 use super::router::Router;
 use crate::fp8::{ScaleFormat, gemm};
@@ -333,13 +334,24 @@ impl Layer<'_> {
                 break;
             }
         }
-        linear_in(
+        let block_scaled = match self.numerics {
+            Numerics::Plain(_) => false,
+            Numerics::Fp8 | Numerics::Fp8Emulated => true,
+            Numerics::Fp8Checkpoint { .. } => scale_inv.is_some(),
+        };
+        let y = linear_in(
             self.numerics,
             self.fallbacks,
             x,
             &weight,
             scale_inv.as_ref(),
-        )
+        );
+        if block_scaled && self.at_layer().mtile_rows {
+            // The GEMM's M is the rows it was given: tokens, or an expert's.
+            let n = y.size()[y.dim() - 1];
+            return kernel_deviation::mtile_rows(&y.reshape([-1, n])).view_as(&y);
+        }
+        y
     }
 
     /// transformers' RMSNorm: fp32 statistics, weight times the input-kind result.
@@ -634,12 +646,14 @@ impl Layer<'_> {
             self.numerics,
             Numerics::Fp8 | Numerics::Fp8Emulated | Numerics::Fp8Checkpoint { .. }
         );
-        let quant = if fp8_path {
-            dev.indexer_quant(self.fp8_indexer)
-        } else {
-            IndexerQuant::None
-        };
-        let score = |k: &Tensor| self.index_scores(&q, k, &w, &positions, quant);
+        // The engine's FP8 indexer belongs to an FP8 production path (a shadow
+        // in plain numerics is built with the same variant and must not run
+        // it); a deviation acts on whatever production it is given, bf16
+        // linears included, as an FP8 indexer patched into a bf16 transformers
+        // model runs. Shadows are given no deviation.
+        let quant = dev.indexer_quant(if fp8_path { self.fp8_indexer } else { None });
+        let score =
+            |k: &Tensor| self.index_scores(&q, k, &w, &positions, quant, dev.logits_lowprec);
         let mut scores = score(&k);
         if dev.reuses_prefix()
             && let Some(p) = deviation::reuse_prefix(s)
@@ -655,17 +669,32 @@ impl Layer<'_> {
             }
             scores = deviation::splice_tail(&scores, &score(&cached), p);
         }
+        if let Some(length) = dev.paged_past {
+            scores = kernel_deviation::paged_past_len(&scores, length, self.index);
+        }
         if dev.logits_bf16 {
             scores = deviation::bf16_round(&scores);
         }
         let take = c.index_topk.min(s);
+        if dev.zeros_past.is_some_and(|length| s > length) {
+            // The reduction returned zeros: those are the scores, and a top-k
+            // over equal values kept the trailing keys.
+            let zeros = kernel_deviation::zeroed(&scores);
+            return (kernel_deviation::trailing_topk(&zeros, take), zeros);
+        }
+        // What the top-k kernel ranks: the scores, less the candidates an
+        // overflowing buffer dropped; the scores recorded are the logits'.
+        let ranked = match dev.topk_buffer {
+            Some(capacity) => kernel_deviation::drop_overflowed_candidates(&scores, take, capacity),
+            None => scores.shallow_clone(),
+        };
         let topk = if dev.ties_reversed {
-            deviation::topk_ties_reversed(&scores, take)
+            deviation::topk_ties_reversed(&ranked, take)
         } else {
             // Unsorted: attention and every reader use the set, and torch
             // picks the same set either way (sorting is a pass after the
             // selection that costs more than the selection at k = 2048).
-            scores.topk(take, -1, true, false).1
+            ranked.topk(take, -1, true, false).1
         };
         (topk, scores)
     }
@@ -674,6 +703,9 @@ impl Layer<'_> {
     /// k `[T, D]` after RoPE, with head weights `w` `[S, H]` (H^-1/2 folded
     /// in), quantized as `quant` says; a quantization that cannot run (an
     /// index_head_dim other than 128) or fails is scored in fp32 and counted.
+    /// `lowprec`: the head terms and their sum held in that precision
+    /// ([`kernel_deviation::lowprec_scores`]), on the operands as `quant`
+    /// dequantizes them.
     fn index_scores(
         &self,
         q: &Tensor,
@@ -681,7 +713,23 @@ impl Layer<'_> {
         w: &Tensor,
         positions: &Tensor,
         quant: IndexerQuant,
+        lowprec: Option<kernel_deviation::LowPrecision>,
     ) -> Tensor {
+        if let Some(low) = lowprec {
+            let (qf, kf) = (q.to_kind(Kind::Float), k.to_kind(Kind::Float));
+            let operands = match quant {
+                IndexerQuant::None => Ok((qf, kf)),
+                _ if q.size()[2] != 128 => Err(()),
+                _ => deviation::dequantized_operands(&qf, &kf, quant).map_err(|_| ()),
+            };
+            let (qd, kd) = operands.unwrap_or_else(|()| {
+                if let Some(fallbacks) = self.fallbacks {
+                    Fallbacks::add(&fallbacks.fp8_indexer_failed);
+                }
+                (q.to_kind(Kind::Float), k.to_kind(Kind::Float))
+            });
+            return kernel_deviation::lowprec_scores(&qd, &kd, w, positions, low);
+        }
         let dim = q.size()[2];
         let fallback = || {
             if let Some(fallbacks) = self.fallbacks {

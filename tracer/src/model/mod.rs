@@ -18,6 +18,7 @@ pub mod fault;
 pub mod fp8_checkpoint;
 pub mod glm5_next;
 pub mod graft;
+pub mod kernel_deviation;
 pub mod layer;
 pub mod rope;
 pub(crate) mod router;
@@ -129,6 +130,25 @@ impl Model {
             .names_with_prefix(name)
             .iter()
             .any(|n| n == name)
+    }
+
+    /// The activation scale format of an FP8 checkpoint's linears: ue8m0
+    /// where `config.json`'s `quantization_config.scale_fmt` says `ue8m0` (as
+    /// DeepSeek-V3.2's does), fp32 otherwise (`float`, or unset).
+    #[must_use]
+    pub fn checkpoint_scale_format(&self) -> crate::fp8::ScaleFormat {
+        let fmt = serde_json::from_slice::<serde_json::Value>(&self.config_bytes)
+            .ok()
+            .and_then(|v| {
+                v.pointer("/quantization_config/scale_fmt")
+                    .and_then(serde_json::Value::as_str)
+                    .map(str::to_owned)
+            });
+        if fmt.as_deref() == Some("ue8m0") {
+            crate::fp8::ScaleFormat::Ue8m0
+        } else {
+            crate::fp8::ScaleFormat::Fp32
+        }
     }
 
     /// Refuses a checkpoint that production cannot run as an FP8 checkpoint

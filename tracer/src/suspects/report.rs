@@ -508,9 +508,12 @@ pub(crate) fn md_table(out: &mut String, header: &[String], rows: &[Vec<String>]
 pub fn render_list() -> String {
     let mut out = String::new();
     for kind in DeviationKind::ALL {
+        let param = kind.default_param().map_or_else(String::new, |d| {
+            format!("\n  parameter: {}:VALUE (default {d})", kind.name())
+        });
         let _ = writeln!(
             out,
-            "{}\n  {}\n  source: {}\n",
+            "{}\n  {}{param}\n  source: {}\n",
             kind.name(),
             kind.behaviour(),
             kind.source()

@@ -58,7 +58,7 @@ impl PathSpec {
     pub fn every_deviation() -> Vec<PathSpec> {
         DeviationKind::ALL
             .iter()
-            .map(|&kind| PathSpec::of(vec![Deviation { kind, layer: None }]))
+            .map(|&kind| PathSpec::of(vec![Deviation::everywhere(kind)]))
             .collect()
     }
 
@@ -251,6 +251,7 @@ impl Sweep {
 pub fn plan(
     model: &Model,
     base: Option<Fp8Indexer>,
+    prod: ProdLinears,
     requested: &[PathSpec],
 ) -> (Vec<PathSpec>, Vec<NotRun>) {
     let mut run = vec![PathSpec::clean()];
@@ -259,11 +260,18 @@ pub fn plan(
         let reasons: Vec<String> = path
             .deviations
             .iter()
-            .filter_map(|d| match d.effect(&model.config, base, &path.deviations) {
-                // The path's name is the deviation's when it runs alone.
-                Effect::None(why) if path.deviations.len() == 1 => Some(why),
-                Effect::None(why) => Some(format!("{d}: {why}")),
-                Effect::Changes => None,
+            .filter_map(|d| {
+                match d.effect(
+                    &model.config,
+                    base,
+                    prod == ProdLinears::Fp8,
+                    &path.deviations,
+                ) {
+                    // The path's name is the deviation's when it runs alone.
+                    Effect::None(why) if path.deviations.len() == 1 => Some(why),
+                    Effect::None(why) => Some(format!("{d}: {why}")),
+                    Effect::Changes => None,
+                }
             })
             .collect();
         if !path.deviations.is_empty() && reasons.len() == path.deviations.len() {

@@ -27,6 +27,7 @@ use shadowtrace_schemas::manifest::{
 use shadowtrace_schemas::Convention;
 use shadowtrace_schemas::selection::{BAND_SCALE, BAND_STORED};
 
+use crate::fp8::ScaleFormat;
 use crate::identity::{config_hash, default_device, directory_salt, salt_id, token_hash};
 use crate::indexer::topk_with_margin;
 use crate::model::convention::reference_conventions;
@@ -509,11 +510,24 @@ pub(crate) fn runs_dir_salt(run_dir: &Path) -> Vec<u8> {
 /// the counters that say how each ran follow, the caller closes the list.
 pub(crate) fn prod_linears(prod: Numerics) -> String {
     let how = match prod {
-        Numerics::Fp8Checkpoint { activations, .. } => format!(
+        Numerics::Fp8Checkpoint {
+            activations,
+            scales: ScaleFormat::Fp32,
+        } => format!(
             "as the FP8 checkpoint stores them (transformers' fine-grained FP8): the linears it \
              holds in fp8 e4m3 on their stored codes and 128x128 block scales, never \
              re-quantized, times 1x128 activation blocks with fp32 scales (transformers' kernel \
              on Hopper); every other linear in {activations:?}"
+        ),
+        Numerics::Fp8Checkpoint {
+            activations,
+            scales: ScaleFormat::Ue8m0,
+        } => format!(
+            "as the FP8 checkpoint stores them (scale_fmt ue8m0, DeepSeek's reference linear): \
+             the linears it holds in fp8 e4m3 on their stored codes and 128x128 block scales, \
+             never re-quantized, times 1x128 activation blocks with power-of-two scales \
+             2^ceil(log2(max(amax, 1e-4) / 448)) (inference/kernel.py act_quant with scale_fmt \
+             set); every other linear in {activations:?}"
         ),
         Numerics::Plain(kind) => format!("{kind:?}, no fp8"),
         Numerics::Fp8 | Numerics::Fp8Emulated => {
@@ -561,7 +575,10 @@ fn identity(
     let deviations = opts
         .deviations
         .iter()
-        .map(|d| d.manifest_entry(&d.effect(c, opts.fp8_indexer, &opts.deviations)))
+        .map(|d| {
+            let fp8_linears = !matches!(opts.prod, crate::model::Numerics::Plain(_));
+            d.manifest_entry(&d.effect(c, opts.fp8_indexer, fp8_linears, &opts.deviations))
+        })
         .collect();
     reference_identity(
         run_id,

@@ -57,12 +57,16 @@ pub struct ProductionArgs {
     pub prod: Prod,
 }
 
-/// An FP8 checkpoint's numerics as transformers runs it on Hopper.
+/// An FP8 checkpoint's numerics with activations held in `activations` and
+/// activation scales of the format `scales`: the checkpoint's own
+/// ([`Model::checkpoint_scale_format`]: power-of-two scales for a `ue8m0`
+/// checkpoint, as DeepSeek's reference linear quantizes them; fp32 scales,
+/// as transformers' kernel on Hopper, otherwise).
 #[must_use]
-pub fn fp8_checkpoint_numerics(activations: Kind) -> Numerics {
+pub fn fp8_checkpoint_numerics(activations: Kind, scales: ScaleFormat) -> Numerics {
     Numerics::Fp8Checkpoint {
         activations,
-        scales: ScaleFormat::Fp32,
+        scales,
     }
 }
 
@@ -90,7 +94,7 @@ impl ProductionArgs {
             model
                 .check_fp8_checkpoint()
                 .context("production as the FP8 checkpoint stores it")?;
-            opts.prod = fp8_checkpoint_numerics(Kind::BFloat16);
+            opts.prod = fp8_checkpoint_numerics(Kind::BFloat16, model.checkpoint_scale_format());
         }
         for text in &self.deviation {
             let deviation =
@@ -101,7 +105,12 @@ impl ProductionArgs {
             opts.deviations.push(deviation);
         }
         for d in &opts.deviations {
-            if let Effect::None(why) = d.effect(&model.config, opts.fp8_indexer, &opts.deviations) {
+            if let Effect::None(why) = d.effect(
+                &model.config,
+                opts.fp8_indexer,
+                !matches!(opts.prod, Numerics::Plain(_)),
+                &opts.deviations,
+            ) {
                 #[allow(clippy::print_stderr, reason = "a command line's own notice")]
                 {
                     eprintln!("deviation {d}: changes nothing on this model: {why}");
