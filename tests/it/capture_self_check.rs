@@ -157,8 +157,8 @@ fn a_reference_engine_run_says_why_it_runs_no_check() {
         (
             false,
             vec![
-                "capture self-check: not run (the reference engine computes its selection \
-                 itself: no other engine's capture to check)"
+                "capture self-check: not run (the reference engine selects from the scores it \
+                 records itself: no engine's selection was read, so there is no capture to check)"
                     .to_owned()
             ]
         )

@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 use clap::ValueEnum;
 use shadowtrace_analyzer::metrics::check_memo;
-use shadowtrace_analyzer::report::{render_summary, render_terminal, sizes_line, write_report};
+use shadowtrace_analyzer::report::{
+    TABLE_COLUMNS, render_summary, render_terminal_at, sizes_line, write_report,
+};
 use shadowtrace_analyzer::verdict::{
     DEFAULT_BASELINE_FACTOR, DEFAULT_HIDDEN_REL_ERR, DEFAULT_TOPK_JACCARD, Thresholds,
 };
@@ -74,6 +76,11 @@ pub(crate) struct AnalyzeArgs {
     /// `RUN PASS`, or `RUN NOT JUDGED (<why>)`, then the skipped runs.
     #[arg(long, conflicts_with = "format")]
     summary: bool,
+    /// Print every column of the grid and layer tables. Without it a table
+    /// wider than 100 columns leaves out its least needed columns, and a
+    /// line after it names them.
+    #[arg(long)]
+    wide: bool,
     /// Exit with status 1 when a run has this verdict, with one line per
     /// such run: `FAIL (--fail-on any): RUN topk@L1 (J 0.749 < 0.8);
     /// nonfinite@L2 mlp_out t2500`. Repeatable. A run
@@ -204,7 +211,10 @@ pub(crate) fn run(args: &AnalyzeArgs) -> anyhow::Result<ExitCode> {
         Format::Text if args.summary => {
             stdout.write_all(render_summary(&analysis).as_bytes())?;
         }
-        Format::Text => stdout.write_all(render_terminal(&analysis).as_bytes())?,
+        Format::Text => {
+            let fit = (!args.wide).then_some(TABLE_COLUMNS);
+            stdout.write_all(render_terminal_at(&analysis, fit).as_bytes())?;
+        }
         Format::Json => writeln!(stdout, "{}", serde_json::to_string_pretty(&analysis)?)?,
     }
     if let Some(dir) = &args.report {

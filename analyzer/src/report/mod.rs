@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 pub use markdown::render_markdown;
 pub use plot::{HIDDEN_CHART, NO_ROWS, TOPK_CHART, heatmap_file, sizes_line};
-pub use terminal::{render_summary, render_terminal};
+pub use terminal::{TABLE_COLUMNS, render_summary, render_terminal, render_terminal_at};
 
 use crate::analysis::RunAnalysis;
 use crate::grid::{Grid, GroupRow};

@@ -11,10 +11,40 @@ use crate::analysis::RunAnalysis;
 use crate::judged::{Question, cell, why_not_judged};
 use crate::verdict::{Thresholds, deciding_mode};
 
+/// The widest a table is printed without `--wide`: the columns of a common
+/// terminal. Wider tables leave out their least needed columns, and say
+/// which ([`table`]).
+pub const TABLE_COLUMNS: usize = 100;
+
+/// The grid's columns a narrow table leaves out first, in order (the NaN
+/// runs are among the verdicts too; the worst layers are in each run's
+/// table).
+const GRID_DROPS: [&str; 3] = ["NaN runs", " p95", "worst top-k layer"];
+
+/// The layer table's columns a narrow table leaves out first, in order:
+/// what the verdicts and the marks column already say, or what only a
+/// close reading needs.
+const LAYER_DROPS: [&str; 6] = [
+    "shadow-only NaN",
+    "cos min",
+    "J p5",
+    "dense",
+    "unit",
+    "NaN tok",
+];
+
 /// Renders an analysis for a terminal: thresholds, grid, comparison,
-/// determinism, then each run with its verdicts and layer table.
+/// determinism, then each run with its verdicts and layer table; tables
+/// fit [`TABLE_COLUMNS`] where leaving out columns can make them.
 #[must_use]
 pub fn render_terminal(a: &Analysis) -> String {
+    render_terminal_at(a, Some(TABLE_COLUMNS))
+}
+
+/// [`render_terminal`] with tables fitted to `fit` columns, or every column
+/// whatever the width (`None`: `analyze --wide`).
+#[must_use]
+pub fn render_terminal_at(a: &Analysis, fit: Option<usize>) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -35,7 +65,7 @@ pub fn render_terminal(a: &Analysis) -> String {
         let _ = writeln!(out, "  {line}");
     }
     let _ = writeln!(out);
-    grid_section(&mut out, a);
+    grid_section(&mut out, a, fit);
     if !a.determinism.is_empty() {
         let _ = writeln!(
             out,
@@ -60,7 +90,7 @@ pub fn render_terminal(a: &Analysis) -> String {
             "prefix-cache pairs (a hit against a miss of the same prompt, at the first generated position)"
         );
         let (header, rows) = super::cache::cache_table(cache);
-        table(&mut out, &header, &rows);
+        table(&mut out, &header, &rows, Fit::none());
         for note in super::cache::cache_notes(cache) {
             let _ = writeln!(out, "  note: {note}");
         }
@@ -77,7 +107,7 @@ pub fn render_terminal(a: &Analysis) -> String {
         let _ = writeln!(out);
     }
     for run in &a.runs {
-        run_section(&mut out, run, &a.thresholds);
+        run_section(&mut out, run, &a.thresholds, fit);
     }
     out
 }
@@ -106,13 +136,13 @@ fn plural(n: usize) -> &'static str {
     if n == 1 { "" } else { "s" }
 }
 
-fn grid_section(out: &mut String, a: &Analysis) {
+fn grid_section(out: &mut String, a: &Analysis, fit: Option<usize>) {
     let _ = writeln!(out, "grid by {}", a.grid.group_by.join(", "));
     for u in &a.grid.user_tags {
         let _ = writeln!(out, "  {}", u.line());
     }
     let (header, rows) = grid_table(&a.grid);
-    table(out, &header, &rows);
+    table(out, &header, &rows, Fit::to(fit, &GRID_DROPS));
     let _ = writeln!(out);
     if let Some((by, header, rows)) = comparison_table(&a.grid) {
         let _ = writeln!(
@@ -124,12 +154,12 @@ fn grid_section(out: &mut String, a: &Analysis) {
                 ""
             }
         );
-        table(out, &header, &rows);
+        table(out, &header, &rows, Fit::none());
         let _ = writeln!(out);
     }
 }
 
-fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds) {
+fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds, fit: Option<usize>) {
     let tag = |k: &str| run.tags.get(k).map_or("-", String::as_str);
     let status = if run.complete {
         "complete"
@@ -288,7 +318,12 @@ fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds) {
             cell(&run.not_measured, Question::Logits, &found)
         );
     }
-    table(out, &layer_header(t), &layer_rows(run, t));
+    table(
+        out,
+        &layer_header(t),
+        &layer_rows(run, t),
+        Fit::to(fit, &LAYER_DROPS),
+    );
     let _ = writeln!(out);
 }
 
@@ -362,8 +397,84 @@ pub(crate) fn layer_rows(run: &RunAnalysis, th: &Thresholds) -> Vec<Vec<String>>
         .collect()
 }
 
-/// Aligned columns: text left, everything else right.
-fn table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
+/// How wide a table may be, and which of its columns it may leave out to
+/// get there (headers equal to, or ending with, these words, in order).
+struct Fit<'a> {
+    columns: Option<usize>,
+    drops: &'a [&'a str],
+}
+
+impl<'a> Fit<'a> {
+    fn none() -> Fit<'static> {
+        Fit {
+            columns: None,
+            drops: &[],
+        }
+    }
+
+    fn to(columns: Option<usize>, drops: &'a [&'a str]) -> Fit<'a> {
+        Fit { columns, drops }
+    }
+}
+
+/// The width `table` prints the columns `keep` at, its two-space indent
+/// included.
+fn printed_width(widths: &[usize], keep: &[usize]) -> usize {
+    2 + keep.iter().map(|&i| widths[i]).sum::<usize>() + 2 * keep.len().saturating_sub(1)
+}
+
+/// Aligned columns: text left, everything else right. Wider than
+/// `fit.columns`, it leaves out the droppable columns in order until it
+/// fits (or none is left to drop), and says which in a line after it.
+fn table(out: &mut String, header: &[String], rows: &[Vec<String>], fit: Fit<'_>) {
+    let all: Vec<usize> = (0..header.len()).collect();
+    let widths = column_widths(header, rows);
+    let mut keep = all.clone();
+    let mut dropped = Vec::new();
+    if let Some(columns) = fit.columns {
+        for word in fit.drops {
+            if printed_width(&widths, &keep) <= columns {
+                break;
+            }
+            if let Some(at) = keep
+                .iter()
+                .position(|&i| header[i] == *word || header[i].ends_with(word))
+            {
+                dropped.push(header[keep.remove(at)].clone());
+            }
+        }
+    }
+    let pick = |cells: &[String]| -> Vec<String> {
+        keep.iter()
+            .map(|&i| cells.get(i).cloned().unwrap_or_default())
+            .collect()
+    };
+    let header: Vec<String> = pick(header);
+    let rows: Vec<Vec<String>> = rows.iter().map(|r| pick(r)).collect();
+    aligned(out, &header, &rows);
+    if !dropped.is_empty() {
+        let _ = writeln!(
+            out,
+            "  (left out to fit {} columns: {}; --wide shows every column)",
+            fit.columns.unwrap_or_default(),
+            dropped.join(", ")
+        );
+    }
+}
+
+fn column_widths(header: &[String], rows: &[Vec<String>]) -> Vec<usize> {
+    (0..header.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
+                .max()
+                .unwrap_or(0)
+                .max(header[i].chars().count())
+        })
+        .collect()
+}
+
+fn aligned(out: &mut String, header: &[String], rows: &[Vec<String>]) {
     let widths: Vec<usize> = (0..header.len())
         .map(|i| {
             rows.iter()
@@ -396,5 +507,110 @@ fn table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
     let _ = writeln!(out, "  {}", line(header));
     for row in rows {
         let _ = writeln!(out, "  {}", line(row));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(cells: &[&str]) -> Vec<String> {
+        cells.iter().map(|c| (*c).to_owned()).collect()
+    }
+
+    /// A layer table's header with cells as wide as their headers but a
+    /// long marks cell: 124 columns printed, 107 without `shadow-only NaN`.
+    fn wide_table() -> (Vec<String>, Vec<Vec<String>>) {
+        let header = strings(&[
+            "layer",
+            "J",
+            "J no churn",
+            "J p5",
+            "rows",
+            "dense",
+            "unit",
+            "layer_out p95",
+            "cos min",
+            "NaN tok",
+            "shadow-only NaN",
+            "marks",
+        ]);
+        let mut row: Vec<String> = header.iter().map(|h| "x".repeat(h.len())).collect();
+        row[11] = "topk@L3 hidden@L3 NaN@L3".to_owned();
+        (header, vec![row])
+    }
+
+    fn longest(text: &str) -> usize {
+        text.lines().map(|l| l.chars().count()).max().unwrap_or(0)
+    }
+
+    #[test]
+    fn a_table_wider_than_its_fit_leaves_out_droppable_columns_in_order_and_names_them() {
+        let (header, rows) = wide_table();
+        let mut every = String::new();
+        table(&mut every, &header, &rows, Fit::none());
+        assert!(longest(&every) > TABLE_COLUMNS, "{every}");
+        let mut narrow = String::new();
+        table(
+            &mut narrow,
+            &header,
+            &rows,
+            Fit::to(Some(TABLE_COLUMNS), &LAYER_DROPS),
+        );
+        let mut lines = narrow.lines();
+        let head = lines.next().unwrap();
+        assert!(head.chars().count() <= TABLE_COLUMNS, "{narrow}");
+        // The first two droppable columns go, in order, and no more than needed.
+        assert!(
+            !head.contains("shadow-only NaN") && !head.contains("cos min"),
+            "{head}"
+        );
+        assert!(
+            head.contains("J p5") && head.contains("layer_out p95"),
+            "{head}"
+        );
+        assert_eq!(
+            narrow.lines().last().unwrap(),
+            "  (left out to fit 100 columns: shadow-only NaN, cos min; --wide shows every column)"
+        );
+    }
+
+    #[test]
+    fn a_table_that_fits_or_has_nothing_to_drop_is_printed_whole_without_a_note() {
+        let (header, rows) = wide_table();
+        let mut unfit = String::new();
+        table(
+            &mut unfit,
+            &header,
+            &rows,
+            Fit::to(Some(TABLE_COLUMNS), &[]),
+        );
+        assert_eq!(unfit.lines().count(), 2, "{unfit}");
+        let mut roomy = String::new();
+        table(&mut roomy, &header, &rows, Fit::to(Some(400), &LAYER_DROPS));
+        let mut every = String::new();
+        table(&mut every, &header, &rows, Fit::none());
+        assert_eq!(roomy, every);
+    }
+
+    #[test]
+    fn a_header_ending_with_a_drop_word_is_dropped_as_that_word() {
+        let header = strings(&["model", "worst attn_out p95", "verdicts"]);
+        let rows = vec![strings(&[
+            "m".repeat(60).as_str(),
+            "1e-3",
+            "v".repeat(40).as_str(),
+        ])];
+        let mut out = String::new();
+        table(
+            &mut out,
+            &header,
+            &rows,
+            Fit::to(Some(TABLE_COLUMNS), &GRID_DROPS),
+        );
+        assert!(
+            out.contains("left out to fit 100 columns: worst attn_out p95;"),
+            "{out}"
+        );
     }
 }
