@@ -132,6 +132,12 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
         for none in ["capture_runs", "convention_runs", "sentinel_runs"] {
             assert_eq!(group.remove(none), Some(serde_json::json!(0)), "{none}");
         }
+        // The users' outcomes (issue 40): none recorded in these runs.
+        let outcomes = group.remove("outcomes").unwrap();
+        assert_eq!(outcomes["unrecorded"], group["runs"], "{outcomes}");
+        for none in ["correct", "corrupted", "malformed", "scored"] {
+            assert_eq!(outcomes[none], serde_json::json!(0), "{none}");
+        }
         let onsets = group.remove("nonfinite_layers").unwrap();
         assert_eq!(
             Some(onsets.as_array().unwrap().len() as u64),
@@ -145,6 +151,11 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
             Some(serde_json::json!([]))
         );
         assert_eq!(run.remove("not_measured"), Some(serde_json::json!([])));
+        // The capture self-check says it was not run where a run records none
+        // (issue 42); the v1 build said nothing.
+        if let Some(why) = run.remove("capture_check_not_run") {
+            assert_eq!(why, serde_json::json!("the run records no check"));
+        }
         // Part files' content hashes came after the v1 build: its runs record
         // none, and the reader says their bytes are not verified.
         let notes = run["notes"].as_array_mut().unwrap();
