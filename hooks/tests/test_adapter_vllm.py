@@ -197,7 +197,12 @@ def test_the_capture_self_check_finds_the_engines_own_reading_consistent_and_chu
         for layer in range(LAYERS):
             want = len([r for r in informative(serving.rows(request, "dequant")) if r["layer"] == layer])
             assert want > 0
-            assert check["layers"][str(layer)] == {"rows": want, "disagree": 0, "first_token": None}
+            assert check["layers"][str(layer)] == {
+                "rows": want,
+                "disagree": 0,
+                "first_token": None,
+                "unchecked": 0,
+            }
     for row in informative(serving.rows("A", "raw")):
         assert row["prod_kth_score"] is not None
         assert row["jaccard_no_churn"] is not None, "churn is known where production's scores are"
