@@ -475,15 +475,7 @@ fn column_widths(header: &[String], rows: &[Vec<String>]) -> Vec<usize> {
 }
 
 fn aligned(out: &mut String, header: &[String], rows: &[Vec<String>]) {
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| {
-            rows.iter()
-                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
-                .max()
-                .unwrap_or(0)
-                .max(header[i].chars().count())
-        })
-        .collect();
+    let widths = column_widths(header, rows);
     let numeric = |i: usize| {
         rows.iter().all(|r| {
             r.get(i)
