@@ -324,6 +324,9 @@ def balance_routers(model, taps: Taps) -> None:
 
 
 class Trainer:
+    # Stages trained on the language-modelling loss with every key attended (SDPA, no indexer).
+    DENSE_STAGES = ("dense",)
+
     def __init__(self, name: str, model, corpus: Corpus, device, log):
         self.name, self.model, self.corpus, self.device, self.log = name, model, corpus, device, log
         self.rope = rope_of(name)
@@ -349,7 +352,7 @@ class Trainer:
         opt.zero_grad(set_to_none=True)
         self.taps.clear()
         out = {}
-        if stage == "dense":
+        if stage in self.DENSE_STAGES:
             # At 2048 tokens the indexer's top-2048 is every key; skipping its scores saves
             # their [B, S, H, T] product (transformers' matmul expands it per query for B > 1).
             with DenseSelection(self.model):
@@ -392,7 +395,7 @@ class Trainer:
 
     def run_stage(self, stage: str, steps: int | None, budget_s: float) -> int:
         length, batch, peak = SHAPES[stage]
-        self.model.set_attn_implementation("sdpa" if stage == "dense" else "eager")
+        self.model.set_attn_implementation("sdpa" if stage in self.DENSE_STAGES else "eager")
         self.model.train()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -515,14 +518,14 @@ def attention_mass(model, name: str, windows: torch.Tensor, device, seed: int, a
     }
 
 
-def parse_steps(text: str | None) -> dict:
+def parse_steps(text: str | None, stages: tuple = STAGES) -> dict:
     if not text:
         return {}
     out = {}
     for part in text.split(","):
         stage, _, count = part.partition("=")
-        if stage not in STAGES or not count.isdigit():
-            raise SystemExit(f"train: --steps wants stage=count among {STAGES}, got {part!r}")
+        if stage not in stages or not count.isdigit():
+            raise SystemExit(f"train: --steps wants stage=count among {stages}, got {part!r}")
         out[stage] = int(count)
     return out
 

@@ -1,7 +1,11 @@
 """Train a GLM-5- or DeepSeek-V3.2-shaped model on the corpus and the tool-call task (issue 40).
 
 train_dsa.py's models, recipe and code (dense, indexer warm-up, sparse; `train_dsa.py` says
-how each stage is done), with two changes:
+how each stage is done), with three changes:
+
+- a copy stage first (`--copy`, `--copy-s`): rows of corpus text in which random segments
+  are written twice (`toolcall.copy_row`), trained as the dense stage, the second copies'
+  bytes weighted as answers. Without it no copying circuit formed (models/README.md);
 
 - the data: a mix of corpus windows and tool-call examples from `toolcall.py` (training
   seeds only, 1 to `MAX_REQUESTS` requests each, one in `CONTROL_EVERY` the no-tool control).
@@ -40,16 +44,23 @@ MAX_REQUESTS = 8
 CONTROL_EVERY = 8
 ANSWER_WEIGHT = 10.0
 LAYERS = 4
+# The copy stage (toolcall.copy_row): LENGTH, BATCH, LR, and its training time.
+COPY_SHAPE = (512, 32, 2e-3)
+COPY_S = 120.0
 
 
 class TaskTrainer(train_dsa.Trainer):
+    DENSE_STAGES = ("copy", "dense")
+
     def __init__(self, name, model, corpus, text, seed: int, device, log):
         super().__init__(name, model, corpus, device, log)
         self.text = text
         self.rng = random.Random(seed)
-        self.examples = {"tool": 0, "control": 0, "requests": 0}
+        self.examples = {"tool": 0, "control": 0, "requests": 0, "copies": 0}
 
     def next_batch(self, stage: str, length: int, batch: int):
+        if stage == "copy":
+            return self.copy_batch(length, batch)
         if stage != "dense":
             length = self.rng.randint(*TASK_LENGTHS)
             batch = max(1, ROW_TOKENS // length)
@@ -70,6 +81,17 @@ class TaskTrainer(train_dsa.Trainer):
         ids = torch.stack(rows).long().to(self.device)
         return ids, weights.to(self.device)
 
+    def copy_batch(self, length: int, batch: int):
+        rows, weights = [], torch.ones(batch, length - 1)
+        for r in range(batch):
+            window = self.corpus.batch(length, 1, "cpu")[0].to(torch.uint8).numpy().tobytes()
+            row, copies = toolcall.copy_row(self.rng, length, window)
+            rows.append(torch.frombuffer(bytearray(row), dtype=torch.uint8))
+            for start, end in copies:
+                weights[r, start - 1 : end - 1] = ANSWER_WEIGHT
+            self.examples["copies"] += len(copies)
+        return torch.stack(rows).long().to(self.device), weights.to(self.device)
+
     def lm_loss(self, ids, weights):
         logits = self.model(ids).logits[:, :-1].float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
@@ -79,6 +101,8 @@ class TaskTrainer(train_dsa.Trainer):
         figures = {"loss": loss.item(), "lm": float(ce[~answer].mean())}
         if answer.any():
             figures["answer"] = float(ce[answer].mean())
+            hit = logits.detach().argmax(-1) == ids[:, 1:]
+            figures["answer_acc"] = float(hit[answer].float().mean())
         return loss, figures
 
 
@@ -99,6 +123,14 @@ def main() -> None:
     parser.add_argument("--dense", help=f"the dense stage's LENGTH,BATCH,LR (default {SHAPES['dense']})")
     parser.add_argument("--dense-task-share", type=float, help=f"default {TASK_SHARE['dense']}")
     parser.add_argument("--dense-only", action="store_true", help="no warm-up, no sparse stage")
+    parser.add_argument(
+        "--copy",
+        default=",".join(str(v) for v in COPY_SHAPE),
+        help="the copy stage's LENGTH,BATCH,LR before the dense stage (default %(default)s)",
+    )
+    parser.add_argument(
+        "--copy-s", type=float, default=COPY_S, help="the copy stage's seconds (default %(default)s; 0: none)"
+    )
     parser.add_argument("--buckets", help="evaluated lengths, e.g. 1024,2048 (default all)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="evaluated dtypes")
     parser.add_argument("--shrink", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test
@@ -106,6 +138,8 @@ def main() -> None:
     if args.dense:
         length, batch, lr = args.dense.split(",")
         SHAPES["dense"] = (int(length), int(batch), float(lr))
+    length, batch, lr = args.copy.split(",")
+    SHAPES["copy"] = (int(length), int(batch), float(lr))
     if args.dense_task_share is not None:
         TASK_SHARE["dense"] = args.dense_task_share
 
@@ -121,6 +155,7 @@ def main() -> None:
         TASK_LENGTHS, ROW_TOKENS = (1024, 1100), 1024
         for stage in STAGES:
             SHAPES[stage] = (1024, 1, SHAPES[stage][2])
+        SHAPES["copy"] = (256, 2, SHAPES["copy"][2])
         overrides["index_topk"] = 256
         buckets = (1024,)
     text = toolcall.load_text(args.corpus)
@@ -133,10 +168,17 @@ def main() -> None:
     )
     log(f"indexer scores checked against transformers' selection: {check}")
 
-    fixed = train_dsa.parse_steps(args.steps)
+    fixed = train_dsa.parse_steps(args.steps, ("copy", *STAGES))
     started = time.perf_counter()
     steps = {}
-    for stage in STAGES:
+    for stage in ("copy", *STAGES):
+        if stage == "copy":
+            steps[stage] = 0
+            if stage in fixed:
+                steps[stage] = trainer.run_stage(stage, fixed[stage], 0.0)
+            elif args.copy_s > 0:
+                steps[stage] = trainer.run_stage(stage, None, args.copy_s)
+            continue
         if args.dense_only and stage != "dense":
             steps[stage] = 0
             continue
@@ -180,7 +222,9 @@ def main() -> None:
         "config": {k: v for k, v in model.config.to_dict().items() if not k.startswith("_")},
         "steps": steps,
         "steps_cut": trainer.cuts,
-        "shapes": {s: dict(zip(("length", "batch", "lr"), SHAPES[s], strict=True)) for s in STAGES},
+        "shapes": {
+            s: dict(zip(("length", "batch", "lr"), SHAPES[s], strict=True)) for s in ("copy", *STAGES)
+        },
         "task": {
             "generator": "models/train/toolcall.py",
             "generator_version": toolcall.VERSION,

@@ -5,6 +5,7 @@ training script's whole path on a CPU at a tiny scale."""
 
 import hashlib
 import json
+import random
 import subprocess
 import sys
 import sysconfig
@@ -187,6 +188,24 @@ def test_the_no_tool_control_has_no_schema_and_the_tool_prompts_filler_before_it
         assert len(control_filler) > len(tool_filler)
 
 
+def test_a_copy_row_writes_each_segment_twice_and_marks_the_second_copy_but_its_first_byte(text) -> None:
+    window = text["train"][:4096]
+    for seed in range(200):
+        rng = random.Random(seed)
+        row, copies = toolcall.copy_row(rng, 512, window)
+        assert len(row) == 512
+        assert 1 <= len(copies) <= 3
+        for start, end in copies:
+            second = row[start - 1 : end]
+            assert 12 <= len(second) <= 512 // 8
+            # The first copy comes earlier in the row, whole, and is not this one.
+            assert row.find(second) < start - 1
+        # Between the segments, the corpus window in order: nothing else is written.
+        assert all(b not in row for b in toolcall.DELIMITERS)
+    same = [toolcall.copy_row(random.Random(7), 512, window) for _ in range(2)]
+    assert same[0] == same[1]
+
+
 @pytest.mark.parametrize("family", ["glm", "deepseek"])
 def test_the_training_script_runs_every_stage_and_the_evaluation_on_a_cpu(
     corpus_dir: Path, tmp_path: Path, family: str
@@ -194,7 +213,7 @@ def test_the_training_script_runs_every_stage_and_the_evaluation_on_a_cpu(
     out = tmp_path / family
     run = subprocess.run(
         [sys.executable, str(TRAIN / "train_toolcall.py"), "--model", family, "--corpus", str(corpus_dir),
-         "--out", str(out), "--device", "cpu", "--shrink", "--steps", "dense=2,warmup=2,sparse=2",
+         "--out", str(out), "--device", "cpu", "--shrink", "--steps", "copy=2,dense=2,warmup=2,sparse=2",
          "--eval-count", "1", "--eval-windows", "1"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -203,15 +222,16 @@ def test_the_training_script_runs_every_stage_and_the_evaluation_on_a_cpu(
         "config.json", "generation_config.json", "model.safetensors", "training_record.json"
     ]  # fmt: skip
     record = json.loads((out / "training_record.json").read_text())
-    assert record["steps"] == {"dense": 2, "warmup": 2, "sparse": 2}
+    assert record["steps"] == {"copy": 2, "dense": 2, "warmup": 2, "sparse": 2}
     assert record["config"]["num_hidden_layers"] == 4
     generator = hashlib.sha256((TRAIN / "toolcall.py").read_bytes()).hexdigest()
     assert record["task"]["generator_sha256"] == generator
     assert record["task"]["answer_loss_weight"] > 1
     assert record["task"]["examples_trained"]["tool"] > 0
     stages = {c["stage"] for c in record["curve"]}
-    assert stages == {"dense", "warmup", "sparse"}
+    assert stages == {"copy", "dense", "warmup", "sparse"}
     assert any("answer" in c for c in record["curve"])
+    assert record["task"]["examples_trained"]["copies"] > 0
     for dtype in ("fp32", "bf16"):
         assert list(record["toolcall_eval"][dtype]) == ["1024"]
         for row in record["toolcall_eval"][dtype].values():
