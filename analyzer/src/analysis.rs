@@ -101,8 +101,9 @@ pub struct RunAnalysis {
     /// where the producer ran none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capture_check: Option<CaptureCheck>,
-    /// Where the producer ran no capture self-check: why (its
-    /// `settings.capture_check_not_run`, else that the run records none).
+    /// Where the producer ran no capture self-check: why (the `why` of its
+    /// `settings.capture_check` with `run` false, else that the run records
+    /// none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capture_check_not_run: Option<String>,
     /// A `settings.capture_check` that cannot be read: why. A broken run,

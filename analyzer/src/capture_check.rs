@@ -22,9 +22,6 @@ use shadowtrace_schemas::Manifest;
 /// The manifest setting the hooks write.
 pub const SETTING: &str = "capture_check";
 
-/// The manifest setting where a producer says why it ran no check.
-pub const NOT_RUN_SETTING: &str = "capture_check_not_run";
-
 /// Why a run records no check, where the producer does not say.
 pub const NOT_RUN_UNSAID: &str = "the run records no check";
 
@@ -230,14 +227,7 @@ impl Recorded {
             })) => Recorded::NotRun(why),
             Ok(Some(check)) => Recorded::Checked(check),
             Err(why) => Recorded::Unreadable(why),
-            Ok(None) => Recorded::NotRun(
-                manifest
-                    .identity
-                    .settings
-                    .get(NOT_RUN_SETTING)
-                    .and_then(|v| v.as_str())
-                    .map_or_else(|| NOT_RUN_UNSAID.to_owned(), str::to_owned),
-            ),
+            Ok(None) => Recorded::NotRun(NOT_RUN_UNSAID.to_owned()),
         }
     }
 
@@ -392,9 +382,10 @@ mod tests {
             )
         );
         assert_eq!(
-            Recorded::of(&manifest(
-                serde_json::json!({NOT_RUN_SETTING: "compressed selection: not calibrated"})
-            ))
+            Recorded::of(&manifest(serde_json::json!({SETTING: {
+                "run": false, "why": "compressed selection: not calibrated",
+                "tolerance": 0.0, "sources": [], "layers": {}
+            }})))
             .report_lines()
             .1,
             ["capture self-check: not run (compressed selection: not calibrated)"]

@@ -14,7 +14,7 @@ use clap::Parser;
 /// mimalloc keeps freed pages for the next allocation. glibc handed the
 /// summary check's decode buffers back to the kernel and faulted them in
 /// again: a third of `analyze`'s time on a v2 run went to page faults
-/// (README, analyze throughput).
+/// (docs/benchmarks.md, analyze throughput).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

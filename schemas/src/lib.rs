@@ -29,6 +29,7 @@ pub mod manifest;
 pub mod selection;
 pub mod stats;
 mod table;
+pub mod text_table;
 mod vocabulary;
 
 pub use error::{SchemaError, error_line};

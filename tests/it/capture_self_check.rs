@@ -52,8 +52,13 @@ fn a_run_whose_producer_ran_no_check_says_not_run_and_why() {
     let tmp = tempfile::tempdir().unwrap();
     let paths = write(tmp.path(), &[clean("unsaid"), clean("said")]);
     crate::support::edit_manifest(&paths[1], |m| {
-        m["settings"]["capture_check_not_run"] =
-            "DeepSeek-V4's compressed selection: the check is not calibrated there".into();
+        // As the producers that run no check write it (the hooks' writer,
+        // tracer/src/trace/mod.rs): `run` false, why, and the empty fields.
+        m["settings"]["capture_check"] = serde_json::json!({
+            "run": false,
+            "why": "DeepSeek-V4's compressed selection: the check is not calibrated there",
+            "tolerance": 0.0, "sources": [], "layers": {}
+        });
     });
     let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
     let text = render_terminal(&a);

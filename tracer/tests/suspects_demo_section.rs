@@ -7,6 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use shadowtrace_schemas::stats::{Agreement, Summary};
+use shadowtrace_schemas::text_table::TABLE_COLUMNS;
 use shadowtrace_tracer::suspects::demo::{
     MOVES_LOGITS_ARGMAX, ModelSweep, render_markdown, render_terminal, variants,
 };
@@ -191,32 +192,43 @@ fn the_demo_section_says_which_deviations_move_topk_and_logits_per_model_and_ass
     let sweeps = sweeps();
     let md = render_markdown(&sweeps);
     insta::assert_snapshot!("demo_section_markdown", md);
-    insta::assert_snapshot!("demo_section_terminal", render_terminal(&sweeps));
+    insta::assert_snapshot!(
+        "demo_section_terminal",
+        render_terminal(&sweeps, Some(TABLE_COLUMNS))
+    );
+    insta::assert_snapshot!("demo_section_terminal_wide", render_terminal(&sweeps, None));
 
-    let line = |path: &str| {
+    // The first table's rows, by model and deviation.
+    let line = |model: &str, path: &str| {
         md.lines()
-            .find(|l| l.starts_with(&format!("| {path} |")))
-            .unwrap_or_else(|| panic!("no row for {path} in\n{md}"))
+            .find(|l| l.starts_with(&format!("| {model} | {path} |")))
+            .unwrap_or_else(|| panic!("no row for {model} {path} in\n{md}"))
             .to_owned()
     };
     // J 0.41 < 0.8 and argmax 0.62 < MOVES_LOGITS_ARGMAX on GLM; not run on DeepSeek.
     const { assert!(MOVES_LOGITS_ARGMAX > 0.62 && MOVES_LOGITS_ARGMAX < 0.98) };
-    let neox = line("indexer_rope_neox");
+    let neox = line("glm-5.1-shaped", "indexer_rope_neox");
     assert!(
         neox.contains("top-k + logits (J 0.41, argmax 0.62)"),
         "{neox}"
     );
+    assert_eq!(
+        line("deepseek-v3.2-shaped", "indexer_rope_neox"),
+        "| deepseek-v3.2-shaped | indexer_rope_neox | not run | not run |"
+    );
     assert!(
-        neox.contains("not run: the model's indexer RoPE is NeoX already"),
-        "{neox}"
+        md.contains(
+            "- deepseek-v3.2-shaped indexer_rope_neox: the model's indexer RoPE is NeoX already\n"
+        ),
+        "{md}"
     );
     // J 0.93, argmax 0.98: moves neither as drawn.
-    assert!(line("hadamard_dropped").contains("none (J 0.93, argmax 0.98)"));
-    assert!(line("kv_slot_nan").contains("logits + NaN L0 attn_out"));
+    assert!(line("glm-5.1-shaped", "hadamard_dropped").contains("none (J 0.93, argmax 0.98)"));
+    assert!(line("glm-5.1-shaped", "kv_slot_nan").contains("logits + NaN L0 attn_out"));
     // Side by side: the dropped Hadamard moves top-k only with an assumption switched.
     let side = md
         .lines()
-        .find(|l| l.starts_with("| glm-5.1-shaped | hadamard_dropped |"))
+        .rfind(|l| l.starts_with("| glm-5.1-shaped | hadamard_dropped |"))
         .unwrap();
     assert!(
         side.contains("| none (J 0.93, argmax 0.98) | top-k (J 0.71, argmax 0.99) | top-k + logits (J 0.62, argmax 0.85) |"),
@@ -249,7 +261,7 @@ fn on_trained_checkpoints_the_section_says_trained_and_has_no_assumptions_table(
     assert!(sweeps.iter().all(|s| s.report.synthetic_params.is_none()));
     let md = render_markdown(&sweeps);
     insta::assert_snapshot!("demo_section_trained_markdown", md);
-    let terminal = render_terminal(&sweeps);
+    let terminal = render_terminal(&sweeps, Some(TABLE_COLUMNS));
     insta::assert_snapshot!("demo_section_trained_terminal", terminal);
     assert!(md.starts_with("## Suspects (trained weights)"), "{md}");
     assert!(
@@ -261,4 +273,31 @@ fn on_trained_checkpoints_the_section_says_trained_and_has_no_assumptions_table(
     // J 0.75 < 0.8 moves top-k; 0.85 does not.
     assert!(md.contains("top-k (J 0.75, argmax 0.96)"), "{md}");
     assert!(md.contains("none (J 0.85, argmax 0.97)"), "{md}");
+}
+
+/// The verdict table fits a 100-column terminal by leaving out the prompt
+/// kinds but the tool prompt, and names them; `--wide` (no fit) prints them.
+#[test]
+fn the_verdict_table_fits_100_columns_and_names_what_it_left_out() {
+    let sweeps = sweeps();
+    let narrow = render_terminal(&sweeps, Some(TABLE_COLUMNS));
+    let table: Vec<&str> = narrow
+        .lines()
+        .skip_while(|l| !l.starts_with("  model "))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert!(table[0].contains("tool @ 3072"), "{narrow}");
+    assert!(!table[0].contains("no_tool"), "{narrow}");
+    for l in table.iter().take_while(|l| !l.starts_with("  (")) {
+        assert!(l.chars().count() <= TABLE_COLUMNS, "{} wide: {l}", l.len());
+    }
+    assert!(
+        narrow.contains(
+            "\n  (left out to fit 100 columns: no_tool @ 3072; --wide shows every column)\n"
+        ),
+        "{narrow}"
+    );
+    let wide = render_terminal(&sweeps, None);
+    assert!(wide.contains("no_tool @ 3072"), "{wide}");
+    assert!(!wide.contains("left out to fit"), "{wide}");
 }

@@ -148,7 +148,7 @@ fn stack<'a>(
 /// Arrow arrays, not `Series::new_empty`: that goes through `full_null`,
 /// whose first call has polars zero an 8 MiB buffer it keeps for good, a
 /// sixth of a remembered `analyze` of a run without hidden-state tables
-/// (README, analyze throughput).
+/// (docs/benchmarks.md, analyze throughput).
 fn empty_frame(table: Table, version: u32, columns: Option<&[&str]>) -> DataFrame {
     let spec = spec_of(table, version);
     let series = spec

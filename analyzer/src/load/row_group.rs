@@ -23,7 +23,7 @@
 //! 350 MB, and a fresh process spent as much time having the kernel zero
 //! those pages as decoding them. [`BATCH_ROWS`] rows at a time, the same
 //! buffers serve every batch of a row group, and the allocator (mimalloc)
-//! keeps their pages for the next row group (README, analyze throughput).
+//! keeps their pages for the next row group (docs/benchmarks.md, analyze throughput).
 //! The other tables, small and stacked across parts, stay with polars
 //! ([`super::PartFile::read`]).
 
@@ -200,7 +200,7 @@ impl Column {
     /// `valid`. A flat column: its values spread to one a row (a null row's
     /// value a default), with `valid` where some row is null; read on every
     /// row of a v2 summary, so a flag and a value there, not an index into
-    /// packed values (README, analyze throughput).
+    /// packed values (docs/benchmarks.md, analyze throughput).
     fn index_rows(&mut self, rows: usize) -> Result<(), String> {
         let Shape {
             list,
@@ -444,8 +444,8 @@ impl PartFile {
 /// A column chunk's bytes, read with one call, at their offset in the file.
 /// Given the file itself, the page reader duplicated its descriptor, seeked,
 /// read and closed for every page header and every page: some 3,500 system
-/// calls for a GLM-5.1 prefill's summary, not 220 (README, analyze
-/// throughput).
+/// calls for a GLM-5.1 prefill's summary, not 220 (docs/benchmarks.md,
+/// analyze throughput).
 struct ChunkBytes {
     offset: u64,
     bytes: Bytes,

@@ -294,7 +294,7 @@ impl RowOverlap {
 /// group): joined by moving the pieces, never by copying their rows into one
 /// vector. A GLM-5.1 prefill has half a million informative rows, some 25 MB,
 /// and copying them into fresh pages one thread at a time took a third of a
-/// remembered `analyze` (README, analyze throughput); its skipped rows, a
+/// remembered `analyze` (docs/benchmarks.md, analyze throughput); its skipped rows, a
 /// tenth of that, still took a quarter of some calls.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pieces<T> {

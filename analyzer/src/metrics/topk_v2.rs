@@ -19,7 +19,7 @@
 //! ([`crate::load::RowGroupBatches`]), row groups in parallel, not as polars
 //! frames: a GLM-5.1 prefill's summary is 0.64 M rows, and decoding it whole
 //! into fresh arrays (strings as views, 16 bytes a row) had the kernel zero
-//! more pages than the rest of `analyze` took (README, analyze throughput).
+//! more pages than the rest of `analyze` took (docs/benchmarks.md, analyze throughput).
 
 use std::collections::BTreeMap;
 

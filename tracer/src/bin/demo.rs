@@ -17,7 +17,9 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use shadowtrace_analyzer::report::{REPORT_FILE, render_terminal, sizes_line, write_report};
+use shadowtrace_analyzer::report::{
+    REPORT_FILE, TABLE_COLUMNS, render_terminal_at, sizes_line, write_report,
+};
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
 use shadowtrace_tracer::bisect::demo as bisect_demo;
@@ -67,6 +69,11 @@ struct Args {
     /// Leave the suspects section out (it says so in its place).
     #[arg(long)]
     no_suspects: bool,
+    /// Print every column of every table. Without it, a table wider than 100
+    /// columns leaves out its least needed columns, and a line after it
+    /// names them.
+    #[arg(long)]
+    wide: bool,
 }
 
 /// The trained checkpoints: (model name, run-id prefix, folder under --models).
@@ -247,14 +254,15 @@ fn run(args: &Args) -> anyhow::Result<()> {
         &Options::default(),
         |_, _, _| {},
     )?;
-    print!("{}", render_terminal(&analysis));
+    let fit = (!args.wide).then_some(TABLE_COLUMNS);
+    print!("{}", render_terminal_at(&analysis, fit));
     let files = write_report(&report_dir, &analysis)?;
     let section = if args.no_suspects {
         "## Suspects (trained weights)\n\nNot run: `shadowtrace demo --no-suspects`.\n".to_owned()
     } else {
         let sweeps = suspects_section(args, &models)?;
         println!();
-        print!("{}", suspects_demo::render_terminal(&sweeps));
+        print!("{}", suspects_demo::render_terminal(&sweeps, fit));
         suspects_demo::render_markdown(&sweeps)
     };
     let models_text = models_section(&args.models, &models);

@@ -22,7 +22,9 @@
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-use super::report::{Report, SummaryRow, Thresholds, md_table, text_table};
+use shadowtrace_schemas::text_table::{Fit, table};
+
+use super::report::{Report, SummaryRow, Thresholds, md_table};
 use crate::model::synthetic::SyntheticParams;
 
 /// Argmax agreement with the clean path below which a deviation moves the
@@ -109,11 +111,11 @@ fn verdict(row: &SummaryRow, t: Thresholds) -> String {
     )
 }
 
-/// The cell of `path` on prompt `kind` in `report`: its verdict, or why it
-/// was not run.
+/// The cell of `path` on prompt `kind` in `report`: its verdict, or `not
+/// run` (why is said once, after the table: [`not_run_lines`]).
 fn cell(report: &Report, path: &str, kind: &str) -> String {
-    if let Some(n) = report.sweep.not_run.iter().find(|n| n.path == path) {
-        return format!("not run: {}", n.reason);
+    if report.sweep.not_run.iter().any(|n| n.path == path) {
+        return "not run".to_owned();
     }
     report
         .summary
@@ -138,9 +140,12 @@ fn deviation_paths<'a>(sweeps: impl Iterator<Item = &'a ModelSweep>) -> Vec<Stri
     out
 }
 
-fn kinds(report: &Report) -> Vec<String> {
-    let set: BTreeSet<&str> = report.sweep.cells.iter().map(|c| c.kind.as_str()).collect();
-    // Tool prompts first: they are the report's case.
+/// The prompt kinds of `reports`, tool prompts first: they are the report's
+/// case.
+fn kinds<'a>(reports: impl Iterator<Item = &'a Report>) -> Vec<String> {
+    let set: BTreeSet<&str> = reports
+        .flat_map(|r| r.sweep.cells.iter().map(|c| c.kind.as_str()))
+        .collect();
     let mut kinds: Vec<String> = set.into_iter().map(str::to_owned).collect();
     kinds.sort_by_key(|k| (k != "tool", k.clone()));
     kinds
@@ -156,27 +161,52 @@ fn longest(report: &Report) -> i64 {
         .unwrap_or(0)
 }
 
-/// Which deviations move top-k and logits, per model and prompt kind, as
-/// the demo draws the models (the first variant of each model).
-fn moves_table(sweeps: &[ModelSweep]) -> (Vec<String>, Vec<Vec<String>>) {
+/// Which deviations move top-k and logits: a row per model and deviation,
+/// a column per prompt kind at the longest length, as the demo draws the
+/// models (the first variant of each model). Also the columns a narrow
+/// terminal leaves out, in order: every prompt kind but the tool prompt,
+/// the report's case.
+fn moves_table(sweeps: &[ModelSweep]) -> (Vec<String>, Vec<Vec<String>>, Vec<String>) {
     let drawn: Vec<&ModelSweep> = first_variant(sweeps);
-    let mut header = vec!["deviation".to_owned()];
-    let mut columns = Vec::new();
+    let kinds = kinds(drawn.iter().map(|s| &s.report));
+    let lengths: BTreeSet<i64> = drawn.iter().map(|s| longest(&s.report)).collect();
+    let at = lengths
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("/");
+    let mut header = vec!["model".to_owned(), "deviation".to_owned()];
+    header.extend(kinds.iter().map(|kind| format!("{kind} @ {at}")));
+    let drops = header[2..]
+        .iter()
+        .zip(&kinds)
+        .filter(|(_, kind)| *kind != "tool")
+        .map(|(h, _)| h.clone())
+        .collect();
+    let mut rows = Vec::new();
     for s in &drawn {
-        for kind in kinds(&s.report) {
-            header.push(format!("{} {kind} @ {}", s.model, longest(&s.report)));
-            columns.push((*s, kind));
+        for path in deviation_paths(std::iter::once(*s)) {
+            let mut row = vec![s.model.clone(), path.clone()];
+            row.extend(kinds.iter().map(|kind| cell(&s.report, &path, kind)));
+            rows.push(row);
         }
     }
-    let rows = deviation_paths(drawn.iter().copied())
-        .into_iter()
-        .map(|path| {
-            let mut row = vec![path.clone()];
-            row.extend(columns.iter().map(|(s, kind)| cell(&s.report, &path, kind)));
-            row
+    (header, rows, drops)
+}
+
+/// Why each deviation the tables say `not run` was not: the model, the
+/// deviation, and the reason, once per model.
+fn not_run_lines(sweeps: &[ModelSweep]) -> Vec<String> {
+    first_variant(sweeps)
+        .iter()
+        .flat_map(|s| {
+            s.report
+                .sweep
+                .not_run
+                .iter()
+                .map(|n| format!("{} {}: {}", s.model, n.path, n.reason))
         })
-        .collect();
-    (header, rows)
+        .collect()
 }
 
 fn first_variant(sweeps: &[ModelSweep]) -> Vec<&ModelSweep> {
@@ -304,8 +334,19 @@ pub fn render_markdown(sweeps: &[ModelSweep]) -> String {
         let _ = writeln!(out, "- {rule}");
     }
     let _ = writeln!(out, "\n### Which deviations move top-k and logits\n");
-    let (h, rows) = moves_table(sweeps);
+    let (h, rows, _) = moves_table(sweeps);
     md_table(&mut out, &h, &rows);
+    let not_run = not_run_lines(sweeps);
+    if !not_run.is_empty() {
+        let _ = writeln!(
+            out,
+            "Not run, because the mathematics says they change nothing there:\n"
+        );
+        for line in not_run {
+            let _ = writeln!(out, "- {line}");
+        }
+        let _ = writeln!(out);
+    }
     if !has_variants(sweeps) {
         return out;
     }
@@ -326,9 +367,11 @@ pub fn render_markdown(sweeps: &[ModelSweep]) -> String {
     out
 }
 
-/// The section for the demo's terminal.
+/// The section for the demo's terminal, its verdict table fitted to `fit`
+/// columns where leaving out prompt kinds can make it (`None`: every
+/// column, `shadowtrace demo --wide`).
 #[must_use]
-pub fn render_terminal(sweeps: &[ModelSweep]) -> String {
+pub fn render_terminal(sweeps: &[ModelSweep], fit: Option<usize>) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -339,8 +382,12 @@ pub fn render_terminal(sweeps: &[ModelSweep]) -> String {
         let _ = writeln!(out, "  {rule}");
     }
     let _ = writeln!(out);
-    let (h, rows) = moves_table(sweeps);
-    text_table(&mut out, &h, &rows);
+    let (h, rows, drops) = moves_table(sweeps);
+    let drops: Vec<&str> = drops.iter().map(String::as_str).collect();
+    table(&mut out, &h, &rows, Fit::to(fit, &drops));
+    for line in not_run_lines(sweeps) {
+        let _ = writeln!(out, "  not run: {line}");
+    }
     if !has_variants(sweeps) {
         return out;
     }
@@ -351,7 +398,8 @@ pub fn render_terminal(sweeps: &[ModelSweep]) -> String {
     for line in variant_lines(sweeps) {
         let _ = writeln!(out, "  {line}");
     }
+    // Every variant is the point of this table: printed whole.
     let (h, rows) = assumptions_table(sweeps);
-    text_table(&mut out, &h, &rows);
+    table(&mut out, &h, &rows, Fit::none());
     out
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write;
 
 use serde::Serialize;
+use shadowtrace_schemas::text_table::{Fit, table};
 
 use super::profile::Cell;
 use super::rank::Ranking;
@@ -451,43 +452,10 @@ pub fn render_markdown(r: &Report, plots: &[String]) -> String {
     out
 }
 
-/// Aligned columns: text left, numbers right.
+/// Aligned columns, text left and numbers right, every one
+/// ([`shadowtrace_schemas::text_table`]).
 pub(crate) fn text_table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| {
-            rows.iter()
-                .map(|r| r.get(i).map_or(0, |c| c.chars().count()))
-                .max()
-                .unwrap_or(0)
-                .max(header[i].chars().count())
-        })
-        .collect();
-    let numeric = |i: usize| {
-        rows.iter().all(|r| {
-            r.get(i)
-                .is_none_or(|c| c == "-" || c.parse::<f64>().is_ok())
-        })
-    };
-    let line = |cells: &[String]| {
-        cells
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                if numeric(i) {
-                    format!("{c:>w$}", w = widths[i])
-                } else {
-                    format!("{c:<w$}", w = widths[i])
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("  ")
-            .trim_end()
-            .to_owned()
-    };
-    let _ = writeln!(out, "  {}", line(header));
-    for row in rows {
-        let _ = writeln!(out, "  {}", line(row));
-    }
+    table(out, header, rows, Fit::none());
 }
 
 pub(crate) fn md_table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
