@@ -162,3 +162,48 @@ fn a_nan_in_the_last_row_is_produced_there_and_whether_it_is_padding_is_not_know
         p.not_known
     );
 }
+
+/// The report lines of NaN provenance (and the onset before them): the
+/// rest of a report carries the engine's numbers, pinned elsewhere.
+fn provenance_lines(report: &str) -> String {
+    const LABELS: [&str; 6] = [
+        "non-finite onset:",
+        "NaN produced:",
+        "NaN operand:",
+        "NaN spread:",
+        "not explained:",
+        "NaN not known:",
+    ];
+    report
+        .lines()
+        .filter(|l| {
+            let l = l.trim_start_matches([' ', '-']);
+            LABELS.iter().any(|p| l.starts_with(p)) || l.starts_with("masked-operand leak:")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn provenance_lines_are_pinned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = checkpoint(&tmp.path().join("model"), 64);
+    let dir = traced(&model, tmp.path(), "planted", vec![planted_nan(20)], vec![]);
+    let a = analyze(&[dir], &[], &Options::default(), |_, _, _| {}).unwrap();
+    insta::assert_snapshot!(
+        "planted_terminal",
+        provenance_lines(&shadowtrace_analyzer::report::render_terminal(&a))
+    );
+    let model = checkpoint(&tmp.path().join("model16"), 16);
+    let deviation = Deviation {
+        kind: DeviationKind::KvSlotNan,
+        layer: Some(1),
+        param: None,
+    };
+    let dir = traced(&model, tmp.path(), "reserved", vec![], vec![deviation]);
+    let a = analyze(&[dir], &[], &Options::default(), |_, _, _| {}).unwrap();
+    insta::assert_snapshot!(
+        "reserved_markdown",
+        provenance_lines(&shadowtrace_analyzer::report::render_markdown(&a, &[]))
+    );
+}

@@ -76,7 +76,8 @@ pub struct SiteSpread {
     pub site: String,
     /// Tokens the source explains.
     pub explained: Vec<i32>,
-    /// Tokens that follow from an earlier unexplained value.
+    /// Tokens that follow from an earlier value the source does not explain
+    /// (one not explained, or one whose reads were not known).
     pub follow_unexplained: Vec<i32>,
     /// Tokens nothing recorded explains.
     pub unexplained: Vec<i32>,
@@ -231,7 +232,7 @@ fn classify(
         return Class::Follows;
     }
     if taint.unknown.contains(&q) {
-        return Class::NotKnown;
+        return Class::Follows;
     }
     let reads = |keys: &BTreeSet<i32>| match capture.site.as_str() {
         "attn_out" => selections.reads(capture.step, capture.layer, q, keys),
@@ -249,7 +250,7 @@ fn classify(
     }
     let on_unknown = reads(&taint.unknown);
     if on_unknown == Read::Yes {
-        return Class::NotKnown;
+        return Class::Follows;
     }
     // The non-finite KV operand the sentinel found at this layer.
     let mut op_read = Read::No;

@@ -35,10 +35,12 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
                 if op.reserved { ", reserved" } else { "" },
                 d.layer,
                 op.check,
-                op.token.map_or_else(
-                    || "its token not known: the trace does not map slots to tokens".to_owned(),
-                    |t| format!("the key of token {t}")
-                )
+                match (op.reserved, op.token) {
+                    (true, _) => "reserved for padding rows: no token reads it causally".to_owned(),
+                    (false, Some(t)) => format!("the key of token {t}"),
+                    (false, None) =>
+                        "its token not known: the trace does not map slots to tokens".to_owned(),
+                }
             ),
         ));
     }
@@ -55,19 +57,19 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
         .map_or_else(String::new, |s| {
             format!(", up to layer {} {}", s.layer, s.site)
         });
+    let captures = p.spread.iter().filter(|s| !s.explained.is_empty()).count();
+    let explains = if explained == 0 {
+        "explains no later non-finite value".to_owned()
+    } else {
+        format!(
+            "explains {explained} later non-finite token value{} at {captures} capture{}{last}",
+            if explained == 1 { "" } else { "s" },
+            if captures == 1 { "" } else { "s" },
+        )
+    };
     out.push((
         "NaN spread",
-        format!(
-            "explains {explained} later non-finite token value{} at {} capture{}{last}; \
-             {follow} follow unexplained ones",
-            if explained == 1 { "" } else { "s" },
-            p.spread.iter().filter(|s| !s.explained.is_empty()).count(),
-            if p.spread.iter().filter(|s| !s.explained.is_empty()).count() == 1 {
-                ""
-            } else {
-                "s"
-            },
-        ),
+        format!("{explains}; {follow} follow values it does not explain"),
     ));
     let mut listed = 0;
     let mut more = 0;
