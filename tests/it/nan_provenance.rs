@@ -29,7 +29,13 @@ fn checkpoint(dir: &Path, k: i64) -> Model {
     Model::open(dir, Device::Cpu).unwrap()
 }
 
-fn traced(model: &Model, runs: &Path, name: &str, faults: Vec<Fault>, deviations: Vec<Deviation>) -> PathBuf {
+fn traced(
+    model: &Model,
+    runs: &Path,
+    name: &str,
+    faults: Vec<Fault>,
+    deviations: Vec<Deviation>,
+) -> PathBuf {
     let mut opts = TraceOptions::new("tiny-glm");
     opts.faults = faults;
     opts.deviations = deviations;
@@ -41,7 +47,10 @@ fn traced(model: &Model, runs: &Path, name: &str, faults: Vec<Fault>, deviations
 
 fn provenance(dir: &Path) -> Provenance {
     let a = analyze(&[dir.to_path_buf()], &[], &Options::default(), |_, _, _| {}).unwrap();
-    a.runs[0].nan_provenance.clone().expect("an onset has a provenance")
+    a.runs[0]
+        .nan_provenance
+        .clone()
+        .expect("an onset has a provenance")
 }
 
 fn at<'a>(p: &'a Provenance, layer: i32, site: &str) -> &'a SiteSpread {
@@ -74,7 +83,13 @@ fn a_nan_planted_at_one_token_spreads_to_the_tokens_after_it_and_leaks_to_those_
     let p = provenance(&dir);
     let d = &p.produced;
     assert_eq!(
-        (d.step, d.layer, d.site.as_str(), d.tokens.clone(), d.inputs_not_known.clone()),
+        (
+            d.step,
+            d.layer,
+            d.site.as_str(),
+            d.tokens.clone(),
+            d.inputs_not_known.clone()
+        ),
         (0, 0, "mlp_out", vec![20], None),
         "{p:#?}"
     );
@@ -86,33 +101,54 @@ fn a_nan_planted_at_one_token_spreads_to_the_tokens_after_it_and_leaks_to_those_
     assert!(attn.not_known.is_empty(), "{attn:?}");
     // The tokens before 20 could not see it: they share its key, masked.
     let leak = &p.leaks[0];
-    assert_eq!((leak.layer, leak.site.as_str(), leak.tokens.clone()), (1, "attn_out", range(0, 20)));
+    assert_eq!(
+        (leak.layer, leak.site.as_str(), leak.tokens.clone()),
+        (1, "attn_out", range(0, 20))
+    );
     assert!(leak.shares.contains("key 20"), "{}", leak.shares);
     // After the leak, tokens 0-19 follow it, 20-47 follow the source.
     let out = at(&p, 1, "layer_out");
-    assert_eq!((out.explained.clone(), out.follow_unexplained.clone()), (range(20, 48), range(0, 20)));
+    assert_eq!(
+        (out.explained.clone(), out.follow_unexplained.clone()),
+        (range(20, 48), range(0, 20))
+    );
 }
 
 #[test]
 fn a_nan_in_one_tokens_kv_entry_is_read_by_the_tokens_after_it_and_leaks_to_those_before() {
     let tmp = tempfile::tempdir().unwrap();
     let model = checkpoint(&tmp.path().join("model"), 64);
-    let fault = Fault::KvSlot { layer: 1, token: 20 };
+    let fault = Fault::KvSlot {
+        layer: 1,
+        token: 20,
+    };
     let dir = traced(&model, tmp.path(), "kv-slot", vec![fault], vec![]);
     let p = provenance(&dir);
     let d = &p.produced;
     assert_eq!(
-        (d.layer, d.site.as_str(), d.tokens.clone(), d.inputs_not_known.clone()),
+        (
+            d.layer,
+            d.site.as_str(),
+            d.tokens.clone(),
+            d.inputs_not_known.clone()
+        ),
         (1, "attn_out", range(0, 48), None),
         "{p:#?}"
     );
     let op = p.operand.as_ref().expect("the KV sentinel names the slot");
     assert_eq!((op.slot, op.reserved, op.token), (20, false, Some(20)));
     let attn = at(&p, 1, "attn_out");
-    assert_eq!((attn.explained.clone(), attn.unexplained.clone()), (range(20, 48), range(0, 20)));
+    assert_eq!(
+        (attn.explained.clone(), attn.unexplained.clone()),
+        (range(20, 48), range(0, 20))
+    );
     assert_eq!(p.leaks.len(), 1, "{:?}", p.leaks);
     assert_eq!(p.leaks[0].tokens, range(0, 20));
-    assert!(p.leaks[0].shares.contains("KV slot 20"), "{}", p.leaks[0].shares);
+    assert!(
+        p.leaks[0].shares.contains("KV slot 20"),
+        "{}",
+        p.leaks[0].shares
+    );
 }
 
 #[test]
@@ -130,7 +166,12 @@ fn a_nan_in_the_reserved_slot_leaks_only_to_rows_with_unused_topk_entries() {
     let p = provenance(&dir);
     let d = &p.produced;
     assert_eq!(
-        (d.layer, d.site.as_str(), d.tokens.clone(), d.inputs_not_known.clone()),
+        (
+            d.layer,
+            d.site.as_str(),
+            d.tokens.clone(),
+            d.inputs_not_known.clone()
+        ),
         (1, "attn_out", range(0, 15), None),
         "{p:#?}"
     );
@@ -139,8 +180,16 @@ fn a_nan_in_the_reserved_slot_leaks_only_to_rows_with_unused_topk_entries() {
     assert_eq!(p.leaks.len(), 1, "{:?}", p.leaks);
     let leak = &p.leaks[0];
     assert_eq!((leak.layer, leak.tokens.clone()), (1, range(0, 15)));
-    assert!(leak.shares.contains("reserved KV slot 0"), "{}", leak.shares);
-    assert!(leak.shares.contains("unused top-k entries"), "{}", leak.shares);
+    assert!(
+        leak.shares.contains("reserved KV slot 0"),
+        "{}",
+        leak.shares
+    );
+    assert!(
+        leak.shares.contains("unused top-k entries"),
+        "{}",
+        leak.shares
+    );
 }
 
 #[test]
@@ -148,14 +197,27 @@ fn a_nan_in_the_last_row_is_produced_there_and_whether_it_is_padding_is_not_know
     let tmp = tempfile::tempdir().unwrap();
     let model = checkpoint(&tmp.path().join("model"), 64);
     // The last row, where an engine appends the rows that pad its batch.
-    let dir = traced(&model, tmp.path(), "padding", vec![planted_nan(TOKENS - 1)], vec![]);
+    let dir = traced(
+        &model,
+        tmp.path(),
+        "padding",
+        vec![planted_nan(TOKENS - 1)],
+        vec![],
+    );
     let p = provenance(&dir);
     assert_eq!(
-        (p.produced.layer, p.produced.site.as_str(), p.produced.tokens.clone()),
+        (
+            p.produced.layer,
+            p.produced.site.as_str(),
+            p.produced.tokens.clone()
+        ),
         (0, "mlp_out", vec![47])
     );
     let attn = at(&p, 1, "attn_out");
-    assert_eq!((attn.explained.clone(), attn.unexplained.clone()), (vec![47], range(0, 47)));
+    assert_eq!(
+        (attn.explained.clone(), attn.unexplained.clone()),
+        (vec![47], range(0, 47))
+    );
     assert!(
         p.not_known.iter().any(|n| n.contains("padding rows")),
         "{:?}",

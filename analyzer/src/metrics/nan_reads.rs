@@ -153,8 +153,7 @@ impl Selections {
             };
         }
         let unselected = i64::from(row.visible) - i64::from(row.prod_selected);
-        if row.selected.intersection(&visible).next().is_some()
-            || visible.len() as i64 > unselected
+        if row.selected.intersection(&visible).next().is_some() || visible.len() as i64 > unselected
         {
             return Read::Yes;
         }

@@ -209,11 +209,7 @@ impl Captures {
             "layer_in" => vec![(layer - 1, "layer_out")],
             "indexer" | "attn_out" => vec![(layer, "layer_in")],
             "mlp_out" => vec![(layer, "layer_in"), (layer, "attn_out")],
-            "layer_out" => vec![
-                (layer, "layer_in"),
-                (layer, "attn_out"),
-                (layer, "mlp_out"),
-            ],
+            "layer_out" => vec![(layer, "layer_in"), (layer, "attn_out"), (layer, "mlp_out")],
             other => return Some(format!("the inputs of site {other} are not known")),
         };
         let missing: Vec<String> = inputs
@@ -237,7 +233,9 @@ impl Captures {
                 token: None,
             });
         }
-        let (check, slot) = failed.iter().find(|(c, s)| c == SLOTS_CHECK && s.is_some())?;
+        let (check, slot) = failed
+            .iter()
+            .find(|(c, s)| c == SLOTS_CHECK && s.is_some())?;
         let slot = (*slot)?;
         Some(KvOperand {
             slot,

@@ -14,12 +14,11 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
     out.push((
         "NaN produced",
         format!(
-            "step {}, layer {}, {}, token{} {} ({})",
+            "step {}, layer {}, {}, {} ({})",
             d.step,
             d.layer,
             d.site,
-            if d.tokens.len() == 1 { "" } else { "s" },
-            ranges(&d.tokens),
+            tokens_text(&d.tokens),
             d.inputs_not_known.as_ref().map_or_else(
                 || "its inputs finite".to_owned(),
                 |why| format!("inputs not known: {why}")
@@ -30,9 +29,8 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
         out.push((
             "NaN operand",
             format!(
-                "KV slot {}{} at layer {} ({} failed), {}",
+                "KV slot {} at layer {} ({} failed), {}",
                 op.slot,
-                if op.reserved { ", reserved" } else { "" },
                 d.layer,
                 op.check,
                 match (op.reserved, op.token) {
@@ -91,11 +89,11 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
                 out.push((
                     label,
                     format!(
-                        "step {}, layer {}, {}, tokens {}{why}",
+                        "step {}, layer {}, {}, {}{why}",
                         s.step,
                         s.layer,
                         s.site,
-                        ranges(tokens)
+                        tokens_text(tokens)
                     ),
                 ));
             } else {
@@ -113,11 +111,11 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
         out.push((
             "masked-operand leak",
             format!(
-                "step {}, layer {}, {}, tokens {} share {}",
+                "step {}, layer {}, {}, {} share {}",
                 leak.step,
                 leak.layer,
                 leak.site,
-                ranges(&leak.tokens),
+                tokens_text(&leak.tokens),
                 leak.shares
             ),
         ));
@@ -132,4 +130,13 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
         out.push(("NaN not known", why.clone()));
     }
     out
+}
+
+/// `token 3` or `tokens 0-19, 25`.
+fn tokens_text(tokens: &[i32]) -> String {
+    format!(
+        "token{} {}",
+        if tokens.len() == 1 { "" } else { "s" },
+        ranges(tokens)
+    )
 }
