@@ -51,12 +51,15 @@ pub struct KvOperand {
     pub token: Option<i32>,
 }
 
+/// Failed KV sentinels by (step, layer): each check's name and slot.
+type FailedSentinels = BTreeMap<(i32, i32), Vec<(String, Option<i32>)>>;
+
 /// A run's captures in execution order.
 #[derive(Debug, Clone, Default)]
 pub struct Captures {
     captures: Vec<Capture>,
     /// Failed KV sentinels by (step, layer): (check, slot).
-    sentinels: BTreeMap<(i32, i32), Vec<(String, Option<i32>)>>,
+    sentinels: FailedSentinels,
     slot_is_token: bool,
     notes: Vec<String>,
 }
@@ -110,7 +113,7 @@ impl Captures {
             opt_strs(events, e::CHECK)?,
             opt_bools(events, e::PASSED)?,
         );
-        let mut sentinels: BTreeMap<(i32, i32), Vec<(String, Option<i32>)>> = BTreeMap::new();
+        let mut sentinels = FailedSentinels::new();
         let mut event_rows: Vec<(i64, i32, i32, String, Option<i32>)> = Vec::new();
         for i in 0..events.height() {
             let kind_i = kind[i].as_deref().unwrap_or_default();
