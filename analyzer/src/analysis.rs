@@ -19,6 +19,9 @@ use crate::judged::{self, EVERY_QUESTION, NotMeasured, Question, why_not_judged}
 use crate::load::{Dataset, PartFile, Run};
 use crate::metrics::hidden_error::{self, SiteError};
 use crate::metrics::logits::{self, Agreement, TopN};
+use crate::metrics::nan_provenance::{self, Provenance};
+use crate::metrics::nan_reads::{self, Selections};
+use crate::metrics::nan_trace::Captures;
 use crate::metrics::nonfinite::{self, FailedSentinel, Onset};
 use crate::metrics::selection_unit;
 use crate::metrics::topk_check::{self, SummaryCheck};
@@ -116,6 +119,10 @@ pub struct RunAnalysis {
     pub deviations: Vec<String>,
     /// First non-finite value of prod.
     pub onset: Option<Onset>,
+    /// Where the onset was produced, where it spread, what it does not
+    /// explain ([`nan_provenance`]); absent without an onset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nan_provenance: Option<Provenance>,
     /// Sentinel checks that failed.
     pub failed_sentinels: Vec<FailedSentinel>,
     /// First hidden-state divergence.
@@ -454,6 +461,11 @@ pub fn analyze_run(
     let hidden_tokens = hidden_error::tokens_at_verdict_site(&hidden_frame, &hidden, t)?;
     let events_frame = run.read_table(Table::Events, Some(&nonfinite::EVENT_COLUMNS))?;
     let (onset, failed_sentinels) = nonfinite::onset(&hidden_frame, &events_frame)?;
+    let nan_provenance = if onset.is_some() {
+        provenance(run, &hidden_frame, &events_frame)?
+    } else {
+        None
+    };
 
     let logits_frame = run.read_table(Table::Logits, Some(&logits::COLUMNS))?;
     let (prod_top_n, shadow_top_n) = logits::top_n(&logits_frame)?;
@@ -537,6 +549,7 @@ pub fn analyze_run(
             })
             .collect(),
         onset,
+        nan_provenance,
         failed_sentinels,
         hidden_verdict,
         topk_verdict,
@@ -552,6 +565,32 @@ pub fn analyze_run(
         logits_shadow_free,
         first_position,
     })
+}
+
+/// NaN provenance of a run with an onset: its selections are read only then.
+fn provenance(
+    run: &Run,
+    hidden: &polars::prelude::DataFrame,
+    events: &polars::prelude::DataFrame,
+) -> Result<Option<Provenance>, AnalyzeError> {
+    let m = &run.manifest;
+    let captures = Captures::of(
+        hidden,
+        events,
+        &m.identity.engine.name,
+        m.identity.prompt.length,
+    )?;
+    let selections = if m.identity.model.index_topk.is_none() {
+        Selections::dense()
+    } else if m.schema_version < 2 {
+        Selections::not_read(
+            "the selections of a trace format v1 run are not read: reads through the indexer are not known"
+                .to_owned(),
+        )
+    } else {
+        Selections::of(&run.read_table(Table::Topk, Some(&nan_reads::COLUMNS))?)?
+    };
+    Ok(nan_provenance::provenance(&captures, &selections))
 }
 
 /// The conventions a run recorded: the manifest's (format v2, and v1

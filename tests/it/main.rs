@@ -18,6 +18,7 @@ mod grafts;
 mod indexer_nonfinite;
 mod inspect_output;
 mod killed_writer;
+mod nan_provenance;
 mod outcomes;
 mod queue_modes;
 mod ranks;

@@ -156,6 +156,20 @@ fn without_the_convention_verdict(mut got: serde_json::Value) -> serde_json::Val
         if let Some(why) = run.remove("capture_check_not_run") {
             assert_eq!(why, serde_json::json!("the run records no check"));
         }
+        // NaN provenance came after the v1 build: a run with an onset has one,
+        // which says that a v1 run's selections are not read.
+        let provenance = run.remove("nan_provenance");
+        assert_eq!(provenance.is_some(), !run["onset"].is_null());
+        if let Some(p) = provenance {
+            assert!(
+                p["not_known"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|n| n.as_str().unwrap().contains("trace format v1")),
+                "{p}"
+            );
+        }
         // Part files' content hashes came after the v1 build: its runs record
         // none, and the reader says their bytes are not verified.
         let notes = run["notes"].as_array_mut().unwrap();

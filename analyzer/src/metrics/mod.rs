@@ -4,6 +4,9 @@
 pub mod check_memo;
 pub mod hidden_error;
 pub mod logits;
+pub mod nan_provenance;
+pub mod nan_reads;
+pub mod nan_trace;
 pub mod nonfinite;
 pub mod selection_unit;
 pub mod summary;

@@ -217,6 +217,9 @@ pub fn render_markdown(a: &Analysis, plots: &[String]) -> String {
             "- non-finite onset: {}",
             cell(nm, Question::Nonfinite, &onset)
         );
+        for (label, text) in run.nan_provenance.iter().flat_map(super::provenance::lines) {
+            let _ = writeln!(out, "- {label}: {text}");
+        }
         let _ = writeln!(
             out,
             "- hidden divergence: {}",

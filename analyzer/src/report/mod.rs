@@ -6,6 +6,7 @@ mod cache;
 mod markdown;
 mod parquet;
 mod plot;
+mod provenance;
 mod terminal;
 
 use std::path::{Path, PathBuf};

@@ -251,6 +251,9 @@ fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds, fit: Option<
         "  non-finite onset:  {}",
         cell(&run.not_measured, Question::Nonfinite, &onset)
     );
+    for (label, text) in run.nan_provenance.iter().flat_map(super::provenance::lines) {
+        let _ = writeln!(out, "  {:<19}{text}", format!("{label}: "));
+    }
     if let Some(worst) = run
         .topk_dequant
         .iter()
