@@ -295,7 +295,7 @@ def test_a_selection_short_of_winners_is_told_from_one_read_against_other_tokens
     assert got[2] == [0, 63, 65, 0]
     assert got[3] == [24, 24, 104, 0]
     assert got[4][3] == 1
-    assert got[5] == [keys, 64, 64, 0]
+    assert got[5] == [64, 64, 64, 0]
     assert short.tolist() == [True, True, False, False, False, False]
     # The rule's edges, in shares of k: 16 = SHORT_KEPT_SHARE k kept, 32 = SHORT_RECALL k hit.
     assert selection.SHORT_KEPT_SHARE * k == 16
