@@ -88,7 +88,6 @@ def test_a_top_k_that_drops_winners_is_a_top_k_verdict_and_a_misread_stays_captu
     # A numerics finding, judged: --fail-on topk fails the run on it.
     assert drops["fail_topk"].returncode == 1, drops["fail_topk"].stderr
     assert f"topk short of winners@L{LAYER}" in drops["fail_topk"].stdout + drops["fail_topk"].stderr
-    print(family, "drops", {k: v for k, v in dropped.items() if k != "first_token"})
 
     late = traced(tmp_path / "late", family, one_query_late)
     misread = late["manifest"]["settings"]["capture_check"]["layers"][str(LAYER)]
@@ -96,4 +95,3 @@ def test_a_top_k_that_drops_winners_is_a_top_k_verdict_and_a_misread_stays_captu
     assert misread["short_of_winners"] < 0.5 * misread["disagree"], misread
     assert f"CAPTURE INCONSISTENT at layer {LAYER}: " in late["text"], late["text"]
     assert "TOP-K SHORT OF WINNERS" not in late["text"]
-    print(family, "late", {k: v for k, v in misread.items() if k != "first_token"})
