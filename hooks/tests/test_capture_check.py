@@ -249,7 +249,9 @@ def test_the_manifest_counts_unchecked_rows_apart_from_the_rows_checked(tmp_path
     }  # fmt: skip
 
 
-def figures(prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int) -> tuple[list, np.ndarray]:
+def figures(
+    prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int
+) -> tuple[list, np.ndarray]:
     """The check's count and `check_figures` per row, and its short-of-winners reading."""
     packet = Packet()
     spec = selection.compare(
@@ -257,7 +259,8 @@ def figures(prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: 
     )
     arrays = packet.ship().arrays()
     counts, got = selection.check_counts(spec, arrays), selection.check_figures(spec, arrays)
-    assert counts is not None and got is not None
+    assert counts is not None
+    assert got is not None
     return got.T.tolist(), selection.short_of_winners(counts, got, k)
 
 

@@ -558,10 +558,7 @@ def short_of_winners(contradicting: np.ndarray, figures: np.ndarray, k: int) -> 
     `SHORT_KEPT_SHARE` x k keys kept whole and `SHORT_RECALL` x k of its top-k selected."""
     kept_top, hits, _, certain = figures
     return (
-        (contradicting > 0)
-        & (certain == 0)
-        & (kept_top >= SHORT_KEPT_SHARE * k)
-        & (hits >= SHORT_RECALL * k)
+        (contradicting > 0) & (certain == 0) & (kept_top >= SHORT_KEPT_SHARE * k) & (hits >= SHORT_RECALL * k)
     )
 
 
