@@ -219,6 +219,10 @@ impl RunAnalysis {
     #[must_use]
     pub fn has_verdict(&self) -> bool {
         self.capture_inconsistent()
+            || self
+                .capture_check
+                .as_ref()
+                .is_some_and(|c| c.short_of_winners().next().is_some())
             || !self.convention_mismatches.is_empty()
             || self.onset.is_some()
             || self.hidden_verdict.is_some()

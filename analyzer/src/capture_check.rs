@@ -15,6 +15,19 @@
 //! reports print `capture self-check: not run (why)`; older runs that record
 //! nothing print `not run` with [`NOT_RUN_UNSAID`]. A setting that cannot be
 //! read is a broken run: not judged for capture, never read as "no check".
+//!
+//! A top-k kernel that drops winners (a radix top-k whose candidate buffer
+//! overflows and silently loses keys of its threshold bucket) also leaves
+//! selections production's own scores contradict, with the adapter reading
+//! the engine right. Producers that tell the two apart record, per layer,
+//! how many disagreeing rows are short of winners (the selection keeps
+//! production's top keys whole and most of its top-k: the rule they record
+//! as `short_of_winners_rule`; a misread misses a top key within a few
+//! ranks) and the figures that decided it. A layer where at least
+//! [`SHORT_LAYER_SHARE`] of the disagreeing rows are short of winners gets a
+//! numerics verdict of its own, `TOP-K SHORT OF WINNERS`, judged under
+//! top-k; the others stay `capture inconsistent`. Runs that record no such
+//! count read as before.
 
 use serde::{Deserialize, Serialize};
 use shadowtrace_schemas::Manifest;
@@ -25,8 +38,27 @@ pub const SETTING: &str = "capture_check";
 /// Why a run records no check, where the producer does not say.
 pub const NOT_RUN_UNSAID: &str = "the run records no check";
 
+/// The least share of a layer's disagreeing rows that must be short of
+/// winners for the layer to read as a top-k kernel that drops them rather
+/// than a misread. A half: on the committed trained checkpoints every
+/// disagreeing row of an overflowing candidate buffer is short of winners,
+/// and at most 4% of the rows of a selection read one or 37 tokens late or
+/// from another layer are.
+pub const SHORT_LAYER_SHARE: f64 = 0.5;
+
+/// The rule a producer read a disagreeing row as short of winners by:
+/// least shares of k (`settings.capture_check.short_of_winners_rule`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShortRule {
+    /// Production's top keys the selection keeps whole (those scored above
+    /// the best key it left out), as a share of k.
+    pub kept_top: f64,
+    /// Keys of production's top-k it selected, as a share of k.
+    pub recall: f64,
+}
+
 /// One layer's counts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LayerCheck {
     /// Decoder layer.
     #[serde(default)]
@@ -41,6 +73,22 @@ pub struct LayerCheck {
     /// selected score): never among `rows`. Absent in older runs.
     #[serde(default)]
     pub unchecked: u64,
+    /// Of the rows that disagree, those short of winners (a top-k kernel
+    /// that drops them, not a misread; [`ShortRule`]). `None` where the
+    /// producer did not read them (older runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_of_winners: Option<u64>,
+    /// Over those rows, the least share of k of production's top keys kept
+    /// whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_kept_top: Option<f64>,
+    /// Over those rows, the least recall of production's top-k.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_recall: Option<f64>,
+    /// Over those rows, the worst rank a selected key holds in production's
+    /// scores, beyond k.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_worst_rank_beyond_k: Option<i64>,
 }
 
 impl LayerCheck {
@@ -55,11 +103,29 @@ impl LayerCheck {
         }
     }
 
-    /// The verdict's line, naming the engine the adapter may misread.
+    /// Whether the layer's disagreement is a top-k kernel that drops
+    /// winners: at least [`SHORT_LAYER_SHARE`] of its disagreeing rows short
+    /// of them.
+    #[must_use]
+    #[allow(clippy::cast_precision_loss)] // row counts far below 2^52
+    pub fn short_of_winners(&self) -> bool {
+        let short = self.short_of_winners.unwrap_or(0);
+        self.disagree > 0 && short > 0 && short as f64 >= SHORT_LAYER_SHARE * self.disagree as f64
+    }
+
+    /// The verdict's line, naming the engine the adapter may misread; the
+    /// rows short of winners among them, where some are.
     #[must_use]
     pub fn line(&self, engine: &str) -> String {
+        let short = match self.short_of_winners {
+            Some(n) if n > 0 => format!(
+                "; {n} of them short of winners, fewer than {} of them",
+                percent(SHORT_LAYER_SHARE)
+            ),
+            _ => String::new(),
+        };
         format!(
-            "CAPTURE INCONSISTENT at layer {}: {} of {} informative rows ({:.1}%) select keys production's own scores rank outside its top-k{}; the adapter may not match {engine}, so this layer's top-k rows are not judged as numerics",
+            "CAPTURE INCONSISTENT at layer {}: {} of {} informative rows ({:.1}%) select keys production's own scores rank outside its top-k{}{short}; the adapter may not match {engine}, so this layer's top-k rows are not judged as numerics",
             self.layer,
             self.disagree,
             self.rows,
@@ -68,6 +134,33 @@ impl LayerCheck {
                 .map_or_else(String::new, |t| format!(" (first at token {t})")),
         )
     }
+
+    /// The line of a layer whose top-k kernel drops winners, with the
+    /// figures that decided it and the rule.
+    #[must_use]
+    pub fn short_line(&self, rule: Option<&ShortRule>) -> String {
+        let short = self.short_of_winners.unwrap_or(0);
+        let figure = |v: Option<f64>| v.map_or_else(|| "?".to_owned(), |v| format!("{v:.2}"));
+        let rule = rule.map_or_else(
+            || "the producer's rule unrecorded".to_owned(),
+            |r| format!("recall >= {} and top {}k kept", r.recall, r.kept_top),
+        );
+        format!(
+            "TOP-K SHORT OF WINNERS at layer {}: {short} of {} informative rows select production's top keys short of some ({short} of {} that disagree; recall >= {}, production's top {}k kept whole, selected keys down to rank k+{}; rule: {rule}, in at least {} of the rows that disagree): the top-k kernel drops winners; the adapter reads the engine",
+            self.layer,
+            self.rows,
+            self.disagree,
+            figure(self.short_recall),
+            figure(self.short_kept_top),
+            self.short_worst_rank_beyond_k
+                .map_or_else(|| "?".to_owned(), |d| d.to_string()),
+            percent(SHORT_LAYER_SHARE),
+        )
+    }
+}
+
+fn percent(share: f64) -> String {
+    format!("{:.0}%", 100.0 * share)
 }
 
 /// A run's capture self-check.
@@ -85,6 +178,10 @@ pub struct CaptureCheck {
     /// Why the producer ran no check, where it says so (`run` false: the
     /// reference engine, adapters whose selection the check cannot read).
     pub not_run: Option<String>,
+    /// The rule the producer read rows short of winners by; `None` where it
+    /// read none (older runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub short_of_winners_rule: Option<ShortRule>,
 }
 
 #[derive(Deserialize)]
@@ -97,6 +194,8 @@ struct Stored {
     #[serde(default)]
     sources: Vec<String>,
     layers: std::collections::BTreeMap<String, LayerCheck>,
+    #[serde(default)]
+    short_of_winners_rule: Option<ShortRule>,
 }
 
 impl CaptureCheck {
@@ -123,6 +222,13 @@ impl CaptureCheck {
                     check.disagree, check.rows
                 ));
             }
+            if check.short_of_winners.is_some_and(|n| n > check.disagree) {
+                return Err(format!(
+                    "settings.{SETTING}: layer {key}: {} rows short of winners of {} that disagree",
+                    check.short_of_winners.unwrap_or(0),
+                    check.disagree
+                ));
+            }
             layers.push(check);
         }
         layers.sort_by_key(|c| c.layer);
@@ -138,39 +244,61 @@ impl CaptureCheck {
             sources: stored.sources,
             layers,
             not_run,
+            short_of_winners_rule: stored.short_of_winners_rule,
         }))
     }
 
-    /// The layers that disagree.
+    /// The layers that disagree, but for those whose top-k kernel drops
+    /// winners: the adapter misread the engine there.
     pub fn inconsistent(&self) -> impl Iterator<Item = &LayerCheck> {
-        self.layers.iter().filter(|c| c.disagree > 0)
+        self.layers
+            .iter()
+            .filter(|c| c.disagree > 0 && !c.short_of_winners())
     }
 
-    /// The verdict's lines, one per layer that disagrees; empty when the
-    /// capture is consistent.
+    /// The layers whose disagreement is a top-k kernel that drops winners
+    /// ([`LayerCheck::short_of_winners`]): a top-k verdict, judged.
+    pub fn short_of_winners(&self) -> impl Iterator<Item = &LayerCheck> {
+        self.layers.iter().filter(|c| c.short_of_winners())
+    }
+
+    /// The verdict's lines, one per layer that disagrees (capture
+    /// inconsistent first, then short of winners); empty when the capture is
+    /// consistent.
     #[must_use]
     pub fn verdict_lines(&self) -> Vec<String> {
-        self.inconsistent().map(|c| c.line(&self.engine)).collect()
+        let rule = self.short_of_winners_rule.as_ref();
+        self.inconsistent()
+            .map(|c| c.line(&self.engine))
+            .chain(self.short_of_winners().map(|c| c.short_line(rule)))
+            .collect()
     }
 
     /// What the reports print: whether a layer disagrees, with its verdict
-    /// lines, or else the line of the layers found consistent; then the
-    /// layers with no informative row, not judged.
+    /// lines, or else the line of the layers found consistent (beside
+    /// layers short of winners, those that agree); then the layers with no
+    /// informative row, not judged.
     #[must_use]
     pub fn report_lines(&self) -> (bool, Vec<String>) {
         let mut lines = self.verdict_lines();
-        let inconsistent = !lines.is_empty();
-        if !inconsistent && let Some(line) = self.consistent_line() {
+        let alarm = !lines.is_empty();
+        if self.inconsistent().next().is_none()
+            && let Some(line) = self.consistent_line()
+        {
             lines.push(line);
         }
         lines.extend(self.not_judged_line());
-        (inconsistent, lines)
+        (alarm, lines)
     }
 
     /// One line for the layers checked and found consistent, counting only
     /// those that had an informative row; `None` when none had.
     fn consistent_line(&self) -> Option<String> {
-        let judged: Vec<&LayerCheck> = self.layers.iter().filter(|c| c.rows > 0).collect();
+        let judged: Vec<&LayerCheck> = self
+            .layers
+            .iter()
+            .filter(|c| c.rows > 0 && c.disagree == 0)
+            .collect();
         let rows: u64 = judged.iter().map(|c| c.rows).sum();
         (rows > 0).then(|| {
             format!(
@@ -416,6 +544,86 @@ mod tests {
                     "capture self-check: not run (the reference engine selects itself)".to_owned()
                 ]
             )
+        );
+    }
+
+    fn short_check(layers: serde_json::Value) -> CaptureCheck {
+        stored(
+            serde_json::json!({"tolerance": 1e-3, "sources": ["s"], "layers": layers,
+            "short_of_winners_rule": {"kept_top": 0.25, "recall": 0.5}}),
+        )
+        .unwrap()
+        .unwrap()
+    }
+
+    #[test]
+    fn a_layer_whose_disagreeing_rows_are_mostly_short_of_winners_is_a_top_k_verdict() {
+        // Layer 0: every disagreeing row short of winners (a kernel that drops them);
+        // layer 1: 3 of 10 (below the half): a misread; layer 2: consistent.
+        let c = short_check(serde_json::json!({
+            "0": {"rows": 1024, "disagree": 482, "first_token": 2050, "short_of_winners": 482,
+                  "short_kept_top": 0.3759765625, "short_recall": 0.68994140625,
+                  "short_worst_rank_beyond_k": 1024},
+            "1": {"rows": 1024, "disagree": 10, "first_token": 2048, "short_of_winners": 3,
+                  "short_kept_top": 0.3, "short_recall": 0.9, "short_worst_rank_beyond_k": 12},
+            "2": {"rows": 1024, "disagree": 0, "first_token": null, "short_of_winners": 0}
+        }));
+        assert_eq!(
+            c.short_of_winners().map(|l| l.layer).collect::<Vec<_>>(),
+            [0]
+        );
+        assert_eq!(c.inconsistent().map(|l| l.layer).collect::<Vec<_>>(), [1]);
+        let (alarm, lines) = c.report_lines();
+        assert!(alarm);
+        assert_eq!(
+            lines,
+            [
+                "CAPTURE INCONSISTENT at layer 1: 10 of 1024 informative rows (1.0%) select keys production's own scores rank outside its top-k (first at token 2048); 3 of them short of winners, fewer than 50% of them; the adapter may not match vllm 0.34.0, so this layer's top-k rows are not judged as numerics",
+                "TOP-K SHORT OF WINNERS at layer 0: 482 of 1024 informative rows select production's top keys short of some (482 of 482 that disagree; recall >= 0.69, production's top 0.38k kept whole, selected keys down to rank k+1024; rule: recall >= 0.5 and top 0.25k kept, in at least 50% of the rows that disagree): the top-k kernel drops winners; the adapter reads the engine",
+            ]
+        );
+        // Without the misread layer, the consistent layers are said beside the verdict,
+        // counting only those that agree.
+        let c = short_check(serde_json::json!({
+            "0": {"rows": 8, "disagree": 4, "first_token": 9, "short_of_winners": 2,
+                  "short_kept_top": 0.5, "short_recall": 0.75, "short_worst_rank_beyond_k": 3},
+            "2": {"rows": 40, "disagree": 0, "first_token": null, "short_of_winners": 0}
+        }));
+        let (alarm, lines) = c.report_lines();
+        assert!(alarm);
+        assert_eq!(
+            c.inconsistent().count(),
+            0,
+            "half of the disagreeing rows: short"
+        );
+        assert_eq!(
+            lines,
+            [
+                "TOP-K SHORT OF WINNERS at layer 0: 2 of 8 informative rows select production's top keys short of some (2 of 4 that disagree; recall >= 0.75, production's top 0.50k kept whole, selected keys down to rank k+3; rule: recall >= 0.5 and top 0.25k kept, in at least 50% of the rows that disagree): the top-k kernel drops winners; the adapter reads the engine",
+                "capture self-check: 1 layer, 40 informative rows, every selection production's own scores' top-k (tolerance 1e-3; scores s)",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_run_that_records_no_short_count_reads_as_before() {
+        let c = check(serde_json::json!({"2": {"rows": 8, "disagree": 2, "first_token": 5}}))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.short_of_winners_rule, None);
+        assert_eq!(c.short_of_winners().count(), 0);
+        assert_eq!(c.inconsistent().count(), 1);
+        // A count of none short keeps today's line too.
+        let none = short_check(serde_json::json!({"2": {"rows": 8, "disagree": 2,
+            "first_token": 5, "short_of_winners": 0}}));
+        assert_eq!(none.verdict_lines(), c.verdict_lines());
+        assert!(
+            stored(
+                serde_json::json!({"tolerance": 1e-3, "layers": {"1": {"rows": 4,
+                "disagree": 1, "first_token": 0, "short_of_winners": 2}}})
+            )
+            .is_err(),
+            "more rows short of winners than disagree"
         );
     }
 

@@ -502,6 +502,19 @@ pub fn found(run: &crate::analysis::RunAnalysis, hidden_site: &str) -> Vec<Found
             ),
         );
     }
+    if let Some(check) = &run.capture_check {
+        for l in check.short_of_winners() {
+            push(
+                VerdictKind::Topk,
+                format!(
+                    "topk short of winners@L{} ({} of {} rows)",
+                    l.layer,
+                    l.short_of_winners.unwrap_or(0),
+                    l.rows
+                ),
+            );
+        }
+    }
     if let Some(v) = &run.topk_verdict {
         push(
             VerdictKind::Topk,

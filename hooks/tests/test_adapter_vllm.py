@@ -202,6 +202,7 @@ def test_the_capture_self_check_finds_the_engines_own_reading_consistent_and_chu
                 "disagree": 0,
                 "first_token": None,
                 "unchecked": 0,
+                "short_of_winners": 0,
             }
     for row in informative(serving.rows("A", "raw")):
         assert row["prod_kth_score"] is not None

@@ -239,4 +239,77 @@ def test_the_manifest_counts_unchecked_rows_apart_from_the_rows_checked(tmp_path
     check = run.writer.close()["settings"]["capture_check"]
     assert check["run"] is True
     assert check["tolerance_scale"] == "mean_abs_selected_score"
-    assert check["layers"]["0"] == {"rows": 2, "disagree": 1, "first_token": 7, "unchecked": 1}
+    # row 3's one key scored lowest leaves its top-k short of a winner, but not of the best
+    # keys: its selection keeps none of them whole (k = 4 keys of 8), so it is no short row
+    assert check["layers"]["0"] == {
+        "rows": 2, "disagree": 1, "first_token": 7, "unchecked": 1, "short_of_winners": 0
+    }  # fmt: skip
+    assert check["short_of_winners_rule"] == {
+        "kept_top": selection.SHORT_KEPT_SHARE, "recall": selection.SHORT_RECALL
+    }  # fmt: skip
+
+
+def figures(
+    prod_topk: torch.Tensor, scores: torch.Tensor, q_pos: list[int], k: int
+) -> tuple[list, np.ndarray]:
+    """The check's count and `check_figures` per row, and its short-of-winners reading."""
+    packet = Packet()
+    spec = selection.compare(
+        packet, prod_topk, torch.tensor(q_pos), scores.shape[1], k, prod_scores=scores, check=True
+    )
+    arrays = packet.ship().arrays()
+    counts, got = selection.check_counts(spec, arrays), selection.check_figures(spec, arrays)
+    assert counts is not None
+    assert got is not None
+    return got.T.tolist(), selection.short_of_winners(counts, got, k)
+
+
+def test_a_selection_short_of_winners_is_told_from_one_read_against_other_tokens() -> None:
+    """A top-k kernel that drops winners keeps production's top keys whole and departs from
+    them in the tail; a misread misses a top key within a few ranks. Each row's selection is
+    built here from the scores' own ranking (argsort), so its figures are known: production's
+    top keys kept whole (the best key left out's rank less one), keys of the top-k selected,
+    the worst selected key's rank, and keys the query cannot see or empty slots."""
+    k, keys = 64, 512
+    q_pos = [keys - 1] * 6
+    g = torch.Generator().manual_seed(9)
+    # Distinct integer scores, one apart: no ties, and no key within the tolerance of another.
+    scores = torch.stack([torch.randperm(keys, generator=g).float() for _ in q_pos])
+    assert selection.CHECK_TOLERANCE * keys < 1
+    rank = scores.argsort(dim=-1, descending=True)  # rank[r, i]: the key ranked i + 1
+    top = rank[:, :k]
+
+    def swap(r: int, lose: range, take: range) -> torch.Tensor:
+        row = [int(x) for x in top[r] if int(x) not in {int(rank[r, i]) for i in lose}]
+        return torch.tensor(row + [int(rank[r, i]) for i in take])
+
+    rows = [
+        swap(0, range(56, 64), range(64, 72)),  # the last 8 winners lost to ranks 65..72
+        swap(1, range(16, 48), range(64, 96)),  # 32 lost: exactly half the top-k kept
+        swap(2, range(0, 1), range(64, 65)),  # the best key lost: a misread's mark
+        swap(3, range(24, 64), range(64, 104)),  # the top 24 kept whole, but recall 24/64
+        torch.cat([top[4, :-1], torch.tensor([keys])]),  # one key past the query: a misread
+        top[5].clone(),  # the top-k itself: agrees
+    ]
+    got, short = figures(torch.stack(rows), scores, q_pos, k)
+    # (kept_top, hits, worst_rank, certain), and short of winners
+    assert got[0] == [56, 56, 72, 0]
+    assert got[1] == [16, 32, 96, 0]
+    assert got[2] == [0, 63, 65, 0]
+    assert got[3] == [24, 24, 104, 0]
+    assert got[4][3] == 1
+    assert got[5] == [64, 64, 64, 0]
+    assert short.tolist() == [True, True, False, False, False, False]
+    # The rule's edges, in shares of k: 16 = SHORT_KEPT_SHARE k kept, 32 = SHORT_RECALL k hit.
+    assert selection.SHORT_KEPT_SHARE * k == 16
+    assert selection.SHORT_RECALL * k == 32
+
+
+def test_a_selection_read_against_shifted_tokens_is_not_short_of_winners() -> None:
+    """The misreading the check exists for stays one: every disagreeing row of a selection
+    rolled by 37 rows misses its scores' best keys."""
+    q_pos = list(range(256, 512))
+    scores = causal_scores(len(q_pos), 512, q_pos, seed=3)
+    shifted = torch.roll(scores.topk(64, dim=-1).indices, shifts=37, dims=0)
+    _, short = figures(shifted, scores, q_pos, 64)
+    assert not short.any()

@@ -169,3 +169,71 @@ fn a_reference_engine_run_says_why_it_runs_no_check() {
         )
     );
 }
+
+#[test]
+fn a_layer_short_of_winners_is_a_judged_top_k_verdict_and_a_misread_layer_stays_inconsistent() {
+    use shadowtrace_analyzer::fail_on::{self, FailOn};
+    let tmp = tempfile::tempdir().unwrap();
+    let paths = write(tmp.path(), &[clean("drops-winners"), clean("misread")]);
+    let rule = serde_json::json!({"kept_top": 0.25, "recall": 0.5});
+    // As the hooks wrote it for transformers' GLM with an overflowing candidate buffer at
+    // layer 0 (tests/python/test_hooks_short_of_winners.py).
+    let drops = serde_json::json!({"rows": 1024, "disagree": 458, "first_token": 2050,
+        "unchecked": 0, "short_of_winners": 458, "short_kept_top": 0.3759765625,
+        "short_recall": 0.68994140625, "short_worst_rank_beyond_k": 1024});
+    let agree = serde_json::json!({"rows": 1024, "disagree": 0, "first_token": null,
+        "unchecked": 0, "short_of_winners": 0});
+    with_check(
+        &paths[0],
+        serde_json::json!({"tolerance": 1e-3, "sources": ["captured"],
+            "short_of_winners_rule": rule, "layers": {"0": drops, "1": agree}}),
+    );
+    // The same layer read one query late: no row short of winners.
+    with_check(
+        &paths[1],
+        serde_json::json!({"tolerance": 1e-3, "sources": ["captured"],
+            "short_of_winners_rule": rule, "layers": {"0": {"rows": 1024, "disagree": 996,
+            "first_token": 2048, "unchecked": 0, "short_of_winners": 0}, "1": agree}}),
+    );
+    let a = analyze(&paths, &[], &Options::default(), |_, _, _| {}).unwrap();
+    let (drops_run, misread) = (&a.runs[0], &a.runs[1]);
+    assert!(!drops_run.capture_inconsistent());
+    assert!(drops_run.has_verdict());
+    assert!(
+        drops_run.judged(Question::Topk),
+        "{:?}",
+        drops_run.not_measured
+    );
+    assert!(misread.capture_inconsistent());
+    assert!(!misread.judged(Question::Topk));
+    let text = render_terminal(&a);
+    assert!(
+        text.contains(
+            "  TOP-K SHORT OF WINNERS at layer 0: 458 of 1024 informative rows select production's \
+             top keys short of some (458 of 458 that disagree; recall >= 0.69, production's top \
+             0.38k kept whole, selected keys down to rank k+1024; rule: recall >= 0.5 and top \
+             0.25k kept, in at least 50% of the rows that disagree): the top-k kernel drops \
+             winners; the adapter reads the engine\n  capture self-check: 1 layer, 1024 \
+             informative rows, every selection production's own scores' top-k"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("  CAPTURE INCONSISTENT at layer 0: 996 of 1024 informative rows (97.3%)"),
+        "{text}"
+    );
+    assert!(render_markdown(&a, &[]).contains("- **TOP-K SHORT OF WINNERS at layer 0: "));
+    // --fail-on topk fails the run on it; the misread fails every --fail-on.
+    let exit = fail_on::exit(&a, &FailOn::parse(&["topk"], false).unwrap());
+    assert_eq!(exit.code, 1, "{exit:?}");
+    assert!(
+        exit.lines.iter().any(|l| l.contains("drops-winners")
+            && l.contains("topk short of winners@L0 (458 of 1024 rows)")),
+        "{exit:?}"
+    );
+    let json = serde_json::to_value(&a).unwrap();
+    let check = &json["runs"][0]["capture_check"];
+    assert_eq!(check["short_of_winners_rule"], rule);
+    assert_eq!(check["layers"][0]["short_of_winners"], 458);
+    assert_eq!(check["layers"][0]["short_worst_rank_beyond_k"], 1024);
+}

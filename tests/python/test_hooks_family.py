@@ -96,7 +96,8 @@ def test_tracing_leaves_logits_generate_and_cache_identical_and_selections_count
         sparse = sum(1 for p in range(LENGTH) if (p + 1) // tokens > k)
         assert check["run"] is True
         assert check["layers"] == {str(layer): {"rows": sparse, "disagree": 0, "first_token": None,
-                                                "unchecked": 0} for layer in layers}  # fmt: skip
+                                                "unchecked": 0, "short_of_winners": 0}
+                                   for layer in layers}  # fmt: skip
     else:
         assert (check["run"], check["layers"]) == (False, {})
         assert "not calibrated" in check["why"]

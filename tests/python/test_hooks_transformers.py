@@ -112,7 +112,13 @@ def test_a_traced_run_is_analyzed_and_leaves_the_logits_bit_identical(
     assert check["sources"] == ["captured: the scores production's top-k call ranked"]
     informative = max(0, length - K)
     assert check["layers"] == {
-        str(layer): {"rows": informative, "disagree": 0, "first_token": None, "unchecked": 0}
+        str(layer): {
+            "rows": informative,
+            "disagree": 0,
+            "first_token": None,
+            "unchecked": 0,
+            "short_of_winners": 0,
+        }
         for layer in range(3)
     }
 

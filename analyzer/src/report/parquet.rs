@@ -111,13 +111,15 @@ fn runs(a: &Analysis) -> Frame {
                     .join("; ")
             })
         }),
-        // consistent, inconsistent (with the layers' lines), or null where
+        // consistent, inconsistent or short of winners (with the layers' lines), or null where
         // the producer ran no capture self-check.
         col_map("capture_check", r, |x| {
             x.capture_check.as_ref().map(|c| {
-                let (inconsistent, lines) = c.report_lines();
-                if inconsistent {
+                let (_, lines) = c.report_lines();
+                if c.inconsistent().next().is_some() {
                     format!("inconsistent: {}", lines.join("; "))
+                } else if c.short_of_winners().next().is_some() {
+                    format!("short of winners: {}", lines.join("; "))
                 } else {
                     format!("consistent: {}", lines.join("; "))
                 }

@@ -47,6 +47,20 @@ scores, which is a misreading of the engine, not numerics. A sparse row whose k-
 a selected key's score is not finite cannot be checked against a bound (every comparison
 with NaN is false): unless a key it cannot see or an empty slot already contradicts it, it
 is unchecked (`UNCHECKED`), counted apart from the rows checked.
+
+A top-k kernel that drops winners (a radix top-k whose candidate buffer overflows and
+silently loses keys of its threshold bucket) also leaves a selection production's own scores
+contradict, with the adapter reading the engine right. The check tells the two apart per
+disagreeing row (`check_figures`, `short_of_winners`), in production's own scores: such a
+kernel selects every key above its threshold bucket outright, so the selection holds
+production's top keys whole down to a rank near k and departs from them only in its tail,
+while a selection read against another token, request or layer misses one of the very top
+keys within a few ranks. A row is short of winners when it selects no key its query cannot
+see and leaves no slot empty, keeps production's top `SHORT_KEPT_SHARE` x k keys whole, and
+selects at least `SHORT_RECALL` x k keys of its top-k (ties and the tolerance as above). The
+worst rank a selected key holds is recorded beside them, never a criterion: the kernel fills
+the slots its lost candidates leave with keys below the threshold bucket, which on a short
+row can be its last key.
 """
 
 import math
@@ -70,6 +84,23 @@ UNCHECKED = -1
 # still flags a key scored 0.1% of the row's range below the k-th: a selection read against
 # the wrong tokens puts most keys far below it (hooks/tests/test_capture_check.py).
 CHECK_TOLERANCE = 1e-3
+
+# A disagreeing row is short of winners (module docs) when it keeps production's top
+# SHORT_KEPT_SHARE x k keys whole and SHORT_RECALL x k of its top-k. Measured on the committed
+# trained checkpoints with transformers' indexer patched to an overflowing 256-entry candidate
+# buffer (tests/python/deviation_patches.py `drops_winners`, 3072-token prompts, layer 0): the
+# rows that lose winners keep at least 0.37 k (GLM) and 0.85 k (DeepSeek) of the top keys
+# whole, with recall 0.69 and above; the same layer's selection read one token late, 37 tokens
+# late or from layer 1 keeps a median of 0 to 155 keys, and 4% of rows at most reach k / 4.
+# Recall alone does not separate them (a misread keeps 0.57 to 1.0), which is why it only
+# bounds "most of the top-k kept": SGLang's overflowing buffer left recall 0.53 at its worst.
+SHORT_KEPT_SHARE = 0.25
+SHORT_RECALL = 0.5
+# The rows of `check_figures`: production's top keys the selection keeps whole (the visible
+# keys scored above the best one it left out), keys of its top-k it selected (scored at or
+# above the k-th less the tolerance), the rank of its worst selected key (1 + the visible keys
+# scored above it), and its certain contradictions (keys its query cannot see, empty slots).
+FIGURES = ("kept_top", "hits", "worst_rank", "certain")
 
 # How far beyond the churn band the boundary lists reach: the analyzer can widen the band up
 # to this many times without the lists running out (`shadowtrace analyze --churn-band`). Two:
@@ -106,6 +137,7 @@ class _Chunk:
     floats: int
     counts: int  # [lists, rows] entries per list and row
     check: int | None  # [rows] keys contradicting production's own scores (capture check)
+    figures: int | None  # [FIGURES, rows] how a row departs from those scores' top-k
     # [entries] each: the lists' gap-coded keys (list-major, then row, then key), score minus
     # that path's k-th score and whether that path selected the key (boundary lists only)
     lists: Later
@@ -169,6 +201,14 @@ def _kth(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torc
     kth = values[:, min(k, take) - 1]
     margin = kth - values[:, k] if take > k else torch.full_like(kth, math.nan)
     return kth, margin, idx[:, :k], score_scale(values[:, :k])
+
+
+def _kth_of(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows] the k-th largest of each row's scores as torch.topk ranks them (NaN above every
+    number: NaN only where the top k are all NaN), from an unsorted top-k."""
+    values = scores.topk(min(k, scores.shape[1]), dim=-1, sorted=False).values.float()
+    nan = torch.isnan(values)
+    return torch.where(nan.all(-1), math.nan, torch.where(nan, math.inf, values).amin(-1))
 
 
 def _shadow_top(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -324,9 +364,18 @@ def _compare_chunk(
     if spec.check:
         assert prod_scores is not None
         assert prod_kth is not None
-        check_args = (prod_scores, prod_kth, k, spec.check_tolerance, spec.check_tail)
+        # The values production's top-k returned hold its k-th score only where the kernel
+        # returns them sorted and selects right: a kernel that drops winners returns its own
+        # selection's scores in its own order, whose k-th entry may be any of them (the check
+        # then missed 193 of 458 disagreeing rows of transformers' GLM patched so). The check
+        # reads the k-th of the scores themselves.
+        kth = prod_kth if prod_top_values is None else _kth_of(prod_scores, k)
+        check_args = (prod_scores, kth, k, spec.check_tolerance, spec.check_tail)
     prod, contradicting = _selected(prod_topk, visible, keys, check_args)
     check = None if contradicting is None else packet.add(contradicting)
+    figures = None
+    if check_args is not None:
+        figures = packet.add(_check_figures(prod_topk, prod, *check_args[:2], visible, *check_args[2:]))
     if prod_scores is not None:
         assert prod_kth is not None
         paths["prod_boundary"] = (prod_scores, prod_kth, prod)
@@ -353,7 +402,7 @@ def _compare_chunk(
         ints = dict(zip(_INTS, by_kernel.unbind(0), strict=True))
         if prod_kth is not None and prod_top_values is not None:
             floats["prod_kth_margin"] = prod_kth - left
-        return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, check)
+        return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, (check, figures))
     if prod_scores is not None and prod_top_values is not None:
         _, floats["prod_kth_margin"] = _kth_from_top(prod_scores, prod_top_values, prod, k)
     ints["prod_selected"] = prod.sum(-1, dtype=torch.int32)
@@ -384,7 +433,7 @@ def _compare_chunk(
         else torch.zeros(0, rows, keys, dtype=torch.bool, device=device)
     )
     counts = stacked.sum(-1, dtype=torch.int32)
-    return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, check)
+    return _chunk_tail(packet, spec, rows, ints, floats, paths, stacked, counts, (check, figures))
 
 
 def _chunk_tail(
@@ -396,7 +445,7 @@ def _chunk_tail(
     paths: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     stacked: torch.Tensor,
     counts: torch.Tensor,
-    check: int | None,
+    check: tuple[int | None, int | None],
 ) -> _Chunk:
     """A chunk's Jaccards from its counts, and its lists gap-coded from their masks `stacked`
     [L, rows, keys] with `counts` [L, rows] entries, into the packet."""
@@ -420,7 +469,8 @@ def _chunk_tail(
         floats=packet.add(torch.stack([floats[n].float() for n in _FLOATS])),
         counts=packet.add(counts),
         lists=lists,
-        check=check,
+        check=check[0],
+        figures=check[1],
     )
 
 
@@ -456,6 +506,60 @@ def _contradicting(
     certain = unseen.sum(-1) + missing
     count = below.sum(-1) + certain
     return torch.where(sparse & unknown & (certain == 0), UNCHECKED, count).to(torch.int32)
+
+
+def _check_figures(
+    prod_topk: torch.Tensor,
+    chosen: torch.Tensor,
+    scores: torch.Tensor,
+    kth: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    tolerance: float,
+    tail: bool = False,
+) -> torch.Tensor:
+    """[FIGURES, rows] int32: how production's selection (`prod_topk` [rows, n], its valid
+    keys `chosen` [rows, keys]) departs from the top-k of its own `scores` [rows, keys] with
+    k-th score `kth` (the module's short-of-winners reading; `FIGURES` names the rows). A
+    selection that leaves no visible key out keeps every one. Ranks count only keys scored
+    strictly above (ties rank together); NaN scores are never above, a row with any is
+    unchecked and never read."""
+    keys = scores.shape[1]
+    seen = torch.arange(keys, device=scores.device)[None, :] < visible[:, None]
+    values = scores.float()
+    best_out = torch.where(chosen | ~seen, -math.inf, values).amax(-1)
+    kept_top = ((values > best_out[:, None]) & seen).sum(-1, dtype=torch.int32)
+    worst_in = torch.where(chosen, values, math.inf).amin(-1)
+    worst_rank = 1 + ((values > worst_in[:, None]) & seen).sum(-1, dtype=torch.int32)
+    picked = chosen.sum(-1).clamp(min=1)
+    # the check's tolerance, scaled as `_contradicting` scales it: the selected keys' mean |score|
+    scale = torch.where(chosen & torch.isfinite(values), values.abs(), 0.0).sum(-1) / picked
+    hits = (chosen & (values >= (kth.float() - tolerance * scale)[:, None])).sum(-1, dtype=torch.int32)
+    idx = prod_topk.long()
+    beyond = idx >= visible[:, None]
+    if tail:
+        beyond = beyond & (idx != visible[:, None])
+    missing = (k - (idx >= 0).sum(-1)).clamp(min=0)
+    certain = (beyond.sum(-1) + missing).to(torch.int32)
+    return torch.stack([kept_top, hits, worst_rank, certain])
+
+
+def check_figures(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:
+    """[FIGURES, T] `_check_figures` of every row, from the packet's host arrays; None when the
+    comparison did not run the capture self-check."""
+    if not spec.check:
+        return None
+    return np.concatenate([arrays[c.figures] for c in spec.chunks if c.figures is not None], axis=1)
+
+
+def short_of_winners(contradicting: np.ndarray, figures: np.ndarray, k: int) -> np.ndarray:
+    """[T] bool: the disagreeing rows (`check_counts` > 0) whose selection is production's top
+    keys short of some (module docs): no certain contradiction, production's top
+    `SHORT_KEPT_SHARE` x k keys kept whole and `SHORT_RECALL` x k of its top-k selected."""
+    kept_top, hits, _, certain = figures
+    return (
+        (contradicting > 0) & (certain == 0) & (kept_top >= SHORT_KEPT_SHARE * k) & (hits >= SHORT_RECALL * k)
+    )
 
 
 def check_counts(spec: Compared, arrays: list[np.ndarray]) -> np.ndarray | None:

@@ -407,13 +407,16 @@ class Run:
             out = []
             first = next(iter(specs.values()))
             contradicting = selection.check_counts(first, arrays)
-            if contradicting is not None:
+            figures = selection.check_figures(first, arrays)
+            if contradicting is not None and figures is not None:
                 sparse = visible > k
                 unchecked = sparse & (contradicting == selection.UNCHECKED)
                 bad = sparse & (contradicting > 0)
+                short = sparse & selection.short_of_winners(contradicting, figures, k)
                 self.writer.capture_check(
                     layer, str(check), check_tolerance, int((sparse & ~unchecked).sum()), int(bad.sum()),
                     int(np.asarray(positions)[bad][0]) if bad.any() else None, unchecked=int(unchecked.sum()),
+                    short=_short_figures(figures[:, short], k), short_rule=SHORT_OF_WINNERS_RULE,
                 )  # fmt: skip
             for shadow_input, spec in specs.items():
                 try:
@@ -449,6 +452,28 @@ class Run:
             return [("logits", cols, len(positions))]
 
         self.defer(decode, {"logits": len(positions)})
+
+
+# The rule a disagreeing row of the capture self-check is short of winners by (a top-k kernel
+# that drops winners, not a misread; selection.short_of_winners), as settings.capture_check
+# records it: the least shares of k a short row keeps.
+SHORT_OF_WINNERS_RULE = {"kept_top": selection.SHORT_KEPT_SHARE, "recall": selection.SHORT_RECALL}
+
+
+def _short_figures(figures: np.ndarray, k: int) -> dict[str, Any]:
+    """The capture self-check's short-of-winners rows of one call as the manifest records them
+    per layer (`Writer.capture_check`): their count, and the figures that decided them at their
+    least telling: the lowest share of production's top-k keys kept whole and of its top-k
+    selected, and the worst rank a selected key holds, beyond k."""
+    kept_top, hits, worst_rank, _ = figures.astype(np.int64)
+    if kept_top.size == 0:
+        return {"rows": 0}
+    return {
+        "rows": int(kept_top.size),
+        "kept_top": float(kept_top.min()) / k,
+        "recall": float(hits.min()) / k,
+        "worst_rank_beyond_k": int(worst_rank.max()) - k,
+    }
 
 
 _warned: set[str] = set()  # keys `warn_once` reported

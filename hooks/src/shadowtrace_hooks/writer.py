@@ -639,19 +639,28 @@ class RunWriter:
         first_token: int | None,
         *,
         unchecked: int = 0,
+        short: dict[str, Any] | None = None,
+        short_rule: dict[str, float] | None = None,
     ) -> None:
         """Adds one indexer call's capture self-check (`selection`: production's selection
         against its own scores) to `settings.capture_check`: per layer, the informative
         rows checked, those that disagree and the first of them, and the informative rows it
         could not check (`unchecked`: a non-finite k-th or selected score), never among the
         rows checked; `source` says where production's scores came from, `tolerance` is the
-        check's, relative to `tolerance_scale`."""
+        check's, relative to `tolerance_scale`. `short`: of the rows that disagree, those
+        whose selection is production's top keys short of some (`rows`; a top-k kernel that
+        drops winners, not a misread), with the figures that decided them at their least
+        telling (`kept_top`, `recall`: shares of k; `worst_rank_beyond_k`), recorded per
+        layer as `short_of_winners` and `short_*`, under `short_rule` (the least shares of k
+        a short row keeps, as `short_of_winners_rule`)."""
         with self._lock:
             check = self.manifest["settings"].setdefault(
                 "capture_check",
                 {"run": True, "tolerance": tolerance, "tolerance_scale": CHECK_TOLERANCE_SCALE,
                  "sources": [], "layers": {}},
             )  # fmt: skip
+            if short_rule is not None:
+                check.setdefault("short_of_winners_rule", short_rule)
             if source not in check["sources"]:
                 check["sources"].append(source)
             # The loosest tolerance any call of the run was checked with.
@@ -665,6 +674,12 @@ class RunWriter:
             first = entry["first_token"]
             if first_token is not None and (first is None or first_token < first):
                 entry["first_token"] = first_token
+            if short is not None:
+                entry["short_of_winners"] = entry.get("short_of_winners", 0) + short["rows"]
+                if short["rows"]:
+                    for key, pick in (("kept_top", min), ("recall", min), ("worst_rank_beyond_k", max)):
+                        name = f"short_{key}"
+                        entry[name] = short[key] if entry.get(name) is None else pick(entry[name], short[key])
 
     def capture_check_not_run(self, why: str) -> None:
         """Records that this run has no capture self-check, and why (`settings.capture_check`
