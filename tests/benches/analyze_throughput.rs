@@ -199,6 +199,28 @@ fn topk_bytes(run: &Path) -> u64 {
         .sum()
 }
 
+/// The bytes of the summary check's columns ([`topk_check::COLUMNS`]) in
+/// the run's top-k parts, as stored and after decompression: what a first
+/// analyze must decompress and decode whatever reads it.
+fn check_column_bytes(run: &Path) -> (u64, u64) {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let mut bytes = (0, 0);
+    for entry in std::fs::read_dir(run.join("topk")).unwrap() {
+        let file = std::fs::File::open(entry.unwrap().path()).unwrap();
+        let reader = SerializedFileReader::new(file).unwrap();
+        for group in reader.metadata().row_groups() {
+            for column in group.columns() {
+                let top = column.column_path().parts()[0].as_str();
+                if topk_check::COLUMNS.contains(&top) {
+                    bytes.0 += u64::try_from(column.compressed_size()).unwrap();
+                    bytes.1 += u64::try_from(column.uncompressed_size()).unwrap();
+                }
+            }
+        }
+    }
+    bytes
+}
+
 /// The median of `times`, as the analyzer's summaries compute it.
 fn median(times: &[f64]) -> f64 {
     Summary::of(times.to_vec()).map_or(f64::NAN, |s| s.p50)
@@ -384,6 +406,12 @@ fn bench(workload: Workload) {
         topk_bytes(&v2_runs[0]) as f64 / 1e9,
         topk_bytes(&v1_run) as f64 / 1e9
     );
+    let (stored, decompressed) = check_column_bytes(&v2_runs[0]);
+    println!(
+        "the summary check's columns: {:.3} GB stored, {:.3} GB after decompression (what a first analyze decompresses and decodes)",
+        stored as f64 / 1e9,
+        decompressed as f64 / 1e9
+    );
 
     // Each side repeated (the first call is often the slowest: a binary just
     // built, files this side has not read yet): the ratio and the targets
@@ -438,11 +466,14 @@ fn bench(workload: Workload) {
             "{engine} aggregated every layer: {stdout}"
         );
         let secs = median(&times);
-        let (ratio, remembered) = (rust_secs / secs, memo_secs / secs);
+        let (first, remembered) = (rust_secs / secs, memo_secs / secs);
         println!(
-            "README {engine} snippet over the same v2 files (stored counts, no check): median {secs:.3} s of {}; shadowtrace analyze takes {ratio:.1}x its time checking every summary, {remembered:.1}x with the check remembered (goal <= 2x: {}, {})",
+            "README {engine} snippet over the same v2 files (stored counts, no check): median {secs:.3} s of {}",
             seconds_list(&times),
-            verdict(ratio <= 2.0),
+        );
+        println!(
+            "  first analyze (--recheck, every summary checked) / {engine}: {first:.1}x (goal <= 5x: {}); remembered analyze / {engine}: {remembered:.1}x (goal <= 2x: {})",
+            verdict(first <= 5.0),
             verdict(remembered <= 2.0)
         );
     }
