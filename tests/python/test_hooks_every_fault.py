@@ -72,6 +72,8 @@ class Calls:
             if "forward(self, *args" in line or "generate(self, *args" in line
         }
         self.inject, self.error = inject, error
+        # What Python could not raise while this forward ran (sys.unraisablehook's arguments).
+        self.unraisable: list = []
         self.calls: list[tuple[tuple, int]] = []
         self.seen: Counter = Counter()
         self.with_rows: set[int] = set()
@@ -127,7 +129,10 @@ def trace(root: Path, model: torch.nn.Module, ids: torch.Tensor, calls: Calls) -
     kernels.failed.clear()
     session._warned.clear()
     assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(root)}) is not None
-    threads = torch.get_num_threads()
+    threads, unraisable_hook = torch.get_num_threads(), sys.unraisablehook
+    # A fault planted at the resumption that closes a generator (the hooks leave a loop over
+    # one early) is raised in its finaliser, where Python drops it: kept for the test to judge.
+    sys.unraisablehook = calls.unraisable.append
     try:
         torch.set_num_threads(1)
         gc.disable()  # no collection's calls in the window: the same calls on every run
@@ -142,6 +147,8 @@ def trace(root: Path, model: torch.nn.Module, ids: torch.Tensor, calls: Calls) -
     finally:
         session.stop()
         torch.set_num_threads(threads)
+        gc.collect()
+        sys.unraisablehook = unraisable_hook
     return out, counters
 
 
@@ -206,7 +213,7 @@ def test_an_exception_at_any_call_before_the_first_rows_leaves_no_run_complete_w
     clean: tuple, tmp_path: Path, error: str
 ) -> None:
     base, ids, logits, calls, record = clean
-    failures = []
+    failures, dropped_by_python = [], []
     for i, inject in enumerate(sites(calls)):
         planted = (torch.OutOfMemoryError if error == "OutOfMemoryError" else Exception)(
             f"planted at {inject[0][2]} (call {inject[1]} from {inject[0][0]}:{inject[0][1]})"
@@ -221,6 +228,13 @@ def test_an_exception_at_any_call_before_the_first_rows_leaves_no_run_complete_w
         if not probe.injected:
             failures.append(f"{inject}: the call never came (the fault was not injected)")
             continue
+        for u in probe.unraisable:
+            # Raised into a generator's close: no code of the hooks' could see it, and it is
+            # no fault they can meet (nothing in those generators' finally blocks raises).
+            if u.exc_value is planted and inspect.isgenerator(u.object):
+                dropped_by_python.append(inject)
+            else:
+                failures.append(f"{inject}: Python dropped {type(u.exc_value).__name__} in {u.object!r}")
         if not torch.equal(out, logits):
             failures.append(f"{inject}: production's logits changed")
         got = runs(root)
@@ -240,3 +254,5 @@ def test_an_exception_at_any_call_before_the_first_rows_leaves_no_run_complete_w
                     f"{inject}: run {run_id} {m['status']}, rows missing {short}, counters {m['counters']}"
                 )
     assert not failures, f"{len(failures)} of {len(sites(calls))} faults:\n" + "\n".join(failures[:40])
+    # Only the closes of generators the hooks leave early, not a share of the window.
+    assert len(dropped_by_python) <= len(sites(calls)) // 20, dropped_by_python
