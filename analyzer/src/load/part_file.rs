@@ -71,13 +71,46 @@ impl PartFile {
         // The parquet crate's footer reader first: it refuses a damaged
         // footer with an error, where polars' own Thrift reader panics on
         // some (a flipped byte in a boolean field: tests/it/fuzzed_parts.rs).
-        parquet::file::reader::SerializedFileReader::new(open()?).map_err(|source| {
-            LoadError::ParquetDecode {
+        let footer_error = |source| LoadError::ParquetDecode {
+            path: path.to_owned(),
+            part: "footer".to_owned(),
+            source,
+        };
+        let checked =
+            parquet::file::reader::SerializedFileReader::new(open()?).map_err(footer_error)?;
+        // polars adds each column chunk's offset and size unchecked and panics on an
+        // overflow (a flipped byte in either): a chunk must lie inside the file.
+        let file_len = open()?
+            .metadata()
+            .map_err(|source| LoadError::Io {
                 path: path.to_owned(),
-                part: "footer".to_owned(),
                 source,
+            })?
+            .len();
+        for (g, group) in parquet::file::reader::FileReader::metadata(&checked)
+            .row_groups()
+            .iter()
+            .enumerate()
+        {
+            for column in group.columns() {
+                let start = column
+                    .dictionary_page_offset()
+                    .unwrap_or_else(|| column.data_page_offset());
+                let size = column.compressed_size();
+                let end = u64::try_from(start)
+                    .ok()
+                    .zip(u64::try_from(size).ok())
+                    .and_then(|(a, b)| a.checked_add(b));
+                if end.is_none_or(|end| end > file_len) {
+                    return Err(footer_error(parquet::errors::ParquetError::General(
+                        format!(
+                            "row group {g}, column {}: chunk at offset {start} of {size} bytes, expected inside the file's {file_len} bytes",
+                            column.column_path()
+                        ),
+                    )));
+                }
             }
-        })?;
+        }
         let file = open()?;
         let mut reader = ParquetReader::new(file);
         let decode = |source| LoadError::Decode {
