@@ -463,3 +463,79 @@ fn mutated_parts_are_skipped_refused_or_not_judged_never_a_panic_or_a_clean_verd
         "seed {seed}: only {tried} of {CASES} cases mutated anything"
     );
 }
+
+/// The footer of `part` rewritten with its first column chunk moved by `claim`
+/// (its offset and compressed size), the data pages left as they were.
+fn claim_first_chunk(part: &Path, claim: impl Fn(i64, i64) -> (i64, i64)) {
+    use parquet::file::metadata::{ParquetMetaDataReader, ParquetMetaDataWriter};
+
+    let bytes = std::fs::read(part).unwrap();
+    let footer = u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+    let data_end = bytes.len() - 8 - footer as usize;
+    let metadata = ParquetMetaDataReader::new()
+        .parse_and_finish(&File::open(part).unwrap())
+        .unwrap();
+    let mut builder = metadata.into_builder();
+    let mut groups = builder.take_row_groups();
+    let mut columns = groups[0].columns().to_vec();
+    let first = columns[0].clone();
+    let (offset, size) = claim(first.data_page_offset(), first.compressed_size());
+    columns[0] = first
+        .into_builder()
+        .set_dictionary_page_offset(None)
+        .set_data_page_offset(offset)
+        .set_total_compressed_size(size)
+        .build()
+        .unwrap();
+    groups[0] = groups[0]
+        .clone()
+        .into_builder()
+        .set_column_metadata(columns)
+        .build()
+        .unwrap();
+    let metadata = builder.set_row_groups(groups).build();
+    let mut out = bytes[..data_end].to_vec();
+    ParquetMetaDataWriter::new(&mut out, &metadata)
+        .finish()
+        .unwrap();
+    std::fs::write(part, out).unwrap();
+}
+
+/// The case the random draw once found (seed 1796602574452636641, case 88: a
+/// flipped footer byte of a logits part made polars add a chunk's offset and
+/// size past i64 and panic), made by hand so that every run tries it: a chunk
+/// whose end overflows, and one that ends past the file.
+#[test]
+fn a_part_whose_column_chunk_lies_outside_the_file_is_refused_naming_it_not_a_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let claims: [(&str, fn(i64, i64) -> (i64, i64)); 2] = [
+        ("overflowing", |_, size| (-1, size)),
+        ("past the end", |offset, size| (offset, size + (1 << 20))),
+    ];
+    for (what, claim) in claims {
+        let run = tmp.path().join(what.replace(' ', "-"));
+        clean("outside")
+            .write(&run, WriterOptions::default())
+            .unwrap();
+        let part = run.join("logits/part-00000.parquet");
+        claim_first_chunk(&part, claim);
+        let analysed = catch_unwind(AssertUnwindSafe(|| {
+            analyze(&[run.clone()], &[], &Options::default(), |_, _, _| {})
+        }));
+        let Ok(analysed) = analysed else {
+            panic!("{what}: analyze panicked")
+        };
+        let refused = match analysed {
+            Err(e) => e.to_string(),
+            Ok(a) => {
+                assert!(a.runs.is_empty(), "{what}: the run was read as whole");
+                a.skipped.join("\n")
+            }
+        };
+        assert!(
+            refused.contains("logits/part-00000.parquet")
+                && refused.contains("expected inside the file's"),
+            "{what}: {refused}"
+        );
+    }
+}

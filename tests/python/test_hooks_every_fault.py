@@ -147,7 +147,11 @@ def trace(root: Path, model: torch.nn.Module, ids: torch.Tensor, calls: Calls) -
     finally:
         session.stop()
         torch.set_num_threads(threads)
-        gc.collect()
+        # The window ran with the collector off, so what it made is all in the youngest
+        # generation: collecting that one finalises it (a generator's close included) while
+        # the hook above still listens. A full collection of the pytest process's heap took
+        # 0.4 s a fault, four fifths of the sweep's time.
+        gc.collect(0)
         sys.unraisablehook = unraisable_hook
     return out, counters
 

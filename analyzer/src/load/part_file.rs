@@ -80,13 +80,6 @@ impl PartFile {
             parquet::file::reader::SerializedFileReader::new(open()?).map_err(footer_error)?;
         // polars adds each column chunk's offset and size unchecked and panics on an
         // overflow (a flipped byte in either): a chunk must lie inside the file.
-        let file_len = open()?
-            .metadata()
-            .map_err(|source| LoadError::Io {
-                path: path.to_owned(),
-                source,
-            })?
-            .len();
         for (g, group) in parquet::file::reader::FileReader::metadata(&checked)
             .row_groups()
             .iter()
@@ -101,10 +94,10 @@ impl PartFile {
                     .ok()
                     .zip(u64::try_from(size).ok())
                     .and_then(|(a, b)| a.checked_add(b));
-                if end.is_none_or(|end| end > file_len) {
+                if end.is_none_or(|end| end > bytes) {
                     return Err(footer_error(parquet::errors::ParquetError::General(
                         format!(
-                            "row group {g}, column {}: chunk at offset {start} of {size} bytes, expected inside the file's {file_len} bytes",
+                            "row group {g}, column {}: chunk at offset {start} of {size} bytes, expected inside the file's {bytes} bytes",
                             column.column_path()
                         ),
                     )));
