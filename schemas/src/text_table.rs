@@ -131,8 +131,9 @@ mod tests {
         cells.iter().map(|c| (*c).to_owned()).collect()
     }
 
-    /// The analyzer's layer table's columns it may leave out.
-    const LAYER_DROPS: [&str; 6] = [
+    /// This test table's columns it may leave out, in order: its own, not
+    /// the analyzer's list (the analyzer's tables are pinned by its snapshots).
+    const DROPPABLE: [&str; 6] = [
         "shadow-only NaN",
         "cos min",
         "J p5",
@@ -141,8 +142,8 @@ mod tests {
         "NaN tok",
     ];
 
-    /// A layer table's header with cells as wide as their headers but a
-    /// long marks cell: 124 columns printed, 107 without `shadow-only NaN`.
+    /// A header shaped like a layer table's, with cells as wide as their
+    /// headers but a long marks cell: 124 columns printed, 107 without `shadow-only NaN`.
     fn wide_table() -> (Vec<String>, Vec<Vec<String>>) {
         let header = strings(&[
             "layer",
@@ -178,7 +179,7 @@ mod tests {
             &mut narrow,
             &header,
             &rows,
-            Fit::to(Some(TABLE_COLUMNS), &LAYER_DROPS),
+            Fit::to(Some(TABLE_COLUMNS), &DROPPABLE),
         );
         let mut lines = narrow.lines();
         let head = lines.next().unwrap();
@@ -210,7 +211,7 @@ mod tests {
         );
         assert_eq!(unfit.lines().count(), 2, "{unfit}");
         let mut roomy = String::new();
-        table(&mut roomy, &header, &rows, Fit::to(Some(400), &LAYER_DROPS));
+        table(&mut roomy, &header, &rows, Fit::to(Some(400), &DROPPABLE));
         let mut every = String::new();
         table(&mut every, &header, &rows, Fit::none());
         assert_eq!(roomy, every);

@@ -800,22 +800,7 @@ pub fn keys_fp8_scores(
     query_positions: &Tensor,
     variant: Fp8Indexer,
 ) -> Result<Tensor, TraceError> {
-    let torch = |source| TraceError::Torch {
-        op: "keys_fp8_scores",
-        source,
-    };
-    let d = k.size()[1];
-    let (q, k) = if variant.hadamard {
-        let had = hadamard_matrix(d, k.device())?;
-        (
-            q.f_matmul(&had).map_err(torch)?,
-            k.f_matmul(&had).map_err(torch)?,
-        )
-    } else {
-        (q.shallow_clone(), k.shallow_clone())
-    };
-    let k8 = quantize_blocks(&k, ACTIVATION_BLOCK, variant.quant)?;
-    let keys = dequantize_blocks(&k8)?;
+    let (q, keys) = dequantized_operands(q, k, IndexerQuant::Keys(variant))?;
     index_scores(&q, &keys, w, query_positions, Precision::Fp32)
 }
 
