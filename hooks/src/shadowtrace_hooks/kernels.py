@@ -647,18 +647,21 @@ def _gap_kernel() -> Any:
             m = m & (pos < TOTAL)
             tl.store(keys_ptr + pos, col, mask=m)
             tl.store(first_ptr + pos, (pos == first).to(tl.uint8), mask=m)
-            if L_PB >= 0:
-                here = m & (which == L_PB)
-                s = tl.load(ps_ptr + r64 * stride_ps + col, mask=here, other=0.0).to(tl.float32)
-                c = tl.load(pc_ptr + r64 * stride_pc + col, mask=here, other=0)
-                tl.store(offsets_ptr + pos, s - pk, mask=here)
-                tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=here)
-            if L_SB >= 0:
-                here = m & (which == L_SB)
-                s = tl.load(ss_ptr + r64 * stride_ss + col, mask=here, other=0.0).to(tl.float32)
-                c = tl.load(sc_ptr + r64 * stride_sc + col, mask=here, other=0)
-                tl.store(offsets_ptr + pos, s - sk, mask=here)
-                tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=here)
+            # A branch on the program's list, not a mask `m & (which == L_PB)`: Triton 3.9's
+            # interpreter refuses a mask made with a scalar comparison ("mask has unsupported
+            # dtype"), and the branch is uniform within a program.
+            if L_PB >= 0:  # noqa: SIM102 (a compile-time branch around a runtime one)
+                if which == L_PB:
+                    s = tl.load(ps_ptr + r64 * stride_ps + col, mask=m, other=0.0).to(tl.float32)
+                    c = tl.load(pc_ptr + r64 * stride_pc + col, mask=m, other=0)
+                    tl.store(offsets_ptr + pos, s - pk, mask=m)
+                    tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=m)
+            if L_SB >= 0:  # noqa: SIM102
+                if which == L_SB:
+                    s = tl.load(ss_ptr + r64 * stride_ss + col, mask=m, other=0.0).to(tl.float32)
+                    c = tl.load(sc_ptr + r64 * stride_sc + col, mask=m, other=0)
+                    tl.store(offsets_ptr + pos, s - sk, mask=m)
+                    tl.store(selected_ptr + pos, (c != 0).to(tl.uint8), mask=m)
             at += tl.sum(ones, axis=0).to(tl.int64)
 
     return gap_kernel
