@@ -74,13 +74,41 @@ pub fn table(out: &mut String, header: &[String], rows: &[Vec<String>], fit: Fit
     let rows: Vec<Vec<String>> = rows.iter().map(|r| pick(r)).collect();
     aligned(out, &header, &rows);
     if !dropped.is_empty() {
-        let _ = writeln!(
-            out,
-            "  (left out to fit {} columns: {}; --wide shows every column)",
+        let note = format!(
+            "(left out to fit {} columns: {}; --wide shows every column)",
             fit.columns.unwrap_or_default(),
             dropped.join(", ")
         );
+        out.push_str(&wrap(&note, fit.columns, "  "));
     }
+}
+
+/// `text` as lines of at most `columns` characters (`None`: one line), each
+/// after `indent`, the lines after the first two spaces deeper, broken at
+/// spaces (a word longer than a line stays whole). Ends with a newline.
+#[must_use]
+pub fn wrap(text: &str, columns: Option<usize>, indent: &str) -> String {
+    let Some(columns) = columns else {
+        return format!("{indent}{text}\n");
+    };
+    let mut out = String::new();
+    let mut line = String::from(indent);
+    let mut at_start = true;
+    for word in text.split(' ') {
+        let room = line.chars().count() + 1 + word.chars().count() <= columns;
+        if !at_start && !room {
+            let _ = writeln!(out, "{}", line.trim_end());
+            line = format!("{indent}  ");
+            at_start = true;
+        }
+        if !at_start {
+            line.push(' ');
+        }
+        line.push_str(word);
+        at_start = false;
+    }
+    let _ = writeln!(out, "{}", line.trim_end());
+    out
 }
 
 fn column_widths(header: &[String], rows: &[Vec<String>]) -> Vec<usize> {
@@ -236,6 +264,25 @@ mod tests {
             out.contains("left out to fit 100 columns: worst attn_out p95;"),
             "{out}"
         );
+    }
+
+    #[test]
+    fn a_long_line_wraps_at_spaces_under_a_deeper_indent_and_a_short_one_is_kept() {
+        let text = "top-k divergence: first layer whose mean Jaccard falls below 0.8";
+        assert_eq!(
+            wrap(text, Some(30), "  "),
+            "  top-k divergence: first\n    layer whose mean Jaccard\n    falls below 0.8\n"
+        );
+        assert_eq!(wrap(text, None, "  "), format!("  {text}\n"));
+        assert_eq!(wrap("short", Some(30), "  "), "  short\n");
+        let long = "a ".to_owned() + &"x".repeat(40);
+        assert_eq!(
+            wrap(&long, Some(30), ""),
+            format!("a\n  {}\n", "x".repeat(40))
+        );
+        for line in wrap(text, Some(30), "  ").lines() {
+            assert!(line.chars().count() <= 30, "{line}");
+        }
     }
 
     #[test]

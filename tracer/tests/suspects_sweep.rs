@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use shadowtrace_schemas::text_table::TABLE_COLUMNS;
 use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind};
 use shadowtrace_tracer::model::{Model, synthetic};
 use shadowtrace_tracer::suspects::prompts::demo_prompt;
@@ -108,7 +109,21 @@ fn a_deviation_planted_at_a_layer_departs_from_the_clean_path_there_and_not_befo
 
     result.not_run = not_run;
     let report = Report::new("tiny-glm", None, Thresholds::default(), result, None);
-    let text = render_terminal(&report);
+    let text = render_terminal(&report, None);
+    let narrow = render_terminal(&report, Some(TABLE_COLUMNS));
+    for line in narrow.lines() {
+        assert!(line.chars().count() <= TABLE_COLUMNS, "{line}\n{narrow}");
+    }
+    assert!(
+        text.lines().any(|l| l.chars().count() > TABLE_COLUMNS)
+            && text.contains("max p95 vs clean  argmax"),
+        "--wide prints every column:\n{text}"
+    );
+    assert!(
+        narrow.contains("(left out to fit 100 columns: max p95 vs clean,")
+            && !narrow.contains("max p95 vs clean  argmax"),
+        "the narrow table names what it left out:\n{narrow}"
+    );
     assert!(
         text.contains("falls below 0.8"),
         "the threshold is printed:\n{text}"
@@ -178,7 +193,7 @@ fn a_bf16_production_sweep_runs_its_clean_path_without_fp8_and_departs_less_from
         None,
     );
     assert!(
-        render_terminal(&report).contains("production: bf16 linears, no FP8"),
+        render_terminal(&report, None).contains("production: bf16 linears, no FP8"),
         "the report names the production it ran"
     );
 }

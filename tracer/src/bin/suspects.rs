@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use shadowtrace_schemas::text_table::TABLE_COLUMNS;
 use shadowtrace_tracer::indexer::Fp8Indexer;
 use shadowtrace_tracer::model::Model;
 use shadowtrace_tracer::model::deviation::Deviation;
@@ -161,6 +162,11 @@ struct SweepArgs {
     /// Describe every deviation and its source, and exit.
     #[arg(long)]
     list: bool,
+    /// Print every column of every table, and each line of prose whole. Without it, a
+    /// table wider than 100 columns leaves out its least needed columns, and a line after
+    /// it names them; prose wraps at 100.
+    #[arg(long)]
+    wide: bool,
 }
 
 fn main() -> ExitCode {
@@ -466,7 +472,10 @@ fn run(args: &SweepArgs) -> Result<()> {
         result,
         ranking,
     );
-    print!("{}", render_terminal(&report));
+    print!(
+        "{}",
+        render_terminal(&report, (!args.wide).then_some(TABLE_COLUMNS))
+    );
     if let Some(dir) = &args.report {
         write_report(dir, &report)?;
         eprintln!("report: {}", dir.join(REPORT_FILE).display());

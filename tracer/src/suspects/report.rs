@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use std::fmt::Write;
 
 use serde::Serialize;
-use shadowtrace_schemas::text_table::{Fit, table};
+use shadowtrace_schemas::text_table::{Fit, table, wrap};
 
 use super::profile::Cell;
 use super::rank::Ranking;
@@ -328,43 +328,65 @@ fn header_lines(r: &Report) -> Vec<String> {
     lines
 }
 
-/// The report for a terminal.
+/// The summary table's columns a narrow terminal leaves out first, in order:
+/// what another column already says (the path against clean, the threshold's
+/// length beside the first divergence) or what only a close reading needs.
+const SUMMARY_DROPS: [&str; 4] = ["JS mean", "min J vs clean", "J < threshold from", "argmax"];
+
+/// The per-prompt table's columns a narrow terminal leaves out first.
+const CELL_DROPS: [&str; 5] = [
+    "max p95 vs clean",
+    "min J vs clean",
+    "JS mean",
+    "max hidden p95",
+    "argmax",
+];
+
+/// The ranking's columns a narrow terminal leaves out first.
+const RANKING_DROPS: [&str; 3] = ["entries", "noise (1 se)", "hidden (decades)"];
+
+/// The report for a terminal `fit` columns wide (`None`: every column, the
+/// prose on one line each): the prose wrapped, each table leaving out its
+/// least needed columns, and saying which, until it fits.
 #[must_use]
-pub fn render_terminal(r: &Report) -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "shadowtrace suspects");
+pub fn render_terminal(r: &Report, fit: Option<usize>) -> String {
+    let mut out = String::from("shadowtrace suspects\n");
+    let mut prose = |out: &mut String, text: &str| out.push_str(&wrap(text, fit, "  "));
     for line in header_lines(r) {
-        let _ = writeln!(out, "  {line}");
+        prose(&mut out, &line);
     }
-    let _ = writeln!(out, "\nrules");
+    out.push_str("\nrules\n");
     for rule in &r.rules {
-        let _ = writeln!(out, "  {rule}");
+        prose(&mut out, rule);
     }
     if !r.sweep.not_run.is_empty() {
-        let _ = writeln!(
-            out,
-            "\nnot run: the mathematics says they change nothing here"
-        );
+        out.push_str("\nnot run: the mathematics says they change nothing here\n");
         for n in &r.sweep.not_run {
-            let _ = writeln!(out, "  {}: {}", n.path, n.reason);
+            prose(&mut out, &format!("{}: {}", n.path, n.reason));
         }
     }
     let _ = writeln!(out, "\nby path and prompt kind (lengths {})", lengths(r));
     let (h, rows) = summary_table(r);
-    text_table(&mut out, &h, &rows);
-    let _ = writeln!(out, "\nper prompt");
+    table(&mut out, &h, &rows, Fit::to(fit, &SUMMARY_DROPS));
+    out.push_str("\nper prompt\n");
     let (h, rows) = cell_table(r);
-    text_table(&mut out, &h, &rows);
+    table(&mut out, &h, &rows, Fit::to(fit, &CELL_DROPS));
     if let Some(ranking) = &r.ranking {
-        let _ = writeln!(out, "\nranked against the observed runs ({})", ranking.rule);
-        let _ = writeln!(out, "  {}", ranking.verdict);
+        out.push('\n');
+        out.push_str(&wrap(
+            &format!("ranked against the observed runs ({})", ranking.rule),
+            fit,
+            "",
+        ));
+        prose(&mut out, &ranking.verdict);
         let (h, rows) = ranking.table();
-        text_table(&mut out, &h, &rows);
+        table(&mut out, &h, &rows, Fit::to(fit, &RANKING_DROPS));
         for note in &ranking.notes {
-            let _ = writeln!(out, "  note: {note}");
+            prose(&mut out, &format!("note: {note}"));
         }
     }
-    let _ = writeln!(out, "\n{}", timing_line(r));
+    out.push('\n');
+    out.push_str(&wrap(&timing_line(r), fit, ""));
     out
 }
 
@@ -450,12 +472,6 @@ pub fn render_markdown(r: &Report, plots: &[String]) -> String {
     md_table(&mut out, &h, &rows);
     let _ = writeln!(out, "## Timing\n\n{}", timing_line(r));
     out
-}
-
-/// Aligned columns, text left and numbers right, every one
-/// ([`shadowtrace_schemas::text_table`]).
-pub(crate) fn text_table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
-    table(out, header, rows, Fit::none());
 }
 
 pub(crate) fn md_table(out: &mut String, header: &[String], rows: &[Vec<String>]) {
