@@ -351,7 +351,7 @@ const RANKING_DROPS: [&str; 3] = ["entries", "noise (1 se)", "hidden (decades)"]
 #[must_use]
 pub fn render_terminal(r: &Report, fit: Option<usize>) -> String {
     let mut out = String::from("shadowtrace suspects\n");
-    let mut prose = |out: &mut String, text: &str| out.push_str(&wrap(text, fit, "  "));
+    let prose = |out: &mut String, text: &str| out.push_str(&wrap(text, fit, "  "));
     for line in header_lines(r) {
         prose(&mut out, &line);
     }
