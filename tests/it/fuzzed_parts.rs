@@ -508,7 +508,8 @@ fn claim_first_chunk(part: &Path, claim: impl Fn(i64, i64) -> (i64, i64)) {
 #[test]
 fn a_part_whose_column_chunk_lies_outside_the_file_is_refused_naming_it_not_a_panic() {
     let tmp = tempfile::tempdir().unwrap();
-    let claims: [(&str, fn(i64, i64) -> (i64, i64)); 2] = [
+    type Claim = fn(i64, i64) -> (i64, i64);
+    let claims: [(&str, Claim); 2] = [
         ("overflowing", |_, size| (-1, size)),
         ("past the end", |offset, size| (offset, size + (1 << 20))),
     ];
@@ -520,7 +521,12 @@ fn a_part_whose_column_chunk_lies_outside_the_file_is_refused_naming_it_not_a_pa
         let part = run.join("logits/part-00000.parquet");
         claim_first_chunk(&part, claim);
         let analysed = catch_unwind(AssertUnwindSafe(|| {
-            analyze(&[run.clone()], &[], &Options::default(), |_, _, _| {})
+            analyze(
+                std::slice::from_ref(&run),
+                &[],
+                &Options::default(),
+                |_, _, _| {},
+            )
         }));
         let Ok(analysed) = analysed else {
             panic!("{what}: analyze panicked")
