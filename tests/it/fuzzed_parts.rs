@@ -472,9 +472,8 @@ fn claim_first_chunk(part: &Path, claim: impl Fn(i64, i64) -> (i64, i64)) {
     let bytes = std::fs::read(part).unwrap();
     let footer = u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
     let data_end = bytes.len() - 8 - footer as usize;
-    let metadata = ParquetMetaDataReader::new()
-        .parse_and_finish(&File::open(part).unwrap())
-        .unwrap();
+    let metadata =
+        ParquetMetaDataReader::decode_metadata(&bytes[data_end..bytes.len() - 8]).unwrap();
     let mut builder = metadata.into_builder();
     let mut groups = builder.take_row_groups();
     let mut columns = groups[0].columns().to_vec();
