@@ -236,14 +236,21 @@ fn provenance_lines(report: &str) -> String {
         "not explained:",
         "NaN not known:",
     ];
-    report
-        .lines()
-        .filter(|l| {
-            let l = l.trim_start_matches([' ', '-']);
-            LABELS.iter().any(|p| l.starts_with(p)) || l.starts_with("masked-operand leak:")
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    // A labelled line, and the lines it wrapped onto (indented deeper, as `text_table::wrap`).
+    let mut kept = Vec::new();
+    let mut keeping = false;
+    for line in report.lines() {
+        let l = line.trim_start_matches([' ', '-']);
+        if LABELS.iter().any(|p| l.starts_with(p)) || l.starts_with("masked-operand leak:") {
+            keeping = true;
+            kept.push(line);
+        } else if keeping && line.starts_with("    ") {
+            kept.push(line);
+        } else {
+            keeping = false;
+        }
+    }
+    kept.join("\n")
 }
 
 #[test]

@@ -12,7 +12,7 @@ use crate::judged::{Question, cell, why_not_judged};
 use crate::verdict::{Thresholds, deciding_mode};
 
 pub use shadowtrace_schemas::text_table::TABLE_COLUMNS;
-use shadowtrace_schemas::text_table::{Fit, table};
+use shadowtrace_schemas::text_table::{Fit, table, wrap};
 
 /// The grid's columns a narrow table leaves out first, in order (the NaN
 /// runs are among the verdicts too; the worst layers are in each run's
@@ -60,7 +60,7 @@ pub fn render_terminal_at(a: &Analysis, fit: Option<usize>) -> String {
     let _ = writeln!(out);
     let _ = writeln!(out, "rules");
     for line in a.rule_lines() {
-        let _ = writeln!(out, "  {line}");
+        out.push_str(&wrap(&line, fit, "  "));
     }
     let _ = writeln!(out);
     grid_section(&mut out, a, fit);
@@ -224,7 +224,7 @@ fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds, fit: Option<
         let _ = writeln!(out, "  counted: {k} = {v}");
     }
     for note in &run.notes {
-        let _ = writeln!(out, "  note: {note}");
+        out.push_str(&wrap(&format!("note: {note}"), fit, "  "));
     }
     let onset = match &run.onset {
         Some(o) => format!(
@@ -252,7 +252,11 @@ fn run_section(out: &mut String, run: &RunAnalysis, t: &Thresholds, fit: Option<
         cell(&run.not_measured, Question::Nonfinite, &onset)
     );
     for (label, text) in run.nan_provenance.iter().flat_map(super::provenance::lines) {
-        let _ = writeln!(out, "  {:<19}{text}", format!("{label}: "));
+        out.push_str(&wrap(
+            &format!("{:<19}{text}", format!("{label}: ")),
+            fit,
+            "  ",
+        ));
     }
     if let Some(worst) = run
         .topk_dequant
