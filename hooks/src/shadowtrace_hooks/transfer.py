@@ -21,6 +21,7 @@ while the forward's own work, queued since, keeps the device busy.
 On a CPU there is no copy to wait for: the buffer is the host's already.
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -162,41 +163,63 @@ class Packet:
         self.settle()
         tensors, self.tensors = self.tensors, []
         made, self._made = self._made, []
-        layout = []
-        pieces = []
-        offset = 0
         device = tensors[0].device if tensors else torch.device("cpu")
-        for t in tensors:
-            if t.device != device:
-                raise ValueError(f"packet: tensors on {device} and {t.device}; one packet holds one device")
-            flat = t.contiguous().reshape(-1).view(torch.uint8)
-            pad = -offset % _ALIGN
-            if pad:
-                pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-                offset += pad
-            layout.append((offset, t.dtype, tuple(t.shape)))
-            pieces.append(flat)
-            offset += flat.numel()
-        if not pieces:
-            return Shipment(torch.empty(0, dtype=torch.uint8), None, layout)
-        if device.type != "cuda":
-            buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream()
+                for event in made:  # the side stream's tensors, whichever stream ships them
+                    stream.wait_event(event)
+        buffer, layout = pack(tensors)
+        return copy_packed(buffer, layout)
+
+
+def pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, torch.dtype, tuple]]]:
+    """The tensors laid end to end in one byte buffer on their device (each at a multiple of
+    `_ALIGN` bytes), and where each lies. A graph capture packs its captures once: the copy
+    into the buffer is then part of the graph, which each replay reruns (`graphs`)."""
+    layout = []
+    pieces = []
+    offset = 0
+    device = tensors[0].device if tensors else torch.device("cpu")
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"packet: tensors on {device} and {t.device}; one packet holds one device")
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = -offset % _ALIGN
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+            offset += pad
+        layout.append((offset, t.dtype, tuple(t.shape)))
+        pieces.append(flat)
+        offset += flat.numel()
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8), layout
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return (torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()), layout
+
+
+def copy_packed(
+    buffer: torch.Tensor, layout: list[tuple[int, torch.dtype, tuple]], *, reused: bool = False
+) -> "Shipment":
+    """Starts the copy of a packed buffer to the host, queued on the current stream after the
+    work that wrote it. A CPU buffer is the host's already: the shipment holds it, or a copy
+    of it when the buffer is `reused` (a graph's, which the next replay rewrites)."""
+    if buffer.numel() == 0:
+        return Shipment(torch.empty(0, dtype=torch.uint8), None, layout)
+    if buffer.device.type != "cuda":
+        return Shipment(buffer.clone() if reused else buffer, None, layout)
+    with torch.cuda.device(buffer.device):
+        stream = torch.cuda.current_stream()
+        try:
+            host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
             return Shipment(buffer.cpu(), None, layout)
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream()
-            for event in made:  # the side stream's tensors, whichever stream ships them
-                stream.wait_event(event)
-            buffer = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
-            try:
-                host = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
-            except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
-                return Shipment(buffer.cpu(), None, layout)
-            host.copy_(buffer, non_blocking=True)
-            # The writer's thread waits on it for most of a forward: a blocking event sleeps
-            # there, where the default one spins in the driver against the forward's launches.
-            done = torch.cuda.Event(blocking=True)
-            done.record(stream)
-        return Shipment(host, done, layout)
+        host.copy_(buffer, non_blocking=True)
+        # The writer's thread waits on it for most of a forward: a blocking event sleeps
+        # there, where the default one spins in the driver against the forward's launches.
+        done = torch.cuda.Event(blocking=True)
+        done.record(stream)
+    return Shipment(host, done, layout)
 
 
 def _run(job: _Job) -> None:
