@@ -98,7 +98,8 @@ class GenericTracer(hf._Tracer):
     @classmethod
     def attach(cls, model: torch.nn.Module, sess: Session, rope: Any, inputs: hf._Inputs) -> Any:
         tracer = model.__dict__.get("_shadowtrace")
-        if tracer is not None or model.__dict__.get("_shadowtrace_refused"):
+        # An earlier session's tracer (one stopped since) is inert: this session attaches its own.
+        if (tracer is not None and tracer.sess is sess) or model.__dict__.get("_shadowtrace_refused"):
             return tracer
         try:
             return super().attach(model, sess, rope, inputs)
