@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     for row in rows:
         write("  " + "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+@pytest.fixture
+def traced(tmp_path: Path) -> Iterator[Path]:
+    """Tracing on in this process (SHADOWTRACE=1 into tmp_path/runs), stopped afterwards."""
+    from shadowtrace_hooks import session, startup
+
+    runs = tmp_path / "runs"
+    assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs)}) is not None
+    try:
+        yield runs
+    finally:
+        session.stop()

@@ -12,7 +12,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -40,19 +39,6 @@ def manifests(root: Path, *, settle: bool = True) -> list[dict]:
 def parts(run_dir: Path, table: str) -> int:
     """Rows in the table's complete part files on disk, listed in the manifest or not."""
     return sum(pq.read_metadata(f).num_rows for f in (run_dir / table).glob("*.parquet"))
-
-
-@pytest.fixture
-def traced(tmp_path: Path) -> Iterator[Path]:
-    """Tracing on in this process (SHADOWTRACE=1 into tmp_path/runs), stopped afterwards."""
-    from shadowtrace_hooks import session, startup
-
-    runs = tmp_path / "runs"
-    assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs)}) is not None
-    try:
-        yield runs
-    finally:
-        session.stop()
 
 
 def test_a_sigkill_just_after_a_forward_returns_leaves_a_manifest_counting_what_it_lost(

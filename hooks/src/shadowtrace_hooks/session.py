@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import __version__, config, kernels, selection, shadow, stats
+from shadowtrace_hooks import __version__, config, kernels, selection, shadow, stats, transfer
 from shadowtrace_hooks.transfer import Packet
 from shadowtrace_hooks.writer import ByteBudget, RunWriter
 
@@ -305,6 +305,45 @@ class Run:
 
         self.writer.send_shipment(shipment, decode, counted)
 
+    def replay(self, held: Any, positions: np.ndarray) -> None:
+        """Ships a graph replay's rows of this run (`graphs.Held`): the held tensors, which
+        the replay rewrote, and their decoders' rows renumbered for this step. The capture
+        recorded token indices into the forward's rows, which `positions` (this request's
+        positions in the replayed step) turn into positions; its seq numbers, from 0, follow
+        the run's own."""
+        self.ship()  # what this run holds goes first, in its own shipment
+        for name, n in held.counters.items():
+            self.count(name, n)
+        for key, value in held.settings.items():
+            self.writer.set_setting(key, value)
+        for counter, reason in held.losses:
+            self.lose(counter, reason)
+        first, step = self.seq, self.step
+        self.seq += held.seqs
+        positions = np.asarray(positions, dtype=np.int32)
+        decoders = held.decoders
+
+        def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
+            out = []
+            for d in decoders:
+                absolute = getattr(d, "absolute_tokens", False)  # a decoder naming slots itself
+                for table, cols, n in d(arrays):
+                    cols = dict(cols)
+                    if "token" in cols and not absolute:
+                        cols["token"] = positions[np.asarray(cols["token"], dtype=np.int64)]
+                    if "seq" in cols:
+                        seq = cols["seq"]
+                        cols["seq"] = seq + first if np.isscalar(seq) else [s + first for s in seq]
+                    if "step" in cols:
+                        cols["step"] = step
+                    out.append((table, cols, n))
+            return out
+
+        self.forward_rows += sum(held.counted.values())
+        if held.packed is not None:
+            shipment = transfer.copy_packed(*held.packed, reused=True)
+            self.writer.send_shipment(shipment, decode, dict(held.counted))
+
     # --- captures -------------------------------------------------------------------
 
     def hidden(
@@ -458,6 +497,53 @@ class Run:
 # that drops winners, not a misread; selection.short_of_winners), as settings.capture_check
 # records it: the least shares of k a short row keeps.
 SHORT_OF_WINNERS_RULE = {"kept_top": selection.SHORT_KEPT_SHARE, "recall": selection.SHORT_RECALL}
+
+
+class _HeldSettings:
+    """A `Recorder`'s stand-in for its writer: the settings a capture sets are kept for the
+    real runs; anything else a capture asks of a writer fails (and its guard counts it)."""
+
+    def __init__(self) -> None:
+        self.settings: dict[str, Any] = {}
+        self.manifest = {"run_id": "graph-capture"}
+
+    def set_setting(self, key: str, value: Any) -> None:
+        self.settings[key] = value
+
+
+class Recorder(Run):
+    """Stands in for one request's run while a CUDA graph is captured (`graphs`): captures
+    add their device tensors and decoders as to a run, but nothing ships: the tensors are
+    the graph's memory, rewritten by each replay, and `held` hands them to the replays.
+    Counters, settings and losses are kept for the real run of each replayed step."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._held_settings = _HeldSettings()
+        super().__init__(self._held_settings, settings)  # type: ignore[arg-type]
+        self.step = 0
+        self._losses: list[tuple[str, str]] = []
+
+    def ship(self) -> None:
+        """Nothing leaves during a capture: the replays ship."""
+
+    def lose(self, counter: str, reason: str, forward: object | None = None) -> None:
+        if (counter, reason) not in self._losses:
+            self._losses.append((counter, reason))
+
+    def held(self) -> Any:
+        from shadowtrace_hooks.graphs import Held  # graphs imports this module
+
+        tensors = list(self._packet.tensors)
+        return Held(
+            tensors=tensors,
+            packed=transfer.pack(tensors) if tensors else None,
+            decoders=list(self._decoders),
+            counted=dict(self._counted),
+            seqs=self.seq,
+            counters=dict(self.counters),
+            settings=dict(self._held_settings.settings),
+            losses=list(self._losses),
+        )
 
 
 def _short_figures(figures: np.ndarray, k: int) -> dict[str, Any]:

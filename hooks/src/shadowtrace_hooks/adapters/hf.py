@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadowtrace_hooks import dequant, numerics, session, shadow, stats
+from shadowtrace_hooks import dequant, graphs, numerics, session, shadow, stats
 from shadowtrace_hooks.adapters import engine, hf_prefix
 from shadowtrace_hooks.adapters.layout import Layout, Symbol, hub_kernel_layer, run_settings, select
 from shadowtrace_hooks.session import Run, Session
@@ -182,6 +182,7 @@ def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -
     (this module's, or a model-specific subclass of it) attached at its first traced call."""
     cache_name = layout.name.removesuffix("=")
     forward, generate = cls.forward, cls.generate
+    graphs.install()
     inputs = _Inputs(forward, cache_name)
     attach = tracer.attach
 
@@ -190,7 +191,11 @@ def patch(cls: Any, layout: Layout, tracer: "type[_Tracer]", rope: Any = None) -
     ) -> Any:
         """The tracer of `model`, its step open; None (the window ended) when untraced."""
         tracer = sess.guarded("transformers:attach", None, attach, model, sess, rope, inputs)
+        if tracer is not None and graphs.current() is not None:
+            tracer.begin_capture(window, model, args, kwargs)
+            return tracer
         if tracer is not None and session.capturing():
+            # torch.compile, or a graph captured outside torch.cuda.CUDAGraph: not followed
             sess.count("captures_skipped_cuda_graph")
             tracer = None
         if tracer is None:
@@ -302,6 +307,7 @@ class _Inputs:
             "input_ids": bound.get("input_ids"),
             "inputs_embeds": bound.get("inputs_embeds"),
             "position_ids": bound.get("position_ids"),
+            "cache_position": bound.get("cache_position", extra.get("cache_position")),
             "cache": cache,
         }
 
@@ -341,9 +347,16 @@ def _model_identity(config: Any) -> dict:
 class _Step:
     """What one forward call shares between its hooks."""
 
-    def __init__(self, positions: torch.Tensor, decode: bool) -> None:
+    def __init__(self, positions: torch.Tensor, decode: bool, capture: graphs.Capture | None = None) -> None:
         self.positions = positions  # [B, S] absolute positions of this forward's tokens
-        self.positions_host = positions.cpu().numpy().astype(np.int32)  # one copy per forward
+        # A graph capture cannot read the device: its rows name each token by its index in
+        # the forward, which every replay turns into its positions (`Run.replay`).
+        self.capture = capture
+        if capture is None:
+            self.positions_host = positions.cpu().numpy().astype(np.int32)  # one copy per forward
+        else:
+            batch, seq = positions.shape
+            self.positions_host = np.tile(np.arange(seq, dtype=np.int32), (batch, 1))
         self.rows: dict[int, session.TokenRows] = {}  # batch row -> its recorded tokens
         self.decode = decode
         self.layer_input: torch.Tensor | None = None
@@ -413,6 +426,8 @@ class _Tracer:
         self.interrupted = False
         self.step: _Step | None = None
         self.window: session.Forward | None = None  # the traced forward in flight
+        self.replaying: session.Forward | None = None  # a graph replay's, while it is launched
+        self.eager: tuple[list[Run], _Step | None] | None = None  # put aside by a graph capture
         self.forwards = 0
         self.fired: set[str] = set()
         self.inner = inner = self._decoder()
@@ -534,6 +549,9 @@ class _Tracer:
             if self.step is None or not self.runs:
                 return
             self.fired.add(kind)
+            if kind in GRAPH_SKIPPED and self.step.capture is not None:
+                _skip(self.step.capture, kind)
+                return
             self.sess.guarded(f"transformers:{kind}", self.runs[0], fn, *args, **kwargs)
         except Exception as e:
             self._unguarded(e)
@@ -553,11 +571,101 @@ class _Tracer:
         self.window = window
         self.sess.guarded("transformers:step", None, self._begin_step, model, args, kwargs, disable=False)
 
+    # --- CUDA graphs (`graphs`) -----------------------------------------------------
+
+    def begin_capture(
+        self, window: session.Forward, model: torch.nn.Module, args: tuple, kwargs: dict
+    ) -> None:
+        """The forward is being captured into a CUDA graph: its captures go to a recorder per
+        batch row, and each replay ships them for the runs of its step. Nothing here reads
+        the device (a capture cannot wait for it)."""
+        self.window = window
+        self.sess.guarded("transformers:graph_capture", None, self._begin_capture, model, args, kwargs)
+
+    def _begin_capture(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        given = self.inputs(model, args, kwargs)
+        source = given["input_ids"] if given["input_ids"] is not None else given["inputs_embeds"]
+        batch, seq = source.shape[:2]
+        positions = given["position_ids"]
+        if positions is None and given["cache_position"] is not None:
+            positions = given["cache_position"].reshape(1, seq).expand(batch, seq)
+        if positions is None:
+            raise ValueError(
+                "a forward captured into a CUDA graph is traced when it is given position_ids "
+                "or cache_position (static inputs the replays rewrite); it was given neither"
+            )
+        if positions.dim() == 3:  # multimodal RoPE: the text positions lead
+            positions = positions[0]
+        capture = graphs.Capture(self, args, kwargs, [])
+        recorders = [session.Recorder(self.settings) for _ in range(batch)]
+        # What was open before comes back when the capture ends (`_end_capture`).
+        self.eager = (self.runs, self.step)
+        self.runs, self.step = list(recorders), _Step(positions, decode=True, capture=capture)
+
+    def _keep(self, capture: graphs.Capture, out: Any) -> None:
+        capture.held = [run.held() for run in self.runs]
+        capture.out = out  # the static output: its cache is the one each replay writes
+        graphs.keep(capture)
+
+    def _end_capture(self) -> None:
+        eager = self.eager
+        if eager is not None:
+            (self.runs, self.step), self.eager = eager, None
+
+    def before_replay(self, capture: graphs.Capture) -> None:
+        """A replay of a captured forward is about to be launched: its step opens as an
+        eager forward's would, from the static inputs (which hold the replay's values)."""
+        self.replaying = None
+        if session.current() is not self.sess:
+            # A graph captured in an earlier session: its recorders write nowhere now.
+            if session.current() is not None:
+                session.current().count("graph_replays_untraced")
+            return
+        window = self.sess.begin_forward()
+        self.window = self.replaying = window
+        self.sess.guarded(
+            "transformers:step", None, self._begin_step, self.model, capture.args, capture.kwargs,
+            graphed=True, disable=False,
+        )  # fmt: skip
+
+    def after_replay(self, capture: graphs.Capture) -> None:
+        """The replay's work is launched: its rows ship (copies queued after it), and the
+        captures a graph could not hold are counted in each run of the step."""
+        window, self.replaying = self.replaying, None
+        if window is None:
+            return
+        step, self.step = self.step, None
+        if step is not None:
+            self.sess.guarded("transformers:graph_replay", None, self._replayed, capture, step)
+            self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, capture.out, self.runs)
+        self.sess.end_forward(window)
+        if not self.in_generate:
+            self.sess.guarded("transformers:close", None, self.close_runs)
+
+    def _replayed(self, capture: graphs.Capture, step: "_Step") -> None:
+        if len(capture.held) != len(self.runs):
+            raise ValueError(
+                f"graph replay: {len(self.runs)} requests in the step, the capture held {len(capture.held)}"
+            )
+        for b, run in enumerate(self.runs):
+            run.replay(capture.held[b], step.positions_host[b])
+            for kind in capture.skipped:
+                run.count(f"graph_skipped_{kind}")
+            if self.settings.tokens["kind"] != "all":
+                run.count("graph_skipped_token_selection")
+        for kind in capture.skipped:
+            self.sess.warn_once(
+                f"{NAME}:graph:{kind}",
+                f"{NAME} {_version()}: {kind} is not captured inside a CUDA graph; each replayed "
+                f"step counts graph_skipped_{kind} (run eagerly to record it)",
+            )
+
     def forward_raised(self, window: session.Forward) -> None:
         """The model's forward raised: SystemExit from a serving engine's SIGTERM handler,
         an out-of-memory error. The request's rows stop half way, and its runs must say so."""
         self.interrupted = True
         self.step = None
+        self._end_capture()
         for run in self.runs:
             run.cut = True  # closed interrupted by the exit flush if not here
         self.sess.end_forward(window)
@@ -574,6 +682,12 @@ class _Tracer:
 
     def _end_step(self, out: Any, window: session.Forward) -> None:
         step, self.step = self.step, None
+        if step is not None and step.capture is not None:
+            self.sess.guarded("logits", self.runs[0], self._logits, step, out)
+            self.sess.guarded("transformers:graph_capture", None, self._keep, step.capture, out)
+            self._end_capture()
+            self.sess.end_forward(window)
+            return
         if step is not None:
             self.sess.guarded("logits", self.runs[0] if self.runs else None, self._logits, step, out)
             self.sess.guarded("transformers:ship", self.runs[0] if self.runs else None, self._ship)
@@ -606,7 +720,9 @@ class _Tracer:
                 f"forward: {', '.join(missing)}; those sites are not traced",
             )
 
-    def _begin_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _begin_step(self, model: torch.nn.Module, args: tuple, kwargs: dict, graphed: bool = False) -> None:
+        """Opens a forward's step (`graphed`: a graph replay's, whose captures are held: no
+        prefix-cache shadow chain starts, as none could be recorded)."""
         given = self.inputs(model, args, kwargs)
         cache = given["cache"]
         past_len = int(cache.get_seq_length()) if cache is not None else 0
@@ -646,7 +762,7 @@ class _Tracer:
             run.state.setdefault("ids", run.state.pop("prompt_ids", [])).extend(row)
         self.step = _Step(position_ids.to(device), decode=past_len > 0)
         if hit:
-            self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device)
+            self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device, graphed)
         elif self.step.decode and self.settings.layer_modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
@@ -877,6 +993,9 @@ class _Tracer:
         seq = step.positions.shape[1]
         names = list(tensors)
         for b, run in enumerate(self.runs):
+            if step.capture is not None:
+                self._record_sentinels_graphed(layer, step, b, run, tensors)
+                continue
             end = int(step.positions_host[b].max()) + 1
             for check, first, last in (("kv_slot0_finite", 0, 1), ("kv_new_slots_finite", end - seq, end)):
                 parts = []
@@ -892,6 +1011,29 @@ class _Tracer:
                        "path": "prod", "kind": "sentinel", "count": 1, "check": check}  # fmt: skip
                 detail = f"slots {first}..{last - 1} of {', '.join(names)}"
                 run.defer(functools.partial(_sentinel_rows, slot, names, first, row, detail), {})
+
+    def _record_sentinels_graphed(
+        self, layer: int, step: _Step, b: int, run: Run, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """The sentinel's two checks inside a CUDA graph: the new slots are read at the
+        step's positions on the device (the static input each replay rewrites), and the
+        summary names absolute slots, so its rows need no host positions. The same rows as
+        the eager checks for a step whose positions are contiguous (every HF step's)."""
+        names = list(tensors)
+        positions = step.positions[b].to(torch.int64)
+        for check in ("kv_slot0_finite", "kv_new_slots_finite"):
+            parts = []
+            for t in tensors.values():
+                slots = positions[:1].clamp(max=0) if check == "kv_slot0_finite" else positions
+                per_slot = stats.slot_nonfinite_device(t[b].index_select(-2, slots))
+                found = slots.index_select(0, (per_slot > 0).to(torch.int8).argmax().reshape(1))[0]
+                parts.append(torch.stack([per_slot.sum(), found, slots.min(), slots.max()]))
+            slot = run.add(torch.stack(parts))
+            row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
+                   "path": "prod", "kind": "sentinel", "count": 1, "check": check}  # fmt: skip
+            decode = functools.partial(_sentinel_rows, slot, names, None, row, None)
+            decode.absolute_tokens = True  # type: ignore[attr-defined]  # slots, not row indices
+            run.defer(decode, {})
 
     def _shadow_layer(
         self, layer: int, module: torch.nn.Module, modes: tuple[str, ...] = ("local", "free")
@@ -960,8 +1102,15 @@ class _Tracer:
         kwargs.update({self.inputs.cache_name: None, "use_cache": False})
         kwargs["position_embeddings"] = self._shadow_pe(step)
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-            kwargs["attention_mask"] = mask.to(self.dtype)
+        if isinstance(mask, torch.Tensor):
+            seq = step.positions.shape[1]
+            if mask.dim() >= 2 and mask.shape[-1] > seq:
+                # A static cache's mask spans all its slots; the re-run's keys are this
+                # step's tokens alone, which (a step from an empty cache) fill its first slots.
+                mask = mask[..., :seq]
+            if mask.is_floating_point():
+                mask = mask.to(self.dtype)
+            kwargs["attention_mask"] = mask
         return kwargs
 
     def _shadow_pe(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -988,7 +1137,10 @@ class _Tracer:
         sites.append(("layer_out", prod_out, shadows))
         for b, run in enumerate(self.runs):
             rows = step.rows.get(b)
-            if rows is None:
+            if rows is None and step.capture is not None:
+                # Positions are known at each replay only: every row is recorded.
+                rows = step.rows[b] = session.TokenRows(step.positions_host[b], None, None)
+            elif rows is None:
                 rows = step.rows[b] = s.token_rows(step.positions_host[b], length, prod_out.device)
             for site, prod, layer_shadows in sites:
                 if not s.site(site):
@@ -1002,6 +1154,8 @@ class _Tracer:
     def _guard_enter(self, layer: int, module: torch.nn.Module, args: tuple) -> None:
         try:
             self._captured = None
+            if self.step is not None and self.step.capture is not None:
+                return  # no top-k lists in a graph (`_indexer`)
             if self.step is not None and self.runs:
                 self.sess.guarded("transformers:indexer_capture", self.runs[0], self._scores_enter, layer)
         except Exception as e:
@@ -1191,11 +1345,26 @@ class _Tracer:
             run.writer.set_setting("logits_shadow_mode", mode if want_shadow else None)
 
 
+# Hooks whose captures cannot run inside a CUDA graph: the indexer's top-k lists, whose sizes
+# only the device knows, and which the host must wait for.
+GRAPH_SKIPPED = ("indexer", "scorer")
+
+
+def _skip(capture: graphs.Capture, kind: str) -> None:
+    """A kind of capture a graph cannot hold, counted by each replayed step."""
+    if kind not in capture.skipped:
+        capture.skipped.append(kind)
+
+
 def _sentinel_rows(
-    slot: int, names: list[str], first: int, row: dict, detail: str, arrays: list[np.ndarray]
+    slot: int, names: list[str], first: int | None, row: dict, detail: str | None, arrays: list[np.ndarray]
 ) -> list[tuple[str, dict, int]]:
-    """The events row of one sentinel check, from its [tensors, (count, first slot)] summary."""
+    """The events row of one sentinel check, from its [tensors, (count, first slot)] summary
+    (`first` None: [tensors, (count, absolute slot, first and last slot read)], a graph's)."""
     summary = arrays[slot]
+    if first is None:
+        first, detail = 0, f"slots {int(summary[0, 2])}..{int(summary[0, 3])} of {', '.join(names)}"
+    assert detail is not None
     bad = int(summary[:, 0].sum())
     where = next(((names[i], int(summary[i, 1]) + first) for i in range(len(names)) if summary[i, 0]), None)
     if where is not None:

@@ -69,15 +69,23 @@ def remember(out: Any, runs: list[Run]) -> None:
         delattr(cache, _IDS)
 
 
-def start(tracer: Any, cache: Any, past_len: int, seq: int, device: torch.device) -> "Scratch | None":
+def start(
+    tracer: Any, cache: Any, past_len: int, seq: int, device: torch.device, graphed: bool = False
+) -> "Scratch | None":
     """The shadows of a hit's first step: local ones are counted as skipped; the free chain
     is recomputed from the embeddings over the whole prompt when every row's prefix ids are
-    known. Returns what that chain computed at this step's positions, or None."""
+    known, except in a CUDA graph's replayed step (`graphed`), which holds no such re-run and
+    counts `graph_skipped_free_chain`. Returns what that chain computed at this step's
+    positions, or None."""
     modes = tracer.settings.layer_modes
     if "local" in modes:
         for run in tracer.runs:
             run.count("shadow_skipped_cached_prefix")
     if "free" not in modes or tracer.dtype is None:
+        return None
+    if graphed:
+        for run in tracer.runs:
+            run.count("graph_skipped_free_chain")
         return None
     rows = [run.state.get("ids", []) for run in tracer.runs]  # prefix and this step's tokens
     if any(len(row) != past_len + seq for row in rows):
