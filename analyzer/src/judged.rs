@@ -78,7 +78,7 @@ pub struct NotMeasured {
 
 /// Counters that record how production ran, never a loss: the data they
 /// describe is whole.
-const INFORMATIONAL: [&str; 21] = [
+const INFORMATIONAL: [&str; 22] = [
     // Which kernel computed production's FP8 linears: the same math either way.
     "fp8_linears_tensor_cores",
     "fp8_linears_emulated",
@@ -129,6 +129,9 @@ const INFORMATIONAL: [&str; 21] = [
     "parts_unhashed",
     "graft_not_applied",
     "graft_indexer_on_shared_layer",
+    // A CUDA graph's replayed step records every token, whatever
+    // SHADOWTRACE_TOKENS asked: more rows, none lost.
+    "graph_skipped_token_selection",
 ];
 
 /// Which questions a producer counter's loss leaves not judged; `None` when
@@ -161,6 +164,15 @@ fn questions_of_counter(name: &str) -> Option<Vec<Question>> {
             vec![Topk]
         }
         n if n.starts_with("topk_") || n.starts_with("indexer_") => vec![Topk],
+        // What a CUDA graph's replayed steps could not hold (hooks/README.md,
+        // "CUDA graphs"). The indexer's capture carries its selection and the
+        // events of its non-finite scores, which no hidden row shows.
+        "graph_skipped_indexer" | "graph_skipped_scorer" => vec![Nonfinite, Topk],
+        // The prefix-cache free chain: those steps' rows have no shadow.
+        "graph_skipped_free_chain" => vec![Hidden, Topk, Logits],
+        // Whole steps with no rows: a replay of a graph whose capture traced
+        // nothing, or a step the hooks stepped aside from under capture.
+        "graph_replays_untraced" | "captures_skipped_cuda_graph" => EVERY_QUESTION.to_vec(),
         // A shadow missing for some rows: prod alone still shows its NaNs.
         n if n.starts_with("shadow_") => vec![Hidden, Topk, Logits],
         _ => EVERY_QUESTION.to_vec(),
@@ -444,6 +456,40 @@ mod tests {
         assert_eq!(
             questions_of_site("transformers:step"),
             EVERY_QUESTION.to_vec()
+        );
+    }
+
+    #[test]
+    fn what_a_cuda_graph_could_not_hold_leaves_only_the_verdicts_that_needed_it_not_judged() {
+        use Question::{Hidden, Logits, Nonfinite, Topk};
+        // The indexer's events are the only record of its non-finite scores.
+        assert_eq!(
+            questions_of_counter("graph_skipped_indexer"),
+            Some(vec![Nonfinite, Topk])
+        );
+        assert_eq!(
+            questions_of_counter("graph_skipped_scorer"),
+            Some(vec![Nonfinite, Topk])
+        );
+        assert_eq!(
+            questions_of_counter("graph_skipped_free_chain"),
+            Some(vec![Hidden, Topk, Logits])
+        );
+        // Every token recorded where fewer were asked for: nothing lost.
+        assert_eq!(questions_of_counter("graph_skipped_token_selection"), None);
+        // Steps with no rows at all.
+        assert_eq!(
+            questions_of_counter("process.graph_replays_untraced"),
+            Some(EVERY_QUESTION.to_vec())
+        );
+        assert_eq!(
+            questions_of_counter("process.captures_skipped_cuda_graph"),
+            Some(EVERY_QUESTION.to_vec())
+        );
+        // A graph_skipped_ kind this analyzer does not know stays a loss of every verdict.
+        assert_eq!(
+            questions_of_counter("graph_skipped_something_new"),
+            Some(EVERY_QUESTION.to_vec())
         );
     }
 
