@@ -193,3 +193,50 @@ def test_the_relative_band_finds_the_same_churn_on_a_model_whose_scores_are_eigh
             assert b["boundary_band"] == 8 * a["boundary_band"]
             listed += len(a["prod_boundary_gaps"]) > 1
     assert listed, "some rows list candidates besides the k-th key"
+
+
+def test_an_indexer_over_a_static_cache_scores_every_slot_and_its_selections_are_recorded_whole(
+    tmp_path: Path,
+) -> None:
+    # transformers' StaticIndexedLayer holds max_cache_len keys, and the indexer scores them all
+    # (the unwritten slots masked): production's scores are wider than the keys any query sees,
+    # and than the shadow's. The oracle is what HF's indexer returned, call by call.
+    model = tiny_models.glm(index_topk=K)
+    returned: dict[int, list[torch.Tensor]] = {}
+    for i, layer in enumerate(model.model.layers):
+
+        def keep(module: torch.nn.Module, args: tuple, output: torch.Tensor, i: int = i) -> None:
+            returned.setdefault(i, []).append(output[0].clone())
+
+        layer.self_attn.indexer.register_forward_hook(keep)
+    environ = {"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(tmp_path), "SHADOWTRACE_TOPK_LISTS": "all"}
+    assert startup.activate(environ) is not None
+    try:
+        with torch.no_grad():
+            model.generate(
+                tiny_models.prompt(LENGTH), max_new_tokens=3, do_sample=False, cache_implementation="static"
+            )
+    finally:
+        session.stop()
+    (run,) = tmp_path.iterdir()
+    manifest = json.loads((run / "manifest.json").read_text())
+    rows = pq.read_table(run / "topk").to_pylist()
+    assert manifest["settings"].get("disabled_sites") is None, manifest["settings"]
+    assert manifest["counters"].get("hook_errors", 0) == 0, manifest["counters"]
+    assert "indexer_scores_recomputed" not in manifest["counters"]
+    layers = model.config.num_hidden_layers
+    assert len(rows) == layers * (LENGTH + 2)  # the prompt, then two decode steps
+    checks = manifest["settings"]["capture_check"]["layers"]
+    assert sum(c["rows"] for c in checks.values()) == layers * (LENGTH + 2 - K)
+    assert all(c["disagree"] == 0 and c["unchecked"] == 0 for c in checks.values()), checks
+    for row in rows:
+        calls = returned[row["layer"]]
+        # The prompt's call returns a row per token; each decode step's, one.
+        chosen = calls[0][row["token"]] if row["token"] < LENGTH else calls[row["token"] - LENGTH + 1][0]
+        visible = row["visible"]
+        assert visible == row["token"] + 1
+        assert keys(row["prod_gaps"]) == sorted({s for s in chosen.tolist() if 0 <= s < visible})
+        if visible > K:  # a sparse row: scored against the shadow, with its k-th score
+            assert row["shadow_kth_score"] is not None
+            assert row["prod_kth_score"] is not None
+            assert len(keys(row["prod_gaps"])) == K

@@ -8,6 +8,7 @@ what is recorded and how: which layers, sites and tokens, the run's identity, th
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import secrets
 import threading
@@ -425,7 +426,12 @@ class Run:
             visible = np.asarray(visible, dtype=np.int32)
             q_key = torch.as_tensor(visible - 1, device=q_pos.device)
         widths = {t.shape[-1] for t in (prod_scores, *shadows.values()) if t is not None}
-        keys = widths.pop() if len(widths) == 1 else max(1, int(visible.max()))
+        keys = max(widths) if widths else max(1, int(visible.max()))
+        if len(widths) > 1:
+            # An indexer over a static cache scores every slot of the cache, the shadow only
+            # the keys seen so far: the narrower scores gain the columns no query sees.
+            prod_scores = _widened(prod_scores, keys, visible)
+            shadows = {name: _widened(scores, keys, visible) for name, scores in shadows.items()}
         sampled = self.settings.topk_sampled(positions)
         on_device = None if sampled is None else torch.as_tensor(sampled, device=q_pos.device)
         self._use(q_pos.device)
@@ -497,6 +503,19 @@ class Run:
 # that drops winners, not a misread; selection.short_of_winners), as settings.capture_check
 # records it: the least shares of k a short row keeps.
 SHORT_OF_WINNERS_RULE = {"kept_top": selection.SHORT_KEPT_SHARE, "recall": selection.SHORT_RECALL}
+
+
+def _widened(scores: torch.Tensor | None, keys: int, visible: np.ndarray) -> torch.Tensor | None:
+    """`scores` [T, n] with -inf (masked, as the topk table defines them) in columns n .. keys;
+    only columns beyond every query's visible keys may be added."""
+    if scores is None or scores.shape[-1] == keys:
+        return scores
+    seen = int(visible.max())
+    if scores.shape[-1] < seen:
+        raise ValueError(
+            f"topk: scores of {scores.shape[-1]} keys beside scores of {keys}, and a query sees {seen}"
+        )
+    return torch.nn.functional.pad(scores, (0, keys - scores.shape[-1]), value=-math.inf)
 
 
 class _HeldSettings:
