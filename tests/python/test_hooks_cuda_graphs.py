@@ -11,7 +11,6 @@ own StaticCache.
 """
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -105,9 +104,8 @@ def eager_decode(model: torch.nn.Module, poison: list[float] | None = None) -> l
     return logits
 
 
-def graph_decode(model: torch.nn.Module, poison: list[float] | None = None) -> list[torch.Tensor]:
-    cache = cache_for(model)
-    prefill(model, cache)
+def captured(model: torch.nn.Module, cache) -> tuple[StandInGraph, torch.Tensor, torch.Tensor]:
+    """A decode step over `cache` captured: the graph, and its static ids and position."""
     ids, position = torch.tensor([[DECODED[0]]]), torch.tensor([len(PROMPT)])
     state = [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
     before = [t.clone() for t in state]
@@ -117,6 +115,13 @@ def graph_decode(model: torch.nn.Module, poison: list[float] | None = None) -> l
     # (keys, values and the length it counts).
     for t, saved in zip(state, before, strict=True):
         t.copy_(saved)
+    return graph, ids, position
+
+
+def graph_decode(model: torch.nn.Module, poison: list[float] | None = None) -> list[torch.Tensor]:
+    cache = cache_for(model)
+    prefill(model, cache)
+    graph, ids, position = captured(model, cache)
     logits = []
     for i, token in enumerate(DECODED):
         if poison is not None:
@@ -129,10 +134,8 @@ def graph_decode(model: torch.nn.Module, poison: list[float] | None = None) -> l
 
 
 def tables(runs: Path) -> list[dict]:
-    """Each run, by its order: manifest, and its rows per table sorted for comparison."""
-    from shadowtrace_hooks import session
-
-    session.current().wait_closed(time.monotonic() + 30)
+    """Each run, by its order: manifest, and its rows per table sorted for comparison. Read
+    after the session stopped: a graph's replays leave their runs open until then."""
     out = []
     for manifest_path in sorted(runs.glob("*/manifest.json")):
         manifest = json.loads(manifest_path.read_text())
@@ -148,8 +151,15 @@ def tables(runs: Path) -> list[dict]:
     return sorted(out, key=lambda mr: mr[0]["started_unix_ms"])
 
 
-def by_tokens(runs: list) -> dict:
-    return {m["prompt"]["token_hash"]: (m, rows) for m, rows in runs}
+# What names a row's place in its run, not its content: a run per eager decode call, one for
+# all of a graph's replays.
+RUN_PLACE = ("run_id", "seq", "step")
+
+
+def merged(runs: list, table: str) -> list[dict]:
+    """`table`'s rows of `runs`, as production computed them: without their place in a run."""
+    rows = [{k: v for k, v in r.items() if k not in RUN_PLACE} for _, tables in runs for r in tables[table]]
+    return sorted(rows, key=lambda r: (r.get("token", 0), r.get("layer", 0), str(r.get("site")), str(r)))
 
 
 def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_path: Path) -> None:
@@ -163,32 +173,71 @@ def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_
         try:
             with torch.no_grad():
                 logits = decode(model)
-            results[name] = (logits, tables(runs))
         finally:
             session.stop()
+        results[name] = (logits, tables(runs))
     (eager_logits, eager_runs), (graph_logits, graph_runs) = results["eager"], results["graph"]
     for a, b in zip(eager_logits, graph_logits, strict=True):
         assert torch.equal(a, b)
-    # A run per forward (bare calls): the prefill and one per decoded token, named alike.
-    assert len(eager_runs) == len(graph_runs) == 1 + len(DECODED)
-    eager, graph = by_tokens(eager_runs), by_tokens(graph_runs)
-    assert eager.keys() == graph.keys()
-    for key, (eager_manifest, eager_rows) in eager.items():
-        graph_manifest, graph_rows = graph[key]
-        for manifest in (eager_manifest, graph_manifest):
-            assert manifest["status"] == "complete", manifest["counters"]
-            assert manifest["counters"].get("hook_errors", 0) == 0
-            assert manifest["settings"].get("disabled_sites") is None
-        # Nothing of a Llama decode step is beyond a graph: the KV sentinel included.
-        assert not [c for c in graph_manifest["counters"] if c.startswith("graph_skipped")]
-        assert graph_manifest["counters"] == eager_manifest["counters"]
-        assert len(graph_rows["hidden"]) == len(eager_rows["hidden"]) > 0
-        assert graph_rows["hidden"] == eager_rows["hidden"]
-        assert graph_rows["logits"] == eager_rows["logits"]
-        # Two sentinel checks per layer, passed, with the same slots named.
-        assert graph_rows["events"] == eager_rows["events"]
-        assert len(graph_rows["events"]) == 2 * 3
-        assert all(r["kind"] == "sentinel" and r["passed"] for r in graph_rows["events"])
+    # The prefill is a request of its own either way. Each eager decode call is one (a bare
+    # forward); a graph's replays are one in all: each continues the runs the last left open.
+    assert len(eager_runs) == 1 + len(DECODED)
+    assert len(graph_runs) == 2
+    assert eager_runs[0][0]["prompt"] == graph_runs[0][0]["prompt"]
+    (graph_manifest, graph_rows) = graph_runs[1]
+    assert graph_manifest["prompt"] == eager_runs[1][0]["prompt"]  # the prompt, then the first token
+    assert graph_rows["hidden"][-1]["step"] == len(DECODED) - 1
+    for manifest, _ in eager_runs + graph_runs:
+        assert manifest["status"] == "complete", manifest["counters"]
+        assert manifest["counters"].get("hook_errors", 0) == 0
+        assert manifest["settings"].get("disabled_sites") is None
+    # Nothing of a Llama decode step is beyond a graph: the KV sentinel included. The graph's
+    # run is closed by the session's stop, as it stands.
+    assert not [c for c in graph_manifest["counters"] if c.startswith("graph_skipped")]
+    assert graph_manifest["counters"].get("closed_at_exit") == 1
+    # Its steps after the first are decode steps of a request, as in `generate`: no layer
+    # shadow, counted. Each eager decode call is a prefix-cache hit instead.
+    assert graph_manifest["counters"]["shadow_skipped_decode_steps"] == len(DECODED) - 1
+    decoded = {c for m, _ in eager_runs[1:] for c in m["counters"]} | {"shadow_skipped_decode_steps"}
+    assert set(graph_manifest["counters"]) - {"closed_at_exit"} == decoded - {"closed_at_exit"}
+    for table in ("hidden", "logits", "events"):
+        assert merged(graph_runs, table) == merged(eager_runs, table), table
+    assert len(merged(graph_runs, "hidden")) > 0
+    # Two sentinel checks per layer and step, passed, with the same slots named.
+    events = merged(graph_runs[1:], "events")
+    assert len(events) == 2 * 3 * len(DECODED)
+    assert all(r["kind"] == "sentinel" and r["passed"] for r in events)
+
+
+def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_model(traced: Path) -> None:
+    """The replays continue one run per request; an eager forward closes it (complete, not at
+    exit) and is a request of its own; a replay after it opens a new run, which the session's
+    stop closes as it stands."""
+    from shadowtrace_hooks import session
+
+    model = llama()
+    cache = cache_for(model)
+    with torch.no_grad():
+        prefill(model, cache)
+        graph, ids, position = captured(model, cache)
+        for i in range(2):
+            ids.fill_(DECODED[i])
+            position.fill_(len(PROMPT) + i)
+            graph.replay()
+        forward(model, torch.tensor([[DECODED[2]]]), cache, torch.tensor([len(PROMPT) + 2]))
+        ids.fill_(7)
+        position.fill_(len(PROMPT) + 3)
+        graph.replay()
+    session.stop()
+    runs = tables(traced)
+    steps = [sorted({r["step"] for r in rows["hidden"]}) for _, rows in runs]
+    assert steps == [[0], [0, 1], [0], [0]]  # prefill, two replays, the eager call, one replay
+    tokens = [sorted({r["token"] for r in rows["hidden"]}) for _, rows in runs]
+    p = len(PROMPT)
+    assert tokens == [list(range(p)), [p, p + 1], [p + 2], [p + 3]]
+    at_exit = [m["counters"].get("closed_at_exit", 0) for m, _ in runs]
+    assert at_exit == [0, 0, 0, 1]
+    assert all(m["status"] == "complete" for m, _ in runs)
 
 
 def test_a_nan_planted_in_one_replay_is_recorded_at_that_replays_token_and_layer(traced: Path) -> None:
@@ -199,11 +248,15 @@ def test_a_nan_planted_in_one_replay_is_recorded_at_that_replays_token_and_layer
     model = llama()
     model.poison = torch.ones(())
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * model.poison)
+    from shadowtrace_hooks import session
+
     with torch.no_grad():
         logits = graph_decode(model, poison=[1.0, float("nan"), 1.0])
     assert torch.isnan(logits[1]).all()
     assert not torch.isnan(logits[0]).any()
+    session.stop()
     runs = tables(traced)
+    assert len(runs) == 2  # the prefill's, and the replays' one
     poisoned = len(PROMPT) + 1
     events = [r for _, rows in runs for r in rows["events"]]
     onsets = {}

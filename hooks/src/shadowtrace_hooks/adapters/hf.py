@@ -428,6 +428,7 @@ class _Tracer:
         self.window: session.Forward | None = None  # the traced forward in flight
         self.replaying: session.Forward | None = None  # a graph replay's, while it is launched
         self.eager: tuple[list[Run], _Step | None] | None = None  # put aside by a graph capture
+        self.looping: graphs.Capture | None = None  # the capture whose replays hold the runs open
         self.forwards = 0
         self.fired: set[str] = set()
         self.inner = inner = self._decoder()
@@ -625,12 +626,13 @@ class _Tracer:
         self.window = self.replaying = window
         self.sess.guarded(
             "transformers:step", None, self._begin_step, self.model, capture.args, capture.kwargs,
-            graphed=True, disable=False,
+            replay=capture, disable=False,
         )  # fmt: skip
 
     def after_replay(self, capture: graphs.Capture) -> None:
         """The replay's work is launched: its rows ship (copies queued after it), and the
-        captures a graph could not hold are counted in each run of the step."""
+        captures a graph could not hold are counted in each run of the step. Outside
+        `generate`, the runs stay open for the graph's next replay (`_begin_step`)."""
         window, self.replaying = self.replaying, None
         if window is None:
             return
@@ -640,7 +642,7 @@ class _Tracer:
             self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, capture.out, self.runs)
         self.sess.end_forward(window)
         if not self.in_generate:
-            self.sess.guarded("transformers:close", None, self.close_runs)
+            self.looping = capture
 
     def _replayed(self, capture: graphs.Capture, step: "_Step") -> None:
         if len(capture.held) != len(self.runs):
@@ -720,12 +722,22 @@ class _Tracer:
                 f"forward: {', '.join(missing)}; those sites are not traced",
             )
 
-    def _begin_step(self, model: torch.nn.Module, args: tuple, kwargs: dict, graphed: bool = False) -> None:
-        """Opens a forward's step (`graphed`: a graph replay's, whose captures are held: no
-        prefix-cache shadow chain starts, as none could be recorded)."""
+    def _begin_step(
+        self, model: torch.nn.Module, args: tuple, kwargs: dict, replay: graphs.Capture | None = None
+    ) -> None:
+        """Opens a forward's step (`replay`: the capture a graph replay launches, whose
+        captures are held: no prefix-cache shadow chain starts, as none could be recorded).
+        A graph's replays are one request: a replay continues the runs its graph's last
+        replay left open when their tokens are exactly what the cache holds; any other
+        forward, or a replay that does not continue them, closes them first."""
         given = self.inputs(model, args, kwargs)
         cache = given["cache"]
         past_len = int(cache.get_seq_length()) if cache is not None else 0
+        looping, self.looping = self.looping, None
+        if looping is not None and (
+            looping is not replay or any(len(run.state.get("ids", [])) != past_len for run in self.runs)
+        ):
+            self.close_runs()
         input_ids = given["input_ids"]
         if input_ids is None:
             embeds = given["inputs_embeds"]
@@ -762,7 +774,7 @@ class _Tracer:
             run.state.setdefault("ids", run.state.pop("prompt_ids", [])).extend(row)
         self.step = _Step(position_ids.to(device), decode=past_len > 0)
         if hit:
-            self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device, graphed)
+            self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device, replay is not None)
         elif self.step.decode and self.settings.layer_modes:
             for run in self.runs:
                 run.count("shadow_skipped_decode_steps")
@@ -851,7 +863,7 @@ class _Tracer:
             run.writer.set_setting("prod_fp8_kernel", how)
 
     def close_runs(self) -> None:
-        runs, self.runs = self.runs, []
+        runs, self.runs, self.looping = self.runs, [], None
         interrupted, self.interrupted = self.interrupted, False
         for run in runs:
             self.sess.close_run(run, interrupted=interrupted)
