@@ -237,6 +237,9 @@ def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_mode
     assert tokens == [list(range(p)), [p, p + 1], [p + 2], [p + 3]]
     at_exit = [m["counters"].get("closed_at_exit", 0) for m, _ in runs]
     assert at_exit == [0, 0, 0, 1]
+    # Each later request knows the ids the cache holds: the graph's request left them at its close.
+    assert [m["settings"].get("cached_prefix_tokens") for m, _ in runs] == [None, p, p + 2, p + 3]
+    assert not [m for m, _ in runs if "cache_hit_prefix_ids_unknown" in m["counters"]]
     assert all(m["status"] == "complete" for m, _ in runs)
 
 

@@ -639,7 +639,8 @@ class _Tracer:
         step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("transformers:graph_replay", None, self._replayed, capture, step)
-            self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, capture.out, self.runs)
+            if self.in_generate:  # else at the request's close (`close_runs`)
+                self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, capture.out, self.runs)
         self.sess.end_forward(window)
         if not self.in_generate:
             self.looping = capture
@@ -733,11 +734,12 @@ class _Tracer:
         given = self.inputs(model, args, kwargs)
         cache = given["cache"]
         past_len = int(cache.get_seq_length()) if cache is not None else 0
-        looping, self.looping = self.looping, None
+        looping = self.looping
         if looping is not None and (
             looping is not replay or any(len(run.state.get("ids", [])) != past_len for run in self.runs)
         ):
             self.close_runs()
+        self.looping = None
         input_ids = given["input_ids"]
         if input_ids is None:
             embeds = given["inputs_embeds"]
@@ -863,6 +865,10 @@ class _Tracer:
             run.writer.set_setting("prod_fp8_kernel", how)
 
     def close_runs(self) -> None:
+        if self.looping is not None and self.runs:
+            # A graph's request leaves the cache's ids for a later prefix hit at its close: read
+            # after each replay, the cache's length would wait for the replay to finish.
+            self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, self.looping.out, self.runs)
         runs, self.runs, self.looping = self.runs, [], None
         interrupted, self.interrupted = self.interrupted, False
         for run in runs:
