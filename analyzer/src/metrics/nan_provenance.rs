@@ -21,10 +21,14 @@
 //!   reserved slot 0 (`kv_slot0_finite`), or the first non-finite slot
 //!   (`kv_slots_finite`), which is a token position only for the reference
 //!   engine (`engine.name = shadowtrace-reference`).
-//! - **spread**: in the produced step, the source's tokens are followed
-//!   forward. `mlp_out`, `layer_out` and `layer_in` keep a token's own
-//!   stream; attention (`attn_out`) lets query q read key t when t <= q and
-//!   the indexer selected t: a dense row (visible <= k) selects every
+//! - **spread**: the source's tokens are followed forward, through the
+//!   produced step and the run's later steps (a decode step reads the keys
+//!   earlier steps cached). `mlp_out`, `layer_out` and `layer_in` keep a
+//!   token's own stream; attention (`attn_out`) at layer l lets query q read
+//!   key t when t <= q, the indexer selected t, and t's key at layer l is
+//!   non-finite: its stream was tainted entering layer l (at its
+//!   `layer_in`, or at any site of an earlier layer), since a layer's keys
+//!   and values are computed from its input; a dense row (visible <= k) selects every
 //!   visible key; a sparse row's full list (`prod_gaps`) says it, else
 //!   `prod_only_gaps` (selected) and `shadow_only_gaps` (not selected) do,
 //!   else more tainted visible keys than unselected ones (visible −
@@ -120,12 +124,37 @@ pub struct Provenance {
 pub const PADDING_NOT_KNOWN: &str =
     "padding rows: the trace format marks no padding rows, so no token here is told to be one";
 
-/// Which tainted set a token's value comes from.
+/// Which tainted set a token's value comes from: each token with the
+/// first layer whose key and value it makes non-finite.
 #[derive(Default)]
 struct Taint {
-    source: BTreeSet<i32>,
-    other: BTreeSet<i32>,
-    unknown: BTreeSet<i32>,
+    source: BTreeMap<i32, i32>,
+    other: BTreeMap<i32, i32>,
+    unknown: BTreeMap<i32, i32>,
+}
+
+/// Adds `tokens`, non-finite at `capture`, to `set`: a layer's keys and
+/// values are computed from its input, so a token tainted at a layer's
+/// `layer_in` taints that layer's keys, and at any later site the next
+/// layer's.
+fn add_taint(set: &mut BTreeMap<i32, i32>, tokens: &[i32], capture: &Capture) {
+    let from = if capture.site == "layer_in" {
+        capture.layer
+    } else {
+        capture.layer + 1
+    };
+    for &t in tokens {
+        let kv = set.entry(t).or_insert(from);
+        *kv = (*kv).min(from);
+    }
+}
+
+/// The tokens of `set` whose key at `layer` is non-finite.
+fn keys_at(set: &BTreeMap<i32, i32>, layer: i32) -> BTreeSet<i32> {
+    set.iter()
+        .filter(|&(_, &from)| from <= layer)
+        .map(|(&t, _)| t)
+        .collect()
 }
 
 /// Follows the first non-finite capture of `captures` through
@@ -146,10 +175,7 @@ pub fn provenance(captures: &Captures, selections: &Selections) -> Option<Proven
     let mut taint = Taint::default();
     let mut spread = Vec::new();
     let mut leaks = Vec::new();
-    for capture in captures.all()[first..]
-        .iter()
-        .filter(|c| c.step == source.step)
-    {
+    for capture in &captures.all()[first..] {
         let is_source = std::ptr::eq(capture, source);
         let op = captures.kv_operand(capture.step, capture.layer);
         let mut row = SiteSpread {
@@ -186,10 +212,10 @@ pub fn provenance(captures: &Captures, selections: &Selections) -> Option<Proven
             shares,
         }));
         if capture.site != "indexer" {
-            taint.source.extend(&row.explained);
-            taint.other.extend(&row.follow_unexplained);
-            taint.other.extend(&row.unexplained);
-            taint.unknown.extend(&row.not_known);
+            add_taint(&mut taint.source, &row.explained, capture);
+            add_taint(&mut taint.other, &row.follow_unexplained, capture);
+            add_taint(&mut taint.other, &row.unexplained, capture);
+            add_taint(&mut taint.unknown, &row.not_known, capture);
         }
         // The source's own row only where an operand splits it.
         if !is_source || (capture.site == "attn_out" && op.is_some()) {
@@ -197,9 +223,6 @@ pub fn provenance(captures: &Captures, selections: &Selections) -> Option<Proven
         }
     }
     not_known.push(PADDING_NOT_KNOWN.to_owned());
-    if let Some(later) = captures.later_steps(source.step) {
-        not_known.push(later);
-    }
     Some(Provenance {
         produced,
         operand,
@@ -225,30 +248,31 @@ fn classify(
     is_source: bool,
     selections: &Selections,
 ) -> Class {
-    if taint.source.contains(&q) {
+    if taint.source.contains_key(&q) {
         return Class::Explained;
     }
-    if taint.other.contains(&q) {
+    if taint.other.contains_key(&q) || taint.unknown.contains_key(&q) {
         return Class::Follows;
     }
-    if taint.unknown.contains(&q) {
-        return Class::Follows;
-    }
+    let (source, other) = (
+        keys_at(&taint.source, capture.layer),
+        keys_at(&taint.other, capture.layer),
+    );
     let reads = |keys: &BTreeSet<i32>| match capture.site.as_str() {
         "attn_out" => selections.reads(capture.step, capture.layer, q, keys),
         // The indexer scores every visible key.
         "indexer" if keys.iter().any(|&t| t <= q) => Read::Yes,
         _ => Read::No,
     };
-    let on_source = reads(&taint.source);
+    let on_source = reads(&source);
     if on_source == Read::Yes {
         return Class::Explained;
     }
-    let on_other = reads(&taint.other);
+    let on_other = reads(&other);
     if on_other == Read::Yes {
         return Class::Follows;
     }
-    let on_unknown = reads(&taint.unknown);
+    let on_unknown = reads(&keys_at(&taint.unknown, capture.layer));
     if on_unknown == Read::Yes {
         return Class::Follows;
     }
@@ -293,7 +317,7 @@ fn classify(
         return Class::NotKnown;
     }
     // Every tainted key is masked for q: in attention, they share the mask.
-    let masked: BTreeSet<i32> = taint.source.union(&taint.other).copied().collect();
+    let masked: BTreeSet<i32> = source.union(&other).copied().collect();
     if capture.site == "attn_out" && !masked.is_empty() {
         return Class::Unexplained(Some(format!(
             "non-finite key{} {}, masked for them",
@@ -330,7 +354,113 @@ pub fn ranges(tokens: &[i32]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::ranges;
+    #![allow(clippy::unwrap_used)]
+
+    use polars::prelude::{DataFrame, NamedFrom, Series};
+    use shadowtrace_schemas::columns::{events as e, hidden as h};
+
+    use super::{Captures, Selections, provenance, ranges};
+
+    const SITES: [&str; 4] = ["layer_in", "attn_out", "mlp_out", "layer_out"];
+
+    /// A dense model's run, 3 layers: step 0 holds tokens 0-4, each later
+    /// step the next token; a row is non-finite where `bad` names it.
+    fn run(steps: i32, bad: &[(i32, i32, &str, i32)]) -> Captures {
+        let (mut seq, mut step, mut layer, mut site, mut token, mut nan) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut n = 0i64;
+        for s in 0..steps {
+            let tokens = if s == 0 { 0..5 } else { 4 + s..5 + s };
+            for l in 0..3 {
+                for name in SITES {
+                    for t in tokens.clone() {
+                        seq.push(n);
+                        step.push(s);
+                        layer.push(l);
+                        site.push(name);
+                        token.push(t);
+                        nan.push(i64::from(bad.contains(&(s, l, name, t))));
+                    }
+                    n += 1;
+                }
+            }
+        }
+        let zeros = vec![0i64; seq.len()];
+        let hidden = DataFrame::new(
+            seq.len(),
+            vec![
+                Series::new(h::SEQ.into(), seq).into(),
+                Series::new(h::STEP.into(), step).into(),
+                Series::new(h::LAYER.into(), layer).into(),
+                Series::new(h::SITE.into(), site).into(),
+                Series::new(h::TOKEN.into(), token).into(),
+                Series::new(h::PROD_NAN.into(), nan).into(),
+                Series::new(h::PROD_POS_INF.into(), zeros.clone()).into(),
+                Series::new(h::PROD_NEG_INF.into(), zeros).into(),
+            ],
+        )
+        .unwrap();
+        let none_i32: Vec<Option<i32>> = vec![];
+        let none_str: Vec<Option<&str>> = vec![];
+        let events = DataFrame::new(
+            0,
+            vec![
+                Series::new(e::SEQ.into(), Vec::<i64>::new()).into(),
+                Series::new(e::STEP.into(), Vec::<i32>::new()).into(),
+                Series::new(e::LAYER.into(), Vec::<i32>::new()).into(),
+                Series::new(e::SITE.into(), none_str.clone()).into(),
+                Series::new(e::PATH.into(), none_str.clone()).into(),
+                Series::new(e::KIND.into(), none_str.clone()).into(),
+                Series::new(e::TOKEN.into(), none_i32).into(),
+                Series::new(e::CHECK.into(), none_str).into(),
+                Series::new(e::PASSED.into(), Vec::<Option<bool>>::new()).into(),
+            ],
+        )
+        .unwrap();
+        Captures::of(&hidden, &events, "transformers", 5).unwrap()
+    }
+
+    #[test]
+    fn a_later_step_reads_a_tainted_key_only_from_the_layer_whose_input_was_tainted() {
+        // Step 0: token 2's NaN made at layer 1's MLP; its stream carries it
+        // on, and from layer 2 on every later token reads its key. Layer 1's
+        // keys were computed from layer 1's input, which was finite.
+        let mut bad = vec![
+            (0, 1, "mlp_out", 2),
+            (0, 1, "layer_out", 2),
+            (0, 2, "layer_in", 2),
+        ];
+        for site in &SITES[1..] {
+            bad.extend((2..5).map(|t| (0, 2, *site, t)));
+        }
+        // Step 1 (token 5) turns non-finite at layer 2's attention: it read
+        // token 2's key there. Step 2 (token 6) at layer 1's, where no key is
+        // non-finite: nothing recorded explains it.
+        bad.extend(SITES[1..].iter().map(|&site| (1, 2, site, 5)));
+        bad.extend(SITES[1..].iter().map(|&site| (2, 1, site, 6)));
+        let p = provenance(&run(3, &bad), &Selections::dense()).unwrap();
+        assert_eq!((p.produced.step, p.produced.layer), (0, 1));
+        assert_eq!(p.produced.tokens, vec![2]);
+        assert_eq!(p.produced.inputs_not_known, None);
+        let at = |step: i32, layer: i32, site: &str| {
+            p.spread
+                .iter()
+                .find(|s| (s.step, s.layer, s.site.as_str()) == (step, layer, site))
+                .unwrap_or_else(|| panic!("no spread at {step} {layer} {site}: {p:#?}"))
+        };
+        assert_eq!(at(0, 2, "attn_out").explained, vec![2, 3, 4]);
+        assert_eq!(at(1, 2, "attn_out").explained, vec![5]);
+        assert_eq!(at(1, 2, "layer_out").explained, vec![5]);
+        assert_eq!(at(2, 1, "attn_out").unexplained, vec![6]);
+        assert!(at(2, 1, "attn_out").explained.is_empty());
+        // Its own stream follows the value the source does not explain.
+        assert_eq!(at(2, 1, "layer_out").follow_unexplained, vec![6]);
+        assert!(
+            p.not_known.iter().all(|n| !n.contains("step")),
+            "every step followed: {:?}",
+            p.not_known
+        );
+    }
 
     #[test]
     fn ranges_join_runs_of_tokens() {

@@ -11,7 +11,6 @@ use shadowtrace_schemas::columns::{events as e, hidden as h};
 
 use crate::AnalyzeError;
 use crate::frame::{i32s, i64s, opt_bools, opt_i32s, opt_strs};
-use crate::metrics::nan_provenance::ranges;
 
 /// The sentinel check of the slot engines reserve for padding rows.
 pub const RESERVED_SLOT_CHECK: &str = "kv_slot0_finite";
@@ -245,26 +244,6 @@ impl Captures {
             check: check.clone(),
             reserved: false,
             token: self.slot_is_token.then_some(slot),
-        })
-    }
-
-    /// A note for non-finite values in steps after `step`, which provenance
-    /// does not follow.
-    #[must_use]
-    pub fn later_steps(&self, step: i32) -> Option<String> {
-        let later: Vec<i32> = self
-            .captures
-            .iter()
-            .filter(|c| c.step > step && !c.bad.is_empty())
-            .map(|c| c.step)
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        (!later.is_empty()).then(|| {
-            format!(
-                "non-finite values in step {}: provenance follows step {step} only",
-                ranges(&later)
-            )
         })
     }
 }

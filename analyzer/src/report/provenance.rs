@@ -53,7 +53,11 @@ pub(crate) fn lines(p: &Provenance) -> Vec<(&'static str, String)> {
         .rev()
         .find(|s| !s.explained.is_empty())
         .map_or_else(String::new, |s| {
-            format!(", up to layer {} {}", s.layer, s.site)
+            if s.step == d.step {
+                format!(", up to layer {} {}", s.layer, s.site)
+            } else {
+                format!(", up to step {}, layer {} {}", s.step, s.layer, s.site)
+            }
         });
     let captures = p.spread.iter().filter(|s| !s.explained.is_empty()).count();
     let explains = if explained == 0 {
