@@ -486,6 +486,11 @@ mod tests {
             questions_of_counter("process.captures_skipped_cuda_graph"),
             Some(EVERY_QUESTION.to_vec())
         );
+        // A serving engine's steps replayed from a FULL graph, no indexer call seen.
+        assert_eq!(
+            questions_of_counter("indexer_steps_unseen"),
+            Some(vec![Topk])
+        );
         // A graph_skipped_ kind this analyzer does not know stays a loss of every verdict.
         assert_eq!(
             questions_of_counter("graph_skipped_something_new"),

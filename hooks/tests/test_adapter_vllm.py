@@ -330,6 +330,35 @@ def test_indexer_calls_outside_an_engine_step_are_counted_not_recorded(
     assert "indexer_hooks_never_fired" not in t.counters
 
 
+@pytest.mark.parametrize("path", [V32, V2])
+def test_steps_replayed_from_a_full_cuda_graph_are_counted_in_each_requests_run(
+    path: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FULL CUDA-graph replay (vLLM's uniform decode batches under the default
+    FULL_AND_PIECEWISE mode) runs none of the model's Python: no indexer call reaches the
+    hooks. Each request of such a step counts it in its own run, and one line says so; the
+    steps run eagerly are recorded as before."""
+
+    def scenario(eng: sv.Engine) -> None:
+        eng.step({"A": 300, "B": 200}, new={"A": sv.prompt(300, 1), "B": sv.prompt(200, 2)})
+        eng.step({"A": 1, "B": 1}, full_graph=True)
+        eng.step({"A": 1, "B": 1}, full_graph=True)
+        eng.step({"A": 1, "B": 1})
+        eng.step({"B": 1}, full_graph=True, finished={"A"})
+
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        t = trace(monkeypatch, tmp_path, scenario, path=path, force_mqa=True)
+    counted = {r: t.run(r)["manifest"]["counters"].get("indexer_steps_unseen") for r in ("A", "B")}
+    assert counted == {"A": 2, "B": 3}
+    assert "indexer_steps_unseen" not in t.counters  # every such step had its requests' runs
+    # The prompt and the one decode step that ran eagerly: its token after two replayed ones.
+    assert {r["token"] for r in t.run("A")["rows"]} == {*range(300), 302}
+    assert {r["step"] for r in t.run("A")["rows"]} == {0, 1}
+    lines = [r.getMessage() for r in caplog.records if "indexer_steps_unseen" in r.getMessage()]
+    assert len(lines) == 1
+    assert "--enforce-eager" in lines[0]
+
+
 def test_without_a_hooked_model_runner_no_row_is_recorded_and_one_line_says_why(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1122,6 +1122,7 @@ class GPUModelRunnerV1:
         self.states = _States(vllm_config.model_config.hf_config, vllm_config)
         self.input_batch = InputBatchV1(16)
         self.query_start_loc = CpuGpuBuffer(17)
+        self.full_graph = False  # the next steps replay a FULL CUDA graph (Engine.step)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, intermediate_tensors: Any = None) -> Any:
@@ -1154,6 +1155,10 @@ class GPUModelRunnerV1:
         self, input_ids: Any = None, positions: Any = None, intermediate_tensors: Any = None,
         inputs_embeds: Any = None, **model_kwargs: Any,
     ) -> Any:  # fmt: skip
+        if self.full_graph:
+            # CUDAGraphWrapper replays a FULL graph (uniform decode batches under the default
+            # FULL_AND_PIECEWISE mode): none of the model's Python runs.
+            return None
         return self.model(
             input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
             inputs_embeds=inputs_embeds, **model_kwargs,
@@ -1200,6 +1205,7 @@ class GPUModelRunnerV2:
         self.pcp_manager = self.adaptive_verification = None
         self._batch: dict[str, Any] = {}
         self.graph: BreakableCUDAGraphCapture | None = None
+        self.full_graph = False  # the next steps replay a FULL CUDA graph (Engine.step)
 
     @torch.inference_mode()
     def execute_model(
@@ -1218,7 +1224,14 @@ class GPUModelRunnerV2:
         order = sort_batch_req_ids(scheduler_output)
         input_batch = self.prepare_inputs(scheduler_output, order, None, 0)
         batch = self._batch
-        if self.graph is not None:
+        if self.full_graph:
+            # A FULL CUDA graph replayed (uniform decode batches under the default
+            # FULL_AND_PIECEWISE mode): none of the model's Python runs.
+            with set_forward_context(
+                batch["metadata"], self.vllm_config, batch["slot_mapping"], CUDAGraphMode.FULL
+            ):
+                out = None
+        elif self.graph is not None:
             # run_pw_graph: a breakable graph's segments replayed inside the step's context.
             with set_forward_context(
                 batch["metadata"], self.vllm_config, batch["slot_mapping"], CUDAGraphMode.PIECEWISE
@@ -1395,11 +1408,12 @@ class Engine:
     def step(
         self, tokens: dict[str, int], new: dict[str, list[int]] | None = None,
         finished: set[str] | None = None, preempted: set[str] | None = None,
-        cached: dict[str, str] | None = None,
+        cached: dict[str, str] | None = None, full_graph: bool = False,
     ) -> Any:  # fmt: skip
         """One engine step; records production per (request, its step, layer). `cached`
         maps a new request to a live one whose KV blocks hold its prompt's first tokens:
-        a prefix-cache hit on the full blocks they share."""
+        a prefix-cache hit on the full blocks they share. `full_graph`: the step replays a
+        FULL CUDA graph, running none of the model's Python."""
         new_reqs = []
         for r, ids in (new or {}).items():
             source = (cached or {}).get(r)
@@ -1420,7 +1434,11 @@ class Engine:
         for r in so.finished_req_ids | so.preempted_req_ids:
             self.step_of.pop(r, None)
         before = len(PRODUCTION)
-        out = self.runner.execute_model(so)
+        self.runner.full_graph = full_graph
+        try:
+            out = self.runner.execute_model(so)
+        finally:
+            self.runner.full_graph = False
         record = self.runner.states.history[-1]
         for prefix, rows in PRODUCTION[before:]:
             layer = int(prefix.split("layers.")[1].split(".")[0])

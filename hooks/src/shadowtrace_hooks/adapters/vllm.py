@@ -94,12 +94,16 @@ Not recorded, and counted as:
   `forward_cuda`) `shadow_skipped_no_fp8_operands`; a breakable CUDA-graph
   replay, where the layer input is not reachable (record prod only; run with
   --enforce-eager for shadows) `shadow_skipped_cudagraph_replay`;
-- never seen, so not counted: steps replayed as FULL CUDA graphs (uniform decode batches
-  under the default FULL_AND_PIECEWISE mode run no Python), and the 0.33 ROCm `amd` model
-  (a forward of its own calling `forward_hip`; the model forward's watch says that no hook
-  fired). Every tensor-parallel rank records its own runs: to 0.33 the indexer is
-  replicated (0.33 scores rows per rank and gathers them back), and each rank's runs hold
-  every row; under 0.34's ShardQ each holds the rows that rank scored (above).
+- engine steps in which no indexer call was seen, though the runner published them: steps
+  replayed as FULL CUDA graphs (uniform decode batches under the default
+  FULL_AND_PIECEWISE mode run no Python), counted in each request's run as
+  `indexer_steps_unseen` (with one line; run with --enforce-eager to record them);
+- never seen, so not counted: the 0.33 ROCm `amd` model (a forward of its own calling
+  `forward_hip`; the model forward's watch says that no hook fired).
+
+Every tensor-parallel rank records its own runs: to 0.33 the indexer is replicated (0.33
+scores rows per rank and gathers them back), and each rank's runs hold every row; under
+0.34's ShardQ each holds the rows that rank scored (above).
 
 The engine's indexer RoPE convention (`_index_rope_interleave`, or `rotary_emb.is_neox_style`
 on `deepseek_v2`) is written beside the model's in each run's manifest `conventions`, with
@@ -185,6 +189,7 @@ WQ_B_LAYOUT = "shadow_skipped_wq_b_scale_layout"
 NO_FP8 = "shadow_skipped_no_fp8_operands"
 REPLAY = "shadow_skipped_cudagraph_replay"
 OUTSIDE = "indexer_calls_outside_engine_steps"
+UNSEEN = "indexer_steps_unseen"
 # vLLM 0.34's model runner on CPUs without mature Triton (v1/worker/cpu_worker.py): not hooked.
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
 SHARED_LAYER = "indexer_calls_shared_layer"
@@ -205,6 +210,7 @@ class Step:
     prompt: np.ndarray | None  # [n]: prompt (prefill) length of each request
     tokens: int  # real rows of the step (the forward's rows beyond are padding)
     prefixes: list[int] | None = None  # each request's first position, read once per step
+    seen: bool = False  # an indexer call of this step reached the hooks
 
 
 class _Published:
@@ -294,7 +300,7 @@ def _install_runner_v1(module: Any, layout: Layout) -> None:
         try:
             return model_forward(self, *args, **kwargs)
         finally:
-            _published.step = None
+            _step_ended(sess)
 
     cls._model_forward = traced_model_forward
     cls.execute_model = _traced_execute(cls.execute_model)
@@ -330,9 +336,33 @@ def _traced_execute(execute: Callable) -> Callable:
         try:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
-            _published.step = None
+            _step_ended(sess)
 
     return traced_execute
+
+
+def _step_ended(sess: Session | None) -> None:
+    """The published step is over. One whose indexer ran no Python (a FULL CUDA-graph replay)
+    is counted in each of its requests' runs, once an indexer call has been recorded in this
+    process: a model without a hooked indexer has no step to miss."""
+    step, _published.step = _published.step, None
+    if step is None or step.seen or sess is None:
+        return
+    sess.guarded("vllm:unseen", None, _unseen, sess, step)
+
+
+def _unseen(sess: Session, step: Step) -> None:
+    tracer = sess.tracers.get(NAME)
+    if tracer is None:
+        return
+    for key in step.req_ids:
+        tracer.count(key, UNSEEN, 1)
+    sess.warn_once(
+        "vllm:unseen",
+        f"vLLM {_version()}: engine steps whose indexer ran no Python (FULL CUDA-graph replays of "
+        f"decode batches) are not recorded; each request's run counts them ({UNSEEN}): run with "
+        "--enforce-eager to record them",
+    )
 
 
 def _finish(sess: Session, scheduler_output: Any) -> None:
@@ -480,6 +510,7 @@ def _install_model(module: Any, layout: Layout) -> None:
             engine.reached(sess, NAME)
         out = forward(self, hidden_states, qr, positions, rotary_emb)
         operands = _take_operands(self)
+        _saw_call()
         if sess is not None:
             inputs = (hidden_states, qr, positions, rotary_emb, operands, out)
             sess.guarded("vllm:indexer", None, _record_v2, sess, self, *inputs)
@@ -606,6 +637,7 @@ def _install_v32(module: Any, layout: Layout) -> None:
         if sess is not None:
             engine.reached(sess, NAME)
         out = body(self, *args, **kwargs)
+        _saw_call()
         if sess is not None:
             bound = dict(zip(names, args, strict=False)) | kwargs
             sess.guarded("vllm:indexer", None, _record_v32, sess, self, bound)
@@ -635,6 +667,12 @@ def _keep_hidden(attn: Any, args: tuple, kwargs: dict) -> bool:
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
     vars(attn)[_HIDDEN] = hidden
     return True
+
+
+def _saw_call() -> None:
+    """An indexer call of the published step ran its Python (whatever it records)."""
+    if _published.step is not None:
+        _published.step.seen = True
 
 
 def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
