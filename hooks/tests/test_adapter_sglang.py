@@ -305,6 +305,35 @@ def test_requests_keep_one_run_each_through_alternation_chunking_mixed_batches_a
     assert "process.indexer_hooks_never_fired" not in c_run["manifest"]["counters"]
 
 
+def test_decode_batches_replayed_from_a_cuda_graph_are_counted_in_each_requests_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang replays decode batches from its captured CUDA graphs by default: the batch is
+    built (ForwardBatch.init_new) but none of the model's Python runs, so no indexer hook
+    does. Each request of such a batch counts it in its run, the last batch of the session
+    included, and one line says so; the batches run eagerly are recorded as before."""
+    installed = start(monkeypatch, tmp_path, "0.5.23", shadow="none")
+    engine = sg.Engine(installed, installed.models.DeepseekV32ForCausalLM(sg.deepseek_v32_config()))
+    a, b = engine.request("A", LONG, 11), engine.request("B", LONG, 12)
+    engine.extend([(a, LONG)])
+    engine.extend([(b, LONG)])
+    engine.decode([a, b], replayed=True)
+    engine.decode([a, b])
+    engine.decode([a, b], replayed=True)
+    with caplog.at_level(logging.WARNING, logger="shadowtrace"):
+        traced.stop()
+    runs = {request: run for request, (run,) in by_request(tmp_path).items()}
+    assert {r: run["manifest"]["counters"].get("indexer_steps_unseen") for r, run in runs.items()} == {
+        "A": 2,
+        "B": 2,
+    }
+    # The prompt, then the one decode step that ran: its token after the replayed one's.
+    assert {row["token"] for row in runs["A"]["rows"]} == {*range(LONG), LONG + 1}
+    lines = [r.getMessage() for r in caplog.records if "indexer_steps_unseen" in r.getMessage()]
+    assert len(lines) == 1
+    assert "--disable-cuda-graph" in lines[0]
+
+
 def test_a_request_seen_again_after_its_run_closed_continues_in_a_new_segment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1260,8 +1260,11 @@ class Engine:
         mode = ForwardMode.MIXED if running else ForwardMode.EXTEND
         return self._step(mode, items, extend=True)
 
-    def decode(self, reqs: list[Req]) -> Any:
-        return self._step(ForwardMode.DECODE, [(req, req.processed, 1) for req in reqs], extend=False)
+    def decode(self, reqs: list[Req], replayed: bool = False) -> Any:
+        """A decode step; `replayed`: the model runner replays its captured CUDA graph, so
+        none of the model's Python runs (the batch is built all the same)."""
+        items = [(req, req.processed, 1) for req in reqs]
+        return self._step(ForwardMode.DECODE, items, extend=False, replayed=replayed)
 
     def draft(self, reqs: list[Req]) -> Any:
         """A NextN draft forward over the running requests (its own model and KV pool)."""
@@ -1277,8 +1280,9 @@ class Engine:
         req.req_pool_idx = None
 
     def _step(
-        self, mode: ForwardMode, items: list[tuple[Req, int, int]], extend: bool, draft: bool = False
-    ) -> Any:
+        self, mode: ForwardMode, items: list[tuple[Req, int, int]], extend: bool, draft: bool = False,
+        replayed: bool = False,
+    ) -> Any:  # fmt: skip
         locs = []
         for req, prefix, new in items:
             if req.req_pool_idx is None:
@@ -1306,7 +1310,8 @@ class Engine:
         )  # fmt: skip
         self._current = items
         model = self.draft_model if draft else self.model
-        model(torch.zeros(len(fb.positions), dtype=torch.long), fb.positions, fb)
+        if not replayed:
+            model(torch.zeros(len(fb.positions), dtype=torch.long), fb.positions, fb)
         if not draft:
             for req, prefix, new in items:
                 req.processed = prefix + new

@@ -72,6 +72,8 @@ GRAFT_REFUSED = {
 
 # Engine steps a request may be absent before its run is closed.
 IDLE_STEPS = 256
+# An engine step whose indexer ran no Python (a CUDA-graph replay), counted per request.
+UNSEEN = "indexer_steps_unseen"
 # Runs open at once, each with its writer thread; beyond this the least recently seen closes.
 MAX_OPEN_RUNS = 256
 
@@ -201,6 +203,9 @@ class EngineTracer:
         self.segments: dict[str, int] = {}  # closed request -> runs it has had
         self.marker: Any = None
         self.serial = -1
+        # The step the engine began last: its requests, the indexer hook calls before it, and
+        # the line that says what its requests miss when it runs none (`step_began`).
+        self.pending: tuple[list[str], int, str] | None = None
 
     # --- steps and runs ---------------------------------------------------------------
 
@@ -242,8 +247,30 @@ class EngineTracer:
             if key in self.open:
                 self._close(key)
 
+    def step_began(self, keys: list[str], why: str) -> None:
+        """The engine began a step of requests `keys`; the step before it is over (`settle`).
+        `why` is the line said once if this one runs no indexer hook."""
+        self.settle()
+        self.pending = (keys, self.sess.hook_calls.get(self.name, 0), why)
+
+    def settle(self) -> None:
+        """The step the engine began last is over. If no indexer hook ran in it, its Python
+        did not run (a CUDA-graph replay): each of its requests counts it in its run
+        (`indexer_steps_unseen`, in the session when the request has none), with one line."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        keys, calls, why = pending
+        if not keys or self.sess.hook_calls.get(self.name, 0) != calls:
+            return
+        for key in keys:
+            self.count(key, UNSEEN, 1)
+        self.sess.warn_once(f"{self.name}:unseen", why)
+
     def close(self, *, at_exit: bool = False, deadline: float | None = None) -> None:
-        """Closes every open run (at exit: within the session's flush `deadline`)."""
+        """Closes every open run (at exit: within the session's flush `deadline`), the last
+        step settled first."""
+        self.settle()
         for key in list(self.open):
             self._close(key, at_exit=at_exit, deadline=deadline)
 

@@ -61,6 +61,10 @@ Not recorded, and counted (in the request's run, else in the session with one li
   `tbo_split_rows_not_recorded`; batches with no request ids (warm-up, graph capture),
   `indexer_rows_without_request_ids`; batches whose rows do not split into their requests,
   `indexer_rows_unattributed`; steps under CUDA-graph capture, `captures_skipped_cuda_graph`;
+  batches replayed from a CUDA graph (decode batches by default: no indexer Python runs in
+  them), told by no indexer hook running between one `ForwardBatch.init_new` and the next
+  (or the session's end), `indexer_steps_unseen` in each of their requests' runs (a
+  speculative draft batch replayed so counts too);
 - the prefill CUDA-graph split op (0.5.15+, on by default on CUDA) calls the helpers without
   `forward_cuda`, `indexer_graph_replay_not_recorded`: run with `--disable-cuda-graph`;
 - the fused GLM-5 path has no dequant operands, `dequant_unavailable_fused_indexer` (another
@@ -228,6 +232,8 @@ def _install_batch(cls: type) -> None:
         sess = session.current()
         if sess is not None and getattr(ret, "rids", None) is None:
             sess.guarded("sglang:request_ids", None, _attach_rids, ret, batch)
+        if sess is not None:
+            sess.guarded("sglang:step", None, _began, sess, ret)
         return ret
 
     cls.init_new = classmethod(traced_init_new)  # type: ignore[attr-defined]
@@ -240,6 +246,22 @@ def _attach_rids(forward_batch: Any, batch: Any) -> None:
     reqs = getattr(batch, "reqs", None)
     if reqs is not None:
         setattr(forward_batch, _RIDS, [str(req.rid) for req in reqs])
+
+
+def _began(sess: Session, forward_batch: Any) -> None:
+    """A batch is about to run: the one before it is settled (`EngineTracer.settle`), once an
+    indexer call has been recorded in this process (a model without one has nothing to miss)."""
+    tracer = sess.tracers.get(NAME)
+    if tracer is None:
+        return
+    mode = getattr(forward_batch, "forward_mode", None)
+    keys = [] if mode is None or _mode(mode, "is_idle") else (_request_ids(forward_batch) or [])
+    tracer.step_began(
+        keys,
+        f"sglang {_version()}: engine steps whose indexer ran no Python (CUDA-graph replays of decode "
+        f"batches) are not recorded; each request's run counts them ({engine.UNSEEN}): run the server "
+        "with --disable-cuda-graph to record them",
+    )
 
 
 def _install_model(cls: type) -> None:

@@ -189,7 +189,7 @@ WQ_B_LAYOUT = "shadow_skipped_wq_b_scale_layout"
 NO_FP8 = "shadow_skipped_no_fp8_operands"
 REPLAY = "shadow_skipped_cudagraph_replay"
 OUTSIDE = "indexer_calls_outside_engine_steps"
-UNSEEN = "indexer_steps_unseen"
+UNSEEN = engine.UNSEEN
 # vLLM 0.34's model runner on CPUs without mature Triton (v1/worker/cpu_worker.py): not hooked.
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
 SHARED_LAYER = "indexer_calls_shared_layer"
