@@ -22,7 +22,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-use shadowtrace_schemas::text_table::{Fit, table};
+use shadowtrace_schemas::text_table::{Fit, table, wrap};
 
 use super::report::{Report, SummaryRow, Thresholds, md_table};
 use crate::model::synthetic::SyntheticParams;
@@ -378,15 +378,16 @@ pub fn render_terminal(sweeps: &[ModelSweep], fit: Option<usize>) -> String {
         "suspects ({} weights): each deviation against the clean production path",
         weights(sweeps)
     );
+    // The rules and notes wrap at the table's width; `--wide` prints them whole.
     for rule in rules(sweeps) {
-        let _ = writeln!(out, "  {rule}");
+        out.push_str(&wrap(&rule, fit, "  "));
     }
     let _ = writeln!(out);
     let (h, rows, drops) = moves_table(sweeps);
     let drops: Vec<&str> = drops.iter().map(String::as_str).collect();
     table(&mut out, &h, &rows, Fit::to(fit, &drops));
     for line in not_run_lines(sweeps) {
-        let _ = writeln!(out, "  not run: {line}");
+        out.push_str(&wrap(&format!("not run: {line}"), fit, "  "));
     }
     if !has_variants(sweeps) {
         return out;
