@@ -11,12 +11,14 @@ own StaticCache.
 """
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import binary
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 DECODED = [11, 64, 23]  # one token per decode step
@@ -277,6 +279,25 @@ def test_a_nan_planted_in_one_replay_is_recorded_at_that_replays_token_and_layer
     hidden = [r for _, rows in runs for r in rows["hidden"] if r["prod_nan"]]
     assert {r["token"] for r in hidden} == {poisoned, poisoned + 1}
     assert min(r["layer"] for r in hidden if r["token"] == poisoned) == 1
+
+    # The analyzer follows it across the replays, one request's steps: made at layer 1's MLP
+    # in the second replay (the run's step 1); read by the third replay's token from layer 2's
+    # attention on, where the poisoned token's key was computed from a non-finite input.
+    manifests = traced.glob("*/manifest.json")
+    (decode_run,) = [p.parent for p in manifests if "cached_prefix_tokens" in p.read_text()]
+    out = subprocess.run(
+        [binary("shadowtrace"), "analyze", str(decode_run), "--format", "json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    provenance = json.loads(out.stdout)["runs"][0]["nan_provenance"]
+    produced = provenance["produced"]
+    assert (produced["step"], produced["layer"], produced["site"]) == (1, 1, "mlp_out")
+    assert (produced["tokens"], produced["inputs_not_known"]) == ([poisoned], None)
+    spread = {(s["step"], s["layer"], s["site"]): s for s in provenance["spread"] if s["explained"]}
+    assert spread[(2, 2, "attn_out")]["explained"] == [poisoned + 1]
+    assert min(key for key in spread if key[0] == 2) == (2, 2, "attn_out")
+    assert not [s for s in provenance["spread"] if s["unexplained"] or s["not_known"]], provenance
 
 
 def test_a_capture_without_static_positions_is_counted_and_said_not_traced_silently(
