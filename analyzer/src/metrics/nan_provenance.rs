@@ -157,6 +157,24 @@ fn keys_at(set: &BTreeMap<i32, i32>, layer: i32) -> BTreeSet<i32> {
         .collect()
 }
 
+/// The non-finite keys a capture's layer holds, per tainted set: made once
+/// per capture, read for each of its tokens.
+struct Keys {
+    source: BTreeSet<i32>,
+    other: BTreeSet<i32>,
+    unknown: BTreeSet<i32>,
+}
+
+impl Keys {
+    fn at(taint: &Taint, layer: i32) -> Keys {
+        Keys {
+            source: keys_at(&taint.source, layer),
+            other: keys_at(&taint.other, layer),
+            unknown: keys_at(&taint.unknown, layer),
+        }
+    }
+}
+
 /// Follows the first non-finite capture of `captures` through
 /// `selections`; `None` when no capture holds a non-finite value.
 #[must_use]
@@ -188,12 +206,21 @@ pub fn provenance(captures: &Captures, selections: &Selections) -> Option<Proven
             not_known: Vec::new(),
         };
         let mut masked: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+        let keys = Keys::at(&taint, capture.layer);
         for &q in &capture.bad {
             if is_source && !(capture.site == "attn_out" && op.is_some()) {
                 row.explained.push(q);
                 continue;
             }
-            match classify(capture, q, &taint, op.as_ref(), is_source, selections) {
+            match classify(
+                capture,
+                q,
+                &taint,
+                &keys,
+                op.as_ref(),
+                is_source,
+                selections,
+            ) {
                 Class::Explained => row.explained.push(q),
                 Class::Follows => row.follow_unexplained.push(q),
                 Class::NotKnown => row.not_known.push(q),
@@ -244,6 +271,7 @@ fn classify(
     capture: &Capture,
     q: i32,
     taint: &Taint,
+    keys: &Keys,
     op: Option<&KvOperand>,
     is_source: bool,
     selections: &Selections,
@@ -254,25 +282,21 @@ fn classify(
     if taint.other.contains_key(&q) || taint.unknown.contains_key(&q) {
         return Class::Follows;
     }
-    let (source, other) = (
-        keys_at(&taint.source, capture.layer),
-        keys_at(&taint.other, capture.layer),
-    );
     let reads = |keys: &BTreeSet<i32>| match capture.site.as_str() {
         "attn_out" => selections.reads(capture.step, capture.layer, q, keys),
         // The indexer scores every visible key.
         "indexer" if keys.iter().any(|&t| t <= q) => Read::Yes,
         _ => Read::No,
     };
-    let on_source = reads(&source);
+    let on_source = reads(&keys.source);
     if on_source == Read::Yes {
         return Class::Explained;
     }
-    let on_other = reads(&other);
+    let on_other = reads(&keys.other);
     if on_other == Read::Yes {
         return Class::Follows;
     }
-    let on_unknown = reads(&keys_at(&taint.unknown, capture.layer));
+    let on_unknown = reads(&keys.unknown);
     if on_unknown == Read::Yes {
         return Class::Follows;
     }
@@ -317,7 +341,7 @@ fn classify(
         return Class::NotKnown;
     }
     // Every tainted key is masked for q: in attention, they share the mask.
-    let masked: BTreeSet<i32> = source.union(&other).copied().collect();
+    let masked: BTreeSet<i32> = keys.source.union(&keys.other).copied().collect();
     if capture.site == "attn_out" && !masked.is_empty() {
         return Class::Unexplained(Some(format!(
             "non-finite key{} {}, masked for them",
