@@ -94,9 +94,9 @@ Not recorded, and counted as:
   `forward_cuda`) `shadow_skipped_no_fp8_operands`; a breakable CUDA-graph
   replay, where the layer input is not reachable (record prod only; run with
   --enforce-eager for shadows) `shadow_skipped_cudagraph_replay`;
-- engine steps in which no indexer call was seen, though the runner published them: steps
-  replayed as FULL CUDA graphs (uniform decode batches under the default
-  FULL_AND_PIECEWISE mode run no Python), counted in each request's run as
+- engine steps in which no indexer hook ran, though the runner published them
+  (`EngineTracer.settle`): steps replayed as FULL CUDA graphs (uniform decode batches under
+  the default FULL_AND_PIECEWISE mode run no Python), counted in each request's run as
   `indexer_steps_unseen` (with one line; run with --enforce-eager to record them);
 - never seen, so not counted: the 0.33 ROCm `amd` model (a forward of its own calling
   `forward_hip`; the model forward's watch says that no hook fired).
@@ -189,7 +189,6 @@ WQ_B_LAYOUT = "shadow_skipped_wq_b_scale_layout"
 NO_FP8 = "shadow_skipped_no_fp8_operands"
 REPLAY = "shadow_skipped_cudagraph_replay"
 OUTSIDE = "indexer_calls_outside_engine_steps"
-UNSEEN = engine.UNSEEN
 # vLLM 0.34's model runner on CPUs without mature Triton (v1/worker/cpu_worker.py): not hooked.
 CPU_RUNNER_MODULE = "vllm.v1.worker.cpu.standalone_model_runner"
 SHARED_LAYER = "indexer_calls_shared_layer"
@@ -210,7 +209,6 @@ class Step:
     prompt: np.ndarray | None  # [n]: prompt (prefill) length of each request
     tokens: int  # real rows of the step (the forward's rows beyond are padding)
     prefixes: list[int] | None = None  # each request's first position, read once per step
-    seen: bool = False  # an indexer call of this step reached the hooks
 
 
 class _Published:
@@ -296,7 +294,7 @@ def _install_runner_v1(module: Any, layout: Layout) -> None:
         if sess is not None:
             # Entered inside the step's forward context, after _update_states reordered the
             # batch (decodes first): the order the rows have.
-            sess.guarded("vllm:step", None, _publish_v1, self, layout)
+            sess.guarded("vllm:step", None, _publish_v1, sess, self, layout)
         try:
             return model_forward(self, *args, **kwargs)
         finally:
@@ -341,28 +339,28 @@ def _traced_execute(execute: Callable) -> Callable:
     return traced_execute
 
 
-def _step_ended(sess: Session | None) -> None:
-    """The published step is over. One whose indexer ran no Python (a FULL CUDA-graph replay)
-    is counted in each of its requests' runs, once an indexer call has been recorded in this
-    process: a model without a hooked indexer has no step to miss."""
-    step, _published.step = _published.step, None
-    if step is None or step.seen or sess is None:
-        return
-    sess.guarded("vllm:unseen", None, _unseen, sess, step)
-
-
-def _unseen(sess: Session, step: Step) -> None:
+def _publish(sess: Session, step: Step) -> None:
+    """Publishes the step for its indexer calls, and begins it in the engine's tracer, once an
+    indexer call has been recorded in this process (a model without a hooked indexer has no
+    step to miss): one that runs no indexer hook (a FULL CUDA-graph replay) is counted in each
+    of its requests' runs when it ends (`EngineTracer.settle`)."""
+    _published.step = step
     tracer = sess.tracers.get(NAME)
-    if tracer is None:
-        return
-    for key in step.req_ids:
-        tracer.count(key, UNSEEN, 1)
-    sess.warn_once(
-        "vllm:unseen",
-        f"vLLM {_version()}: engine steps whose indexer ran no Python (FULL CUDA-graph replays of "
-        f"decode batches) are not recorded; each request's run counts them ({UNSEEN}): run with "
-        "--enforce-eager to record them",
-    )
+    if tracer is not None:
+        tracer.step_began(
+            list(step.req_ids),
+            f"vLLM {_version()}: engine steps whose indexer ran no Python (FULL CUDA-graph replays of "
+            f"decode batches) are not recorded; each request's run counts them ({engine.UNSEEN}): run "
+            "with --enforce-eager to record them",
+        )
+
+
+def _step_ended(sess: Session | None) -> None:
+    """The published step is over (`_publish`)."""
+    _published.step = None
+    tracer = None if sess is None else sess.tracers.get(NAME)
+    if tracer is not None:
+        sess.guarded("vllm:unseen", None, tracer.settle)
 
 
 def _finish(sess: Session, scheduler_output: Any) -> None:
@@ -376,17 +374,18 @@ def _finish(sess: Session, scheduler_output: Any) -> None:
     tracer.finish(sorted(done))
 
 
-def _publish_v1(runner: Any, layout: Layout) -> None:
+def _publish_v1(sess: Session, runner: Any, layout: Layout) -> None:
     batch = runner.input_batch
     n = int(batch.num_reqs)
     starts = np.array(runner.query_start_loc.np[: n + 1], dtype=np.int64)
-    _published.step = Step(
+    step = Step(
         runner=f"{RUNNER_V1_MODULE} ({layout.source})",
         req_ids=tuple(batch.req_ids[:n]),
         starts=starts,
         prompt=np.array(batch.num_prompt_tokens[:n], dtype=np.int64),
         tokens=int(starts[n]),
     )
+    _publish(sess, step)
 
 
 def _publish_v2(sess: Session, runner: Any, batch: Any, layout: Layout) -> None:
@@ -402,13 +401,14 @@ def _publish_v2(sess: Session, runner: Any, batch: Any, layout: Layout) -> None:
         sess.warn_once(f"vllm:step:{why}", f"vLLM steps under {why} are not traced (engine_steps_not_traced)")
         return
     n = int(batch.num_reqs)
-    _published.step = Step(
+    step = Step(
         runner=f"{RUNNER_V2_MODULE} ({layout.source})",
         req_ids=tuple(batch.req_ids[:n]),
         starts=np.array(batch.query_start_loc_np[: n + 1], dtype=np.int64),
         prompt=np.array(batch.prefill_len_np[:n], dtype=np.int64),
         tokens=int(batch.num_tokens),
     )
+    _publish(sess, step)
 
 
 def _forward_context() -> Any:
@@ -510,7 +510,6 @@ def _install_model(module: Any, layout: Layout) -> None:
             engine.reached(sess, NAME)
         out = forward(self, hidden_states, qr, positions, rotary_emb)
         operands = _take_operands(self)
-        _saw_call()
         if sess is not None:
             inputs = (hidden_states, qr, positions, rotary_emb, operands, out)
             sess.guarded("vllm:indexer", None, _record_v2, sess, self, *inputs)
@@ -637,7 +636,6 @@ def _install_v32(module: Any, layout: Layout) -> None:
         if sess is not None:
             engine.reached(sess, NAME)
         out = body(self, *args, **kwargs)
-        _saw_call()
         if sess is not None:
             bound = dict(zip(names, args, strict=False)) | kwargs
             sess.guarded("vllm:indexer", None, _record_v32, sess, self, bound)
@@ -667,12 +665,6 @@ def _keep_hidden(attn: Any, args: tuple, kwargs: dict) -> bool:
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
     vars(attn)[_HIDDEN] = hidden
     return True
-
-
-def _saw_call() -> None:
-    """An indexer call of the published step ran its Python (whatever it records)."""
-    if _published.step is not None:
-        _published.step.seen = True
 
 
 def _record_v32(sess: Session, attn: Any, bound: dict) -> None:
