@@ -1040,9 +1040,9 @@ class _Tracer:
         names = list(tensors)
         positions = step.positions[b].to(torch.int64)
         for check in ("kv_slot0_finite", "kv_new_slots_finite"):
+            slots = torch.zeros_like(positions[:1]) if check == "kv_slot0_finite" else positions
             parts = []
             for t in tensors.values():
-                slots = positions[:1].clamp(max=0) if check == "kv_slot0_finite" else positions
                 per_slot = stats.slot_nonfinite_device(t[b].index_select(-2, slots))
                 found = slots.index_select(0, (per_slot > 0).to(torch.int8).argmax().reshape(1))[0]
                 parts.append(torch.stack([per_slot.sum(), found, slots.min(), slots.max()]))
