@@ -9,7 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use shadowtrace_tracer::bisect::{Bisection, Metric, Setup, Target, bisect, max_forwards};
+use shadowtrace_tracer::bisect::{
+    Bisection, Metric, Setup, Target, Unplanted, bisect, max_forwards,
+};
 use shadowtrace_tracer::model::deviation::{Deviation, DeviationKind};
 use shadowtrace_tracer::model::fault::Fault;
 use shadowtrace_tracer::model::graft::{Graft, GraftSite, GraftSites, Grafted};
@@ -45,11 +47,67 @@ fn production(faults: &[&str]) -> TraceOptions {
 }
 
 fn bisected(model: &Model, ids: &[i64], opts: &TraceOptions) -> Bisection {
+    bisected_sharing(model, ids, opts, &mut Unplanted::default())
+}
+
+/// As `bisected`, the reference and clean floor kept in `unplanted` for the next planting.
+fn bisected_sharing<'m>(
+    model: &'m Model,
+    ids: &[i64],
+    opts: &TraceOptions,
+    unplanted: &mut Unplanted<'m>,
+) -> Bisection {
     tch::no_grad(|| {
-        let setup = Setup::new(model, ids, opts, true).unwrap();
+        let setup = Setup::sharing(model, ids, opts, true, unplanted).unwrap();
         let target = Target::clean(Metric::Argmax, setup.clean.as_ref().unwrap(), 0.01);
         bisect(&setup, target, &GraftSite::ALL, |_| {}).unwrap()
     })
+}
+
+#[test]
+fn a_setup_sharing_the_unplanted_chains_judges_as_one_that_runs_them_and_reruns_them_for_other_settings()
+ {
+    let model = glm5_tiny();
+    let ids = heldout(512);
+    let plantings = [
+        r#"{"kind":"fp8_scale","layer":1,"linear":"self_attn.o_proj","factor":4.0}"#,
+        r#"{"kind":"outlier","layer":1,"channel":5,"factor":50.0}"#,
+    ];
+    let mut unplanted = Unplanted::default();
+    tch::no_grad(|| {
+        for (i, fault) in plantings.iter().enumerate() {
+            for rows in [
+                serde_json::json!({"kind": "all"}),
+                serde_json::json!({"kind": "last", "n": 128}),
+            ] {
+                let mut opts = production(&[fault]);
+                opts.tokens_setting = rows;
+                let fresh = Setup::new(&model, &ids, &opts, true).unwrap();
+                let shared = Setup::sharing(&model, &ids, &opts, true, &mut unplanted).unwrap();
+                let what = format!("planting {i}, rows {}", opts.tokens_setting);
+                // Bit for bit: the same chains, run once or taken from the last setup.
+                assert!(shared.reference.equal(&fresh.reference), "{what}");
+                assert_eq!(shared.before, fresh.before, "{what}");
+                assert_eq!(shared.clean, fresh.clean, "{what}");
+                if i > 0 {
+                    continue;
+                }
+                // The shadow's precision is one of the settings: bf16 reruns the reference.
+                let mut bf16 = opts.clone();
+                bf16.precision = Kind::BFloat16;
+                let other = Setup::sharing(&model, &ids, &bf16, true, &mut unplanted).unwrap();
+                let other_fresh = Setup::new(&model, &ids, &bf16, true).unwrap();
+                assert!(
+                    other.reference.equal(&other_fresh.reference),
+                    "{what}, bf16"
+                );
+                assert!(
+                    !other.reference.equal(&fresh.reference),
+                    "{what}: bf16 differs from fp32"
+                );
+            }
+        }
+    });
 }
 
 #[test]
@@ -320,6 +378,7 @@ fn every_deviation_at_one_layer_is_named_there_or_stays_within_the_clean_floor()
     let model = glm5_tiny();
     let ids = heldout(3072);
     let mut table = Vec::new();
+    let mut unplanted = Unplanted::default();
     for kind in DeviationKind::ALL {
         let mut opts = production(&[]);
         opts.tokens_setting = serde_json::json!({"kind": "last", "n": 1024});
@@ -328,7 +387,7 @@ fn every_deviation_at_one_layer_is_named_there_or_stays_within_the_clean_floor()
             layer: Some(1),
             param: None,
         }];
-        let b = bisected(&model, &ids, &opts);
+        let b = bisected_sharing(&model, &ids, &opts, &mut unplanted);
         let named = b.named().map(|s| (s.site, s.layers));
         table.push(format!("{:<26} {}", kind.name(), b.summary()));
         match expected(kind) {

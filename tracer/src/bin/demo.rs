@@ -22,6 +22,7 @@ use shadowtrace_analyzer::report::{
 };
 use shadowtrace_analyzer::{Options, analyze};
 use shadowtrace_schemas::MANIFEST_FILE;
+use shadowtrace_tracer::bisect::Unplanted;
 use shadowtrace_tracer::bisect::demo as bisect_demo;
 use shadowtrace_tracer::identity::SALT_FILE;
 use shadowtrace_tracer::model::Model;
@@ -144,8 +145,10 @@ fn bisection_section(models: &[(&str, &str, Model)]) -> anyhow::Result<(String, 
     let most = u64::try_from(faults.len() + 1).unwrap_or(0)
         * (1 + shadowtrace_tracer::bisect::max_forwards(layers, 4));
     let mut bar = progress::bar(most, "bisect glm-tool-3k");
+    // The reference and clean floor of glm's prompt, run once for every fault set and its heal.
+    let mut unplanted = Unplanted::default();
     let bisected = tch::no_grad(|| {
-        bisect_demo::bisect_faults(glm, &ids, &opts, &faults, 0.01, |step| {
+        bisect_demo::bisect_faults(glm, &ids, &opts, &faults, 0.01, &mut unplanted, |step| {
             bar.set_message(step.to_owned());
             bar.inc(1);
         })
@@ -158,7 +161,7 @@ fn bisection_section(models: &[(&str, &str, Model)]) -> anyhow::Result<(String, 
         opts.tokens_setting = rows.clone();
         let short = name.trim_start_matches("trained/");
         heals.push(
-            tch::no_grad(|| bisect_demo::indexer_heal(short, model, &ids, &opts))
+            tch::no_grad(|| bisect_demo::indexer_heal(short, model, &ids, &opts, &mut unplanted))
                 .with_context(|| format!("grafting the fp32 indexer into {short}"))?,
         );
     }

@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use crate::bisect::{Bisection, Metric, OutputMetrics, Setup, Target, bisect, compare};
+use crate::bisect::{Bisection, Metric, OutputMetrics, Setup, Target, Unplanted, bisect, compare};
 use crate::model::fault::Fault;
 use crate::model::graft::{Graft, GraftSite};
 use crate::model::{Model, ModelError};
@@ -60,15 +60,18 @@ impl IndexerHeal {
 
 /// Bisects each of `faults` alone and all together on `model`, argmax
 /// against the clean floor less `slack`; `on_forward` sees every forward.
+/// The reference and the clean floor, the same for every set, are run once
+/// (and kept in `unplanted`).
 ///
 /// # Errors
 /// A weight that cannot be loaded.
-pub fn bisect_faults(
-    model: &Model,
+pub fn bisect_faults<'m>(
+    model: &'m Model,
     ids: &[i64],
     base: &TraceOptions,
     faults: &[(String, Fault)],
     slack: f64,
+    unplanted: &mut Unplanted<'m>,
     mut on_forward: impl FnMut(&str),
 ) -> Result<Vec<FaultBisection>, ModelError> {
     let mut sets: Vec<(String, Vec<Fault>)> = faults
@@ -86,7 +89,7 @@ pub fn bisect_faults(
     for (planted, set) in sets {
         let mut opts = base.clone();
         opts.faults = set;
-        let setup = Setup::new(model, ids, &opts, true)?;
+        let setup = Setup::sharing(model, ids, &opts, true, unplanted)?;
         on_forward(&planted);
         let clean = setup.clean.unwrap_or(setup.before);
         let target = Target::clean(Metric::Argmax, &clean, slack);
@@ -97,17 +100,19 @@ pub fn bisect_faults(
 }
 
 /// Grafts the fp32 indexer, then every layer's output, at every layer of
-/// `model`'s clean production.
+/// `model`'s clean production; its reference from `unplanted` where the
+/// faults' bisection ran it on the same model and prompt.
 ///
 /// # Errors
 /// A weight that cannot be loaded.
-pub fn indexer_heal(
+pub fn indexer_heal<'m>(
     name: &str,
-    model: &Model,
+    model: &'m Model,
     ids: &[i64],
     opts: &TraceOptions,
+    unplanted: &mut Unplanted<'m>,
 ) -> Result<IndexerHeal, ModelError> {
-    let setup = Setup::new(model, ids, opts, false)?;
+    let setup = Setup::sharing(model, ids, opts, false, unplanted)?;
     let every = |site| {
         setup
             .chains

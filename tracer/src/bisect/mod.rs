@@ -435,12 +435,44 @@ impl<'a> Setup<'a> {
         opts: &'a TraceOptions,
         clean_floor: bool,
     ) -> Result<Self, ModelError> {
+        Self::sharing(model, ids, opts, clean_floor, &mut Unplanted::default())
+    }
+
+    /// As [`Setup::new`], taking the reference and the unplanted production
+    /// from `unplanted` where an earlier setup over the same model, prompt
+    /// and settings ran them, and leaving them there otherwise.
+    ///
+    /// # Errors
+    /// A weight that cannot be loaded.
+    pub fn sharing<'m: 'a>(
+        model: &'m Model,
+        ids: &[i64],
+        opts: &'a TraceOptions,
+        clean_floor: bool,
+        unplanted: &mut Unplanted<'m>,
+    ) -> Result<Self, ModelError> {
         let chains = Chains::new(model, ids, opts)?;
-        let reference = chains.reference(ids)?;
+        unplanted.made_for(model, ids, opts);
+        let reference = match &unplanted.reference {
+            Some(r) => r.shallow_clone(),
+            None => {
+                let r = chains.reference(ids)?;
+                unplanted.reference = Some(r.shallow_clone());
+                r
+            }
+        };
         let before = compare(&chains.before, &reference);
         let planted = !opts.faults.is_empty() || !opts.deviations.is_empty();
         let clean = if planted && clean_floor {
-            Some(compare(&chains.unplanted(ids)?, &reference))
+            let logits = match &unplanted.clean {
+                Some(c) => c.shallow_clone(),
+                None => {
+                    let c = chains.unplanted(ids)?;
+                    unplanted.clean = Some(c.shallow_clone());
+                    c
+                }
+            };
+            Some(compare(&logits, &reference))
         } else {
             None
         };
@@ -450,6 +482,55 @@ impl<'a> Setup<'a> {
             before,
             clean,
         })
+    }
+}
+
+/// The two chains nothing planted changes: the reference's logits and
+/// production's with no fault and no deviation, a full forward each. A
+/// sweep that bisects several plantings of one prompt (the demo's faults, a
+/// table of deviations) runs them once through [`Setup::sharing`]; a setup
+/// whose model, prompt or settings differ runs them again.
+#[derive(Debug, Default)]
+pub struct Unplanted<'m> {
+    made_for: Option<(&'m Model, UnplantedInputs)>,
+    reference: Option<tch::Tensor>,
+    clean: Option<tch::Tensor>,
+}
+
+/// What the unplanted chains read besides the model: the prompt, the
+/// compared rows, the shadow's precision, production's numerics and FP8
+/// indexer (faults and deviations are what they leave out).
+#[derive(Debug, PartialEq)]
+struct UnplantedInputs {
+    ids: Vec<i64>,
+    tokens: serde_json::Value,
+    precision: tch::Kind,
+    prod: crate::model::Numerics,
+    fp8_indexer: Option<crate::indexer::Fp8Indexer>,
+}
+
+impl<'m> Unplanted<'m> {
+    /// Forgets the chains when they were run for another model, prompt or
+    /// settings.
+    fn made_for(&mut self, model: &'m Model, ids: &[i64], opts: &TraceOptions) {
+        let inputs = UnplantedInputs {
+            ids: ids.to_vec(),
+            tokens: opts.tokens_setting.clone(),
+            precision: opts.precision,
+            prod: opts.prod,
+            fp8_indexer: opts.fp8_indexer,
+        };
+        let same = self
+            .made_for
+            .as_ref()
+            .is_some_and(|(m, i)| std::ptr::eq(*m, model) && *i == inputs);
+        if !same {
+            *self = Unplanted {
+                made_for: Some((model, inputs)),
+                reference: None,
+                clean: None,
+            };
+        }
     }
 }
 
