@@ -1,8 +1,11 @@
 """Fixtures: the Rust binaries and a run they wrote."""
 
+import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -87,12 +90,77 @@ def demo_run(demo_runs: Path) -> Path:
     return demo_runs / "glm-tool-3k"
 
 
+# The files that read the demo's grid (the `demo_root` fixture): under pytest-xdist (`./dev test`
+# runs two workers) they share one worker, so the grid (minutes) is run once.
+DEMO_FILES = (
+    "test_cli.py", "test_format_contract.py", "test_notebooks.py", "test_sql_without_shadowtrace.py",
+)  # fmt: skip
+# A file whose fixtures outlive a test (a traced model, a run, an installed release) keeps its
+# tests on one worker, so the fixture is built once.
+SHARED_FIXTURE = re.compile(r"""scope=["'](module|package|session)["']""")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Work units for xdist's workers: the demo's files, one unit; a file with a shared fixture,
+    one unit; any other test, a unit of its own, so a long file is spread over both workers.
+    (xdist's own `loadgroup` cannot do this on pytest 9: the group it appends to a test's id
+    never reaches the id it schedules by.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    rootdir = Path(str(config.rootpath))
+
+    @cache
+    def shares_fixtures(path: str) -> bool:
+        file = rootdir / path
+        return file.is_file() and SHARED_FIXTURE.search(file.read_text()) is not None
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path.rsplit("/", 1)[-1] in DEMO_FILES:
+                return "the demo's grid"
+            return path if shares_fixtures(path) else nodeid
+
+    return Units(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A file that reads the demo's grid and is not in DEMO_FILES would run the grid again on
+    the other worker: refused here, so the list cannot fall behind the tests."""
+    readers = {item.path.name for item in items if "demo_root" in getattr(item, "fixturenames", ())}
+    unlisted = sorted(readers - set(DEMO_FILES))
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)} read the demo's grid: list in conftest.DEMO_FILES")
+
+
+# The reliability suite's rows, handed over by the pytest-xdist worker that ran them.
+WORKER_RESULTS: list[dict] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker, hand the reliability suite's rows to the controller, which prints."""
+    import sys
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    module = sys.modules.get("test_reliability")
+    if workeroutput is not None and module is not None:
+        workeroutput["reliability"] = json.dumps(module.RESULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist's controller: a worker ended; keep the reliability rows it ran."""
+    WORKER_RESULTS.extend(json.loads(getattr(node, "workeroutput", {}).get("reliability", "[]")))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The reliability suite's table (tests/python/test_reliability.py), when it ran."""
+    """The reliability suite's table (tests/python/test_reliability.py), when it ran, in this
+    process or on xdist's workers."""
     import sys
 
     module = sys.modules.get("test_reliability")
-    results = getattr(module, "RESULTS", None)
+    results = [*getattr(module, "RESULTS", []), *WORKER_RESULTS]
     if not results:
         return
     write = terminalreporter.write_line

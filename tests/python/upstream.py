@@ -10,11 +10,14 @@ with `pip download --no-deps` and cached under `~/.cache/shadowtrace/upstream` (
 
 import ast
 import email
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from importlib import metadata
 from pathlib import Path
@@ -27,6 +30,21 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shad
 def wheel(package: str, version: str) -> Path:
     """The released wheel of `package==version`, downloaded on first use."""
     wheels = CACHE / "wheels"
+    with _locked():
+        return _wheel(wheels, package, version)
+
+
+@contextmanager
+def _locked() -> Iterator[None]:
+    """One process at a time fills the cache: `./dev test` runs pytest's workers side by side,
+    and two downloads or installs of one release into one directory would interleave."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _wheel(wheels: Path, package: str, version: str) -> Path:
     found = sorted(wheels.glob(f"{package}-{version}-*.whl"))
     if not found:
         # The wheel for the interpreter and platform the project pins (CPython 3.11, Linux
@@ -93,12 +111,17 @@ def site(package: str, version: str) -> Path:
     """A directory holding `package==version` and its pinned `COMPANIONS` (no other
     dependencies: the virtualenv's serve), installed once."""
     target = CACHE / "site" / f"{package}-{version}"
-    if not (target / ".complete").exists():
+    if (target / ".complete").exists():
+        return target
+    built = wheel(package, version)
+    with _locked():
+        if (target / ".complete").exists():
+            return target
         shutil.rmtree(target, ignore_errors=True)
         companions = COMPANIONS.get((package, version), ())
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
-             "--only-binary=:all:", "--target", str(target), str(wheel(package, version)), *companions],
+             "--only-binary=:all:", "--target", str(target), str(built), *companions],
             check=True,
         )  # fmt: skip
         (target / ".complete").touch()
