@@ -42,6 +42,7 @@ catches it.
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import threading
@@ -78,6 +79,13 @@ _ROW_BYTES = 256
 CHECK_TOLERANCE_SCALE = "mean_abs_selected_score"
 # While rows arrive, the manifest's sent and written counts are at most this old on disk.
 _MANIFEST_EVERY_S = 1.0
+# The least a manifest file holds. A run's manifest is rewritten by a second file and a
+# rename, which a full disk refuses; the file's own padding is then its room to be rewritten
+# in place, so that a run's last manifest counts the rows that did not fit. 8 KiB holds a
+# run's manifest with some dozens of parts; a larger one is padded to twice its length.
+_MANIFEST_ROOM = 8 << 10
+# The errors of a disk that has no room: the manifest is then rewritten in place.
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _now_ms() -> int:
@@ -85,10 +93,39 @@ def _now_ms() -> int:
 
 
 def write_json_atomically(path: Path, document: Any) -> None:
-    """Writes JSON under a temporary name and renames it: readers see old or new, never half."""
+    """Writes JSON under a temporary name and renames it: readers see old or new, never half.
+    The file keeps room for its own growth (`_padded`), for `rewrite_json_in_place`. A
+    temporary file the disk could not hold is removed: its blocks are what a full disk lacks."""
     tmp = path.with_name(f"{path.name}.{threading.get_ident()}{TMP_SUFFIX}")
-    tmp.write_text(json.dumps(document, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(_padded(json.dumps(document, indent=2).encode()))
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def rewrite_json_in_place(path: Path, document: Any) -> None:
+    """Overwrites the file at `path` with `document`, padded to the file's own length, so the
+    write needs no block the file does not hold: what a full disk still allows (not on a
+    copy-on-write file system, whose overwrites take new blocks). A reader may see it half
+    written, and a document longer than the file cannot be written: OSError(ENOSPC)."""
+    text = json.dumps(document, indent=2).encode()
+    with Path(path).open("r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if len(text) + 1 > size:
+            why = f"manifest of {len(text)} bytes outgrew its room of {size}"
+            raise OSError(errno.ENOSPC, why, str(path))
+        f.write(text + b"\n" + b" " * (size - len(text) - 1))
+        f.flush()
+
+
+def _padded(text: bytes) -> bytes:
+    """`text`, a newline, and JSON whitespace up to twice its length (at least
+    `_MANIFEST_ROOM`): readers skip it, and a rewrite in place has room to grow."""
+    size = max(_MANIFEST_ROOM, 2 * len(text) + 1)
+    return text + b"\n" + b" " * (size - len(text) - 1)
 
 
 class _Columns:
@@ -727,7 +764,15 @@ class RunWriter:
         with self._file_lock:
             if self._final_written and not final:
                 return
-            write_json_atomically(self.run_dir / "manifest.json", self._manifest_now(final=final))
+            path = self.run_dir / "manifest.json"
+            try:
+                write_json_atomically(path, self._manifest_now(final=final))
+            except OSError as e:
+                if e.errno not in _DISK_FULL or not path.exists():
+                    raise
+                # The disk is full: the run's counts go into the room its manifest holds.
+                self.count("manifest_rewritten_in_place")
+                rewrite_json_in_place(path, self._manifest_now(final=final))
             self._final_written = final
 
     def _manifest_now(self, *, final: bool) -> dict:

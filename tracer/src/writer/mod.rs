@@ -21,6 +21,7 @@
 //!   finish in time stays `incomplete`.
 
 mod batch;
+mod manifest_file;
 mod part;
 mod props;
 mod queue;
@@ -204,7 +205,7 @@ impl RunWriter {
         if options.schema_version >= 2 {
             settings.insert("topk_lists".to_owned(), options.topk_lists.setting());
         }
-        worker::write_manifest(dir, &manifest)?;
+        manifest_file::write_atomically(dir, &manifest)?;
 
         let queue = Arc::new(queue::ByteQueue::new(options.queue_bytes));
         let shared = Arc::new(Shared::default());

@@ -2,19 +2,18 @@
 //! rolls parts over by size and keeps the manifest current.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use shadowtrace_schemas::manifest::{Status, TableEntry};
-use shadowtrace_schemas::{MANIFEST_FILE, Manifest, TMP_SUFFIX, Table};
+use shadowtrace_schemas::{MANIFEST_FILE, Manifest, Table};
 
 use super::batch::{TableBuffer, is_well_formed, normalize_selection};
 use super::part::PartWriter;
 use super::queue::{ByteQueue, Popped};
-use super::{Message, Shared, TopkLists};
+use super::{Message, Shared, TopkLists, manifest_file};
 use crate::TraceError;
 use crate::record::Record;
 
@@ -316,28 +315,19 @@ impl Worker {
         if status == Status::Complete {
             self.manifest.closed_unix_ms = Some(unix_ms());
         }
-        write_manifest(&self.dir, &self.manifest)
+        match manifest_file::write_atomically(&self.dir, &self.manifest) {
+            // The disk is full: the run's counts go into the room its manifest holds.
+            Err(e) if manifest_file::is_disk_full(&e) && self.dir.join(MANIFEST_FILE).exists() => {
+                *self
+                    .manifest
+                    .counters
+                    .entry(manifest_file::REWRITTEN_IN_PLACE.to_owned())
+                    .or_default() += 1;
+                manifest_file::rewrite_in_place(&self.dir, &self.manifest)
+            }
+            written => written,
+        }
     }
-}
-
-/// Writes `manifest.json` atomically: a reader sees the old or the new one,
-/// never half of either.
-pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), TraceError> {
-    let path = dir.join(MANIFEST_FILE);
-    let tmp = dir.join(format!("{MANIFEST_FILE}{TMP_SUFFIX}"));
-    let mut text = manifest
-        .to_json()
-        .and_then(|value| serde_json::to_string_pretty(&value))
-        .map_err(|source| TraceError::Manifest {
-            path: path.clone(),
-            source,
-        })?;
-    text.push('\n');
-    fs::write(&tmp, text).map_err(|source| TraceError::Io {
-        path: tmp.clone(),
-        source,
-    })?;
-    fs::rename(&tmp, &path).map_err(|source| TraceError::Io { path, source })
 }
 
 pub(crate) fn unix_ms() -> u64 {
