@@ -68,6 +68,9 @@ class Capture:
     held: list[Held]
     skipped: list[str] = field(default_factory=list)
     out: Any = None
+    # The adapter's reading of the static inputs, made once at the capture: a replay reads the
+    # same tensors, so it binds no arguments again (the values are read at each replay).
+    given: dict[str, Any] = field(default_factory=dict)
 
 
 class Replayer(Protocol):

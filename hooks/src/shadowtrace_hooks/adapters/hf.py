@@ -347,12 +347,20 @@ def _model_identity(config: Any) -> dict:
 class _Step:
     """What one forward call shares between its hooks."""
 
-    def __init__(self, positions: torch.Tensor, decode: bool, capture: graphs.Capture | None = None) -> None:
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        decode: bool,
+        capture: graphs.Capture | None = None,
+        positions_host: np.ndarray | None = None,
+    ) -> None:
         self.positions = positions  # [B, S] absolute positions of this forward's tokens
         # A graph capture cannot read the device: its rows name each token by its index in
         # the forward, which every replay turns into its positions (`Run.replay`).
         self.capture = capture
-        if capture is None:
+        if positions_host is not None:  # read already (a replay's, with its ids)
+            self.positions_host = positions_host
+        elif capture is None:
             self.positions_host = positions.cpu().numpy().astype(np.int32)  # one copy per forward
         else:
             batch, seq = positions.shape
@@ -372,6 +380,18 @@ class _Step:
         # The grafted layer's local shadow, run before production's layer: (layer, its output,
         # its site outputs and selection).
         self.graft: tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None = None
+
+
+def _replayed_inputs(given: dict[str, Any]) -> tuple[list[list[int]] | None, np.ndarray]:
+    """A replay's token ids (None where the graph takes embeddings) and positions [B, S], as
+    its static inputs hold them now: read in one device-to-host copy."""
+    positions, input_ids = given["positions"], given["input_ids"]
+    if input_ids is None:
+        return None, positions.cpu().numpy().astype(np.int32)
+    batch, seq = input_ids.shape
+    both = torch.cat([input_ids.reshape(-1).long(), positions.reshape(-1).long()]).cpu().numpy()
+    ids, pos = both[: batch * seq].reshape(batch, seq), both[batch * seq :].reshape(positions.shape)
+    return ids.tolist(), pos.astype(np.int32)
 
 
 class _TopkInput(torch.overrides.TorchFunctionMode):
@@ -597,7 +617,7 @@ class _Tracer:
             )
         if positions.dim() == 3:  # multimodal RoPE: the text positions lead
             positions = positions[0]
-        capture = graphs.Capture(self, args, kwargs, [])
+        capture = graphs.Capture(self, args, kwargs, [], given={**given, "positions": positions})
         recorders = [session.Recorder(self.settings) for _ in range(batch)]
         # What was open before comes back when the capture ends (`_end_capture`).
         self.eager = (self.runs, self.step)
@@ -731,9 +751,19 @@ class _Tracer:
         A graph's replays are one request: a replay continues the runs its graph's last
         replay left open when their tokens are exactly what the cache holds; any other
         forward, or a replay that does not continue them, closes them first."""
-        given = self.inputs(model, args, kwargs)
-        cache = given["cache"]
-        past_len = int(cache.get_seq_length()) if cache is not None else 0
+        if replay is not None and replay.given:
+            given = replay.given
+            ids, positions_host = _replayed_inputs(given)
+            cache = given["cache"]
+            # The step's first position is what the cache held before it, where the positions
+            # are the cache's (no padding): no count of the cache's slots, one copy fewer.
+            from_cache = given["position_ids"] is None and given["cache_position"] is not None
+            past_len = int(positions_host[0, 0]) if from_cache else int(cache.get_seq_length())
+        else:
+            given = self.inputs(model, args, kwargs)
+            cache = given["cache"]
+            past_len = int(cache.get_seq_length()) if cache is not None else 0
+            ids = positions_host = None
         looping = self.looping
         if looping is not None and (
             looping is not replay or any(len(run.state.get("ids", [])) != past_len for run in self.runs)
@@ -748,13 +778,16 @@ class _Tracer:
             device = embeds.device
         else:
             batch, seq = input_ids.shape
-            ids = input_ids.tolist()
+            ids = input_ids.tolist() if ids is None else ids
             device = input_ids.device
-        position_ids = given["position_ids"]
-        if position_ids is None:
-            position_ids = torch.arange(past_len, past_len + seq, device=device).expand(batch, seq)
-        elif position_ids.dim() == 3:  # multimodal RoPE (t, h, w, ...): the text positions lead
-            position_ids = position_ids[0]
+        if replay is not None and replay.given:
+            position_ids = given["positions"]
+        else:
+            position_ids = given["position_ids"]
+            if position_ids is None:
+                position_ids = torch.arange(past_len, past_len + seq, device=device).expand(batch, seq)
+            elif position_ids.dim() == 3:  # multimodal RoPE (t, h, w, ...): the text positions lead
+                position_ids = position_ids[0]
         hit = False
         if self.runs and past_len > 0:
             self._crop_to_cache(past_len)
@@ -774,7 +807,7 @@ class _Tracer:
             self._serve(run)
             run.step += 1
             run.state.setdefault("ids", run.state.pop("prompt_ids", [])).extend(row)
-        self.step = _Step(position_ids.to(device), decode=past_len > 0)
+        self.step = _Step(position_ids.to(device), decode=past_len > 0, positions_host=positions_host)
         if hit:
             self.step.scratch = hf_prefix.start(self, cache, past_len, seq, device, replay is not None)
         elif self.step.decode and self.settings.layer_modes:
