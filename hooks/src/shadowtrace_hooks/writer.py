@@ -18,7 +18,9 @@ The contract is the Rust writer's (tracer/src/writer):
   `_MANIFEST_EVERY_S` seconds while rows arrive, so a killed process leaves a manifest that
   lists its complete parts and how many rows the producer had handed over (`sent_rows`, also
   rewritten after a second without rows):
-  what was sent and is neither written nor counted as dropped was lost, and readers say so;
+  what was sent and is neither written nor counted as dropped was lost, and readers say so.
+  Its file keeps the room of its own rewrites: where the disk is full, it is rewritten in
+  place (`rewrite_json_in_place`, counted `manifest_rewritten_in_place`);
 - it says `incomplete` until the worker has written every row after `close()`; a run whose
   rows are not written within the flush deadline, or whose request was interrupted, stays
   `incomplete` with the rows still queued counted (`counters.unflushed_rows`); so does a run

@@ -17,6 +17,8 @@
 //!   (`tables.<t>.sent_rows`) and those not yet in a complete part
 //!   (`counters.unflushed_rows`). A process killed at any point leaves a
 //!   manifest that lists exactly the complete parts and says what it lost.
+//!   Where the disk is full, the manifest is rewritten in place in the room
+//!   its padded file holds (`manifest_file`; `manifest_rewritten_in_place`).
 //! - Closing waits at most [`WriterOptions::flush_timeout`]; a run that cannot
 //!   finish in time stays `incomplete`.
 
