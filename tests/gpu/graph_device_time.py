@@ -52,7 +52,9 @@ def main() -> None:
     with torch.no_grad():
         decoder(model, 4).replayed()  # warm-up: kernels loaded, a throwaway capture
         for label in ("untraced", "traced", "untraced again", "traced again"):
-            d = decoder(model, 4 + REPLAYS)
+            # Room in the cache for every replay: a StaticCache counts its length on the device,
+            # and replays past its end index out of it (`index_copy_` asserts).
+            d = decoder(model, 4 + REPLAYS + 10 + 8)
             on = traced(Path(f"/tmp/graph-device-time/{label}")) if label.startswith("traced") else None
             if on is not None:
                 on.__enter__()
