@@ -161,11 +161,11 @@ def failing_step(monkeypatch: pytest.MonkeyPatch, fails: object) -> list[bool]:
 
     real, seen = hf._Step.__init__, []
 
-    def init(self: object, positions: torch.Tensor, decode: bool) -> None:
+    def init(self: object, positions: torch.Tensor, decode: bool, *args: object, **kwargs: object) -> None:
         seen.append(bool(fails(decode)))
         if seen[-1]:
             raise RuntimeError("CUDA error: an illegal memory access (planted at the step's .cpu())")
-        real(self, positions, decode)
+        real(self, positions, decode, *args, **kwargs)
 
     monkeypatch.setattr(hf._Step, "__init__", init)
     return seen
