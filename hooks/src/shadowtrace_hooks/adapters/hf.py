@@ -758,7 +758,10 @@ class _Tracer:
             # The step's first position is what the cache held before it, where the positions
             # are the cache's (no padding): no count of the cache's slots, one copy fewer.
             from_cache = given["position_ids"] is None and given["cache_position"] is not None
-            past_len = int(positions_host[0, 0]) if from_cache else int(cache.get_seq_length())
+            if cache is None:
+                past_len = 0
+            else:
+                past_len = int(positions_host[0, 0]) if from_cache else int(cache.get_seq_length())
         else:
             given = self.inputs(model, args, kwargs)
             cache = given["cache"]
