@@ -119,14 +119,15 @@ def rewrite_json_in_place(path: Path, document: Any) -> None:
         if len(text) + 1 > size:
             why = f"manifest of {len(text)} bytes outgrew its room of {size}"
             raise OSError(errno.ENOSPC, why, str(path))
-        f.write(text + b"\n" + b" " * (size - len(text) - 1))
+        f.write(_padded(text, size))
         f.flush()
 
 
-def _padded(text: bytes) -> bytes:
-    """`text`, a newline, and JSON whitespace up to twice its length (at least
-    `_MANIFEST_ROOM`): readers skip it, and a rewrite in place has room to grow."""
-    size = max(_MANIFEST_ROOM, 2 * len(text) + 1)
+def _padded(text: bytes, size: int | None = None) -> bytes:
+    """`text`, a newline, and JSON whitespace up to `size` bytes (by default twice its length,
+    at least `_MANIFEST_ROOM`): readers skip it, and a rewrite in place has room to grow."""
+    if size is None:
+        size = max(_MANIFEST_ROOM, 2 * len(text) + 1)
     return text + b"\n" + b" " * (size - len(text) - 1)
 
 

@@ -751,8 +751,10 @@ class _Tracer:
         A graph's replays are one request: a replay continues the runs its graph's last
         replay left open when their tokens are exactly what the cache holds; any other
         forward, or a replay that does not continue them, closes them first."""
-        if replay is not None and replay.given:
-            given = replay.given
+        # A replay's inputs as its capture bound them (the same static tensors).
+        bound = replay.given if replay is not None else None
+        if bound:
+            given = bound
             ids, positions_host = _replayed_inputs(given)
             cache = given["cache"]
             # The step's first position is what the cache held before it, where the positions
@@ -783,7 +785,7 @@ class _Tracer:
             batch, seq = input_ids.shape
             ids = input_ids.tolist() if ids is None else ids
             device = input_ids.device
-        if replay is not None and replay.given:
+        if bound:
             position_ids = given["positions"]
         else:
             position_ids = given["position_ids"]
