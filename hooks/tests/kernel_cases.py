@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 from test_capture_check import *  # noqa: F403  (the capture check's cases, on the kernel path)
 from test_kernels import _operands
 from test_selection import *  # noqa: F403  (the compare cases, on the kernel path here)
+from test_stats import sentinel_by_hand
 
 # inf - inf in the interpreter's numpy (a masked score minus a k-th score) is the IEEE NaN
 # the GPU computes, not a fault
@@ -102,24 +103,67 @@ def test_the_row_kernel_counts_exactly_and_sums_as_torch_does():
     assert torch.equal(got[8], want[8])
     torch.testing.assert_close(got[4].sqrt(), want[4], rtol=1e-6, atol=0)
     torch.testing.assert_close(got[9].sqrt(), want[9], rtol=1e-6, atol=0)
-    assert kernels.row_stats(prod).shape == (5, prod.shape[0])
+    assert kernels.row_stats(prod).shape == (8, prod.shape[0])
 
 
-def test_a_site_through_the_kernel_gives_torchs_statistics():
+def test_the_row_kernel_names_the_first_element_of_each_kind_in_each_row():
+    # planted by hand across the kernel's 1024-element blocks: the answer is the plant
+    prod = torch.randn(5, 2500).bfloat16()
+    plants = {(0, 2400, math.nan), (0, 1500, math.nan), (0, 3, -math.inf), (2, 1024, math.inf),
+              (2, 1023, math.inf), (4, 0, math.nan), (4, 2499, -math.inf)}  # fmt: skip
+    for row, col, value in plants:
+        prod[row, col] = value
+    want = torch.full((3, 5), -1.0)
+    for kind, match in enumerate((math.isnan, lambda v: v == math.inf, lambda v: v == -math.inf)):
+        for row in range(5):
+            cols = sorted(c for r, c, v in plants if r == row and match(v))
+            if cols:
+                want[kind, row] = cols[0]
+    for shade in (None, prod.float()):
+        assert torch.equal(kernels.row_stats(prod, shade)[-3:], want)
+    assert want.tolist() == [[1500, -1, -1, -1, 0], [-1, -1, 1023, -1, -1], [3, -1, -1, -1, 2499]]
+
+
+def _torch_site(prod, shadows, tokens):
+    """site_device's rows through torch's ops: the kernel refused for the call."""
+    kernels.failed["row_stats"] = "the torch reference"
+    try:
+        work = stats.site_device(prod, shadows, tokens, None if tokens is None else tokens.numpy())
+        assert work.how == "torch (the torch reference)"
+        return work.rows([t.numpy() for t in work.tensors])
+    finally:
+        kernels.failed.pop("row_stats")
+
+
+def test_a_site_through_the_kernel_gives_torchs_statistics_and_events():
     prod, shade = _hidden_pair()
     tokens = torch.tensor([0, 2, 3, 20, 36])
-    pc, counts, hidden, how = stats.site_device(prod, {"local": shade}, tokens)
-    assert how == "triton"
-    want = stats.hidden_device(prod, _counts(prod), shade, _counts(shade), tokens)
-    assert torch.equal(pc, _counts(prod))
-    assert torch.equal(counts["local"], _counts(shade))
-    got = hidden["local"]
-    assert torch.equal(got.isnan(), want.isnan())
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
-    _, _, alone, _ = stats.site_device(prod, {}, None)
-    torch.testing.assert_close(
-        alone[None], stats.hidden_device(prod, pc, None, None, None), rtol=1e-6, atol=0
-    )
+    for shadows in ({"local": shade}, {"free": shade.roll(1, 0), "local": shade}, {}):
+        for picked in (tokens, None):
+            work = stats.site_device(prod, shadows, picked, None if picked is None else picked.numpy())
+            assert work.how == "triton"
+            assert len(work.tensors) == max(1, len(shadows))  # one pass a mode, nothing else
+            events, hidden = work.rows([t.numpy() for t in work.tensors])
+            want_events, want_hidden = _torch_site(prod, shadows, picked)
+            assert np.array_equal(events, want_events), (events, want_events)
+            assert list(hidden) == list(want_hidden)
+            for mode, got in hidden.items():
+                assert np.array_equal(np.isnan(got), np.isnan(want_hidden[mode]))
+                np.testing.assert_allclose(got, want_hidden[mode], rtol=1e-5, atol=1e-7)
+    # known by construction: _hidden_pair's plants, the shadow's NaN on a row of no event
+    work = stats.site_device(prod, {"local": shade}, None, None)
+    events, _ = work.rows([t.numpy() for t in work.tensors])
+    assert [(e["kind"], e["token"], e["channel"], e["shadow_finite"]) for e in stats.event_rows(events)] == [
+        ("nan", 1, 5, True), ("pos_inf", 2, 7, True), ("neg_inf", 2, 8, True)
+    ]  # fmt: skip
+
+
+def test_a_site_with_no_recorded_rows_ships_its_events_alone():
+    prod, _ = _hidden_pair()
+    work = stats.site_device(prod, {}, torch.tensor([], dtype=torch.int64), np.array([], dtype=np.int64))
+    events, hidden = work.rows([t.numpy() for t in work.tensors])
+    assert hidden == {}
+    assert events[:, 0].tolist() == [1, 2, 1]
 
 
 def test_a_kernel_that_raises_is_passed_over_from_then_on_and_named(monkeypatch):
@@ -130,8 +174,8 @@ def test_a_kernel_that_raises_is_passed_over_from_then_on_and_named(monkeypatch)
     monkeypatch.setattr(kernels, "failed", {})
     prod, shade = _hidden_pair()
     for _ in range(2):
-        *_, how = stats.site_device(prod, {"local": shade}, None)
-        assert how == "torch (the kernel raised RuntimeError: no such tile)"
+        work = stats.site_device(prod, {"local": shade}, None, None)
+        assert work.how == "torch (the kernel raised RuntimeError: no such tile)"
     assert kernels.unavailable("row_stats", prod) == "the kernel raised RuntimeError: no such tile"
 
 
@@ -301,3 +345,23 @@ def test_membership_never_reaches_past_the_keys_and_counts_keys_there_as_unseen(
     assert mask[1].nonzero().flatten().tolist() == [2, 3]
     # row 0: key 9 unseen; row 1 (sparse, 4 > 2): nothing below its k-th, two slots filled
     assert count.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sentinel_kernel_reads_slot_zero_and_each_rows_new_slots(dtype):
+    # two rows, keys [2, 3, 40, 200] (two element tiles, the second partial) and values
+    # whose heads sit apart from their batch rows (a transposed cache); 40 new slots per row
+    # (two slot tiles), one beyond the cache, listed out of order
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randn(2, 3, 48, 200, generator=gen).to(dtype)
+    values = torch.randn(3, 2, 48, 64, generator=gen).to(dtype).transpose(0, 1)
+    keys[0, 2, 0, 199], keys[1, 0, 35, 3], keys[1, 1, 35, 4] = math.nan, math.inf, -math.inf
+    values[1, 2, 7, 63], values[1, 0, 36, 0] = math.nan, math.nan
+    positions = torch.stack([torch.arange(8, 48), torch.arange(8, 48).flip(0)])
+    positions[1, 0] = 60
+    want = sentinel_by_hand([keys, values], positions)
+    got = kernels.sentinel_reads([keys, values.reshape(2, 3, 48, 64)], positions)
+    assert torch.equal(got, want)
+    assert want[1, 1].tolist() == [[2, 35, 8, 60], [1, 36, 8, 60]]
+    assert want[0, 0].tolist() == [[1, 0, 0, 0], [0, 0, 0, 0]]
+    assert torch.equal(stats.sentinel_device([keys, values], positions), want)

@@ -119,3 +119,37 @@ def test_events_of_every_kind_match_a_row_by_row_search_on_planted_values() -> N
         counts = stats.counts_device(x, valid)
         got = stats.event_rows(stats.events_device(x, counts, finite, valid).numpy())
         assert got == want, (trial, got, want)
+
+
+def sentinel_by_hand(caches: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """The KV sentinel's reads (`stats.sentinel_device`), element by element in Python: for
+    each batch row, slot 0 and then the row's positions, per cache [count, first slot holding
+    a non-finite element (the first slot read when none), least and greatest slot read]."""
+    out = []
+    for b, row in enumerate(positions.tolist()):
+        reads = []
+        for slots in ([0], row):
+            per_cache = []
+            for cache in caches:
+                held = [int((~torch.isfinite(cache[b, ..., s, :])).sum()) if 0 <= s < cache.shape[-2] else 0
+                        for s in slots]  # fmt: skip
+                found = next((s for s, n in zip(slots, held, strict=True) if n), slots[0])
+                per_cache.append([sum(held), found, min(slots), max(slots)])
+            reads.append(per_cache)
+        out.append(reads)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def test_the_sentinel_reads_slot_zero_and_each_rows_new_slots_through_torchs_ops() -> None:
+    # on the CPU: torch's ops (kernel_cases.py checks Triton's kernel on the same answer);
+    # values' heads lie apart from their batch rows, as a transposed cache's do
+    gen = torch.Generator().manual_seed(8)
+    keys = torch.randn(2, 3, 48, 16, generator=gen)
+    values = torch.randn(3, 2, 48, 8, generator=gen).bfloat16().transpose(0, 1)
+    keys[0, 2, 0, 15], keys[1, 0, 35, 3], keys[1, 1, 35, 4] = math.nan, math.inf, -math.inf
+    values[1, 2, 7, 7], values[1, 0, 36, 0] = math.nan, math.nan
+    positions = torch.stack([torch.arange(8, 48), torch.arange(8, 48).flip(0)])
+    got = stats.sentinel_device([keys, values], positions)
+    assert torch.equal(got, sentinel_by_hand([keys, values], positions))
+    assert got[1, 1].tolist() == [[2, 35, 8, 47], [1, 36, 8, 47]]
+    assert got[0, 0].tolist() == [[1, 0, 0, 0], [0, 0, 0, 0]]

@@ -15,6 +15,9 @@ interpreter, from test_kernels.py; tests/gpu/kernels_h200.py times and checks th
 - `slot_counts`: the non-finite elements of each slot of a KV-cache window
   (`stats.slot_nonfinite_device`), read where the cache holds them: slots lie along the
   middle dimension, and a slot-major copy for `row_stats` cost more than the count.
+- `sentinel_reads`: the KV sentinel's reads of slot 0 and of a step's new slots, summarised
+  (`stats.sentinel_device`), in one launch a cache where torch's ops take a dozen: inside a
+  CUDA graph every launch is replayed each step.
 
 Triton is imported when a kernel is first asked for, never at the hooks' import: a process
 that does not trace, or traces on the CPU, never loads it.
@@ -42,7 +45,7 @@ failed: dict[str, str] = {}
 
 def unavailable(name: str, x: torch.Tensor) -> str | None:
     """Why kernel `name` ("index_scores", "row_stats", "membership", "compare_masks", "gap_code",
-    "slot_counts") will not run on x (None when it will): it raised before in this process,
+    "slot_counts", "sentinel_reads") will not run on x (None when it will): it raised before in this process,
     x is not on CUDA (or Triton's CPU interpreter is off), or Triton is absent; for
     "index_scores", a head size (x's last) that is not a power of two >= 16."""
     if name in failed:
@@ -124,25 +127,31 @@ def index_scores(
 
 ROW_STATS = ("nan", "pos_inf", "neg_inf", "max_abs", "sum_sq")
 ROW_PAIR_STATS = ("diff_sum_sq", "dot", "max_abs_diff")
+ROW_FIRST = ("first_nan", "first_pos_inf", "first_neg_inf")
 _ROW_BLOCK = 1024
 
 
 def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tensor:
     """[C, T] fp32 per row of x [T, N]: `ROW_STATS` of x,
-    then with `shadow` [T, N] the same of the shadow and `ROW_PAIR_STATS` of the two. Counts
-    are of NaN, +Inf and -Inf elements (exact below 2^24 per row); every other statistic is
-    over the values with non-finite elements read as 0, summed in fp32."""
+    then with `shadow` [T, N] the same of the shadow and `ROW_PAIR_STATS` of the two, then
+    `ROW_FIRST` of x. Counts are of NaN, +Inf and -Inf elements (exact below 2^24 per row);
+    every other sum and maximum is over the values with non-finite elements read as 0, summed
+    in fp32; `ROW_FIRST` is the first element of the row holding each kind (-1: none), which
+    a site's non-finite events name, so that its one pass gives them too."""
     if x.dim() != 2 or not x.is_floating_point() or (shadow is not None and shadow.shape != x.shape):
         got = None if shadow is None else tuple(shadow.shape)
         raise ValueError(
             f"kernels.row_stats: x {tuple(x.shape)} {x.dtype}, shadow {got}: "
             "expected a floating [T, N] x and a shadow of its shape"
         )
+    if x.shape[1] >= 1 << 24:  # the element indices of ROW_FIRST are exact in fp32 below it
+        raise ValueError(f"kernels.row_stats: rows of {x.shape[1]} elements; expected fewer than 2^24")
     x = x if x.stride(-1) == 1 else x.contiguous()
     if shadow is not None and shadow.stride(-1) != 1:
         shadow = shadow.contiguous()
     t, n = x.shape
     c = len(ROW_STATS) * (1 if shadow is None else 2) + (0 if shadow is None else len(ROW_PAIR_STATS))
+    c += len(ROW_FIRST)
     out = torch.empty(c, t, dtype=torch.float32, device=x.device)
     if t:
         s = x if shadow is None else shadow
@@ -156,10 +165,17 @@ def row_stats(x: torch.Tensor, shadow: torch.Tensor | None = None) -> torch.Tens
                 x.stride(0),
                 s.stride(0),
                 HAS_SHADOW=shadow is not None,
+                FIRST=c - len(ROW_FIRST),
                 BLOCK=_ROW_BLOCK,
                 BLOCKS=_blocks(n),
             )
     return out
+
+
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two: a kernel compiled for a loop of n blocks serves every
+    count up to twice it."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _blocks(n: int) -> int:
@@ -189,6 +205,40 @@ def slot_counts(window: torch.Tensor) -> torch.Tensor:
                 window, out, s, d, *window.stride(), BLOCK_S=block_s, BLOCK_D=block_d,
                 D_BLOCKS=-(-d // block_d),
             )  # fmt: skip
+    return out
+
+
+def sentinel_reads(caches: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """[B, 2, len(caches), 4] int64: the KV sentinel's two reads of each batch row b of every
+    cache [B, O, S, D] (heads merged into O; any strides), read 0 of slot 0 and read 1 of
+    the slots positions[b] [P]: the NaN, +Inf and -Inf elements of the slots read, the first
+    slot read (in positions' order) holding one (the first slot read when none does), and the
+    least and greatest slot read. A slot outside 0..S-1 is read as holding nothing. One
+    program per (row, read) and cache, which loops over its slots: what a decode step's graph
+    reads is a slot or two per row, and one launch a cache replaces a dozen of torch's ops."""
+    if positions.dim() != 2 or positions.dtype != torch.int64 or not caches:
+        raise ValueError(
+            f"kernels.sentinel_reads: positions {tuple(positions.shape)} {positions.dtype}, "
+            f"{len(caches)} caches: expected int64 [B, P] positions and at least one cache"
+        )
+    b, p = positions.shape
+    for cache in caches:
+        if cache.dim() != 4 or cache.shape[0] != b or not cache.is_floating_point():
+            raise ValueError(
+                f"kernels.sentinel_reads: cache {tuple(cache.shape)} {cache.dtype}: "
+                f"expected a floating [{b}, O, S, D]"
+            )
+    out = torch.empty(b, 2, len(caches), 4, dtype=torch.int64, device=positions.device)
+    if b and p:
+        block_p, block_d = _SLOT_TILE
+        with _on(positions):
+            for i, cache in enumerate(caches):
+                o, s, d = cache.shape[1:]
+                _sentinel_kernel()[(b, 2)](
+                    cache, positions, out[:, :, i], p, s, d, *cache.stride(), *positions.stride(),
+                    *out[:, :, i].stride()[:2], HEADS=o, BLOCK_P=block_p, P_BLOCKS=_pow2(-(-p // block_p)),
+                    BLOCK_D=block_d, D_BLOCKS=-(-d // block_d),
+                )  # fmt: skip
     return out
 
 
@@ -429,12 +479,15 @@ def _row_kernel() -> Any:
 
     @triton.jit
     def row_kernel(x_ptr, s_ptr, out_ptr, T, N, stride_x, stride_s,
-                   HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+                   HAS_SHADOW: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr,
+                   BLOCKS: tl.constexpr):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         zero_i = tl.zeros([BLOCK], dtype=tl.int32)
         zero_f = tl.zeros([BLOCK], dtype=tl.float32)
         nan, pos, neg, top, sq = zero_i, zero_i, zero_i, zero_f, zero_f
+        none = zero_i + N  # no element of the row holds the kind
+        first_nan, first_pos, first_neg = none, none, none
         s_nan, s_pos, s_neg, s_top, s_sq = zero_i, zero_i, zero_i, zero_f, zero_f
         d_sq, dot, d_top = zero_f, zero_f, zero_f
         for block in range(BLOCKS):
@@ -445,6 +498,9 @@ def _row_kernel() -> Any:
             nan += x_nan.to(tl.int32)
             pos += x_pos.to(tl.int32)
             neg += x_neg.to(tl.int32)
+            first_nan = tl.minimum(first_nan, tl.where(x_nan, col, N))
+            first_pos = tl.minimum(first_pos, tl.where(x_pos, col, N))
+            first_neg = tl.minimum(first_neg, tl.where(x_neg, col, N))
             x = tl.where(x_nan | x_pos | x_neg, 0.0, x)
             top = tl.maximum(top, tl.abs(x))
             sq += x * x
@@ -476,6 +532,12 @@ def _row_kernel() -> Any:
             tl.store(out + 10 * T, tl.sum(d_sq, axis=0))
             tl.store(out + 11 * T, tl.sum(dot, axis=0))
             tl.store(out + 12 * T, tl.max(d_top, axis=0))
+        first = out + FIRST * T
+        at_nan, at_pos = tl.min(first_nan, axis=0), tl.min(first_pos, axis=0)
+        at_neg = tl.min(first_neg, axis=0)
+        tl.store(first, tl.where(at_nan < N, at_nan, -1).to(tl.float32))
+        tl.store(first + T, tl.where(at_pos < N, at_pos, -1).to(tl.float32))
+        tl.store(first + 2 * T, tl.where(at_neg < N, at_neg, -1).to(tl.float32))
 
     return row_kernel
 
@@ -502,6 +564,56 @@ def _slot_kernel() -> Any:
         tl.atomic_add(out_ptr + slots, count, mask=slot_ok & (count > 0))
 
     return slot_kernel
+
+
+@functools.cache
+def _sentinel_kernel() -> Any:
+    triton = _triton()
+    import triton.language as tl
+
+    @triton.jit
+    def sentinel_kernel(x_ptr, pos_ptr, out_ptr, P, S, D, stride_b, stride_o, stride_s, stride_d,
+                        stride_pb, stride_pp, stride_ob, stride_or, HEADS: tl.constexpr,
+                        BLOCK_P: tl.constexpr, P_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        D_BLOCKS: tl.constexpr):  # fmt: skip
+        row, read = tl.program_id(0), tl.program_id(1)
+        n = tl.where(read == 0, 1, P)  # read 0: slot 0 alone
+        none = P + 1  # an index past every slot read
+        total = tl.zeros([BLOCK_P], dtype=tl.int64)
+        first = tl.zeros([BLOCK_P], dtype=tl.int32) + none
+        low = tl.full([BLOCK_P], 2**62, dtype=tl.int64)
+        high = tl.full([BLOCK_P], -(2**62), dtype=tl.int64)
+        base = x_ptr + row.to(tl.int64) * stride_b
+        row_pos = pos_ptr + row.to(tl.int64) * stride_pb
+        for block in range(P_BLOCKS):  # read 0's blocks past its slot are masked whole
+            idx = block * BLOCK_P + tl.arange(0, BLOCK_P)
+            ok = idx < n
+            listed = tl.load(row_pos + idx * stride_pp, mask=ok & (read == 1), other=0)
+            slot = tl.where(read == 0, 0, listed).to(tl.int64)
+            held = ok & (slot >= 0) & (slot < S)
+            count = tl.zeros([BLOCK_P], dtype=tl.int32)
+            head = base + slot[:, None] * stride_s  # pointers: 64-bit offsets whatever the cache's size
+            for _ in range(HEADS):
+                for d_block in range(D_BLOCKS):
+                    dims = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+                    where = head + dims[None, :].to(tl.int64) * stride_d
+                    x = tl.load(where, mask=held[:, None] & (dims[None, :] < D), other=0.0).to(tl.float32)
+                    count += tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+                head += stride_o
+            total += count.to(tl.int64)
+            first = tl.minimum(first, tl.where(ok & (count > 0), idx, none))
+            low = tl.minimum(low, tl.where(ok, slot, 2**62))
+            high = tl.maximum(high, tl.where(ok, slot, -(2**62)))
+        at = tl.min(first, axis=0)
+        at = tl.where(at < none, at, 0)
+        found = tl.load(row_pos + at * stride_pp, mask=read == 1, other=0).to(tl.int64)
+        out = out_ptr + row.to(tl.int64) * stride_ob + read * stride_or
+        tl.store(out, tl.sum(total, axis=0))
+        tl.store(out + 1, tl.where(read == 0, 0, found))
+        tl.store(out + 2, tl.min(low, axis=0))
+        tl.store(out + 3, tl.max(high, axis=0))
+
+    return sentinel_kernel
 
 
 @functools.cache

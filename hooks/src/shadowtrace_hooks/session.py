@@ -353,27 +353,23 @@ class Run:
         """Rows of one site: per token statistics for each shadow mode (or prod only), and
         the site's non-finite events. `prod` and the shadows are [T, N] in `rows` order."""
         seq, step = self.next_seq(), self.step
-        prod_counts, counts, hidden, how = stats.site_device(prod, shadows, rows.device_index)
-        shadow.record_kernel(self, "hidden_stats", how)
-        event_mode = "local" if "local" in shadows else next(iter(shadows), None)
-        finite = None if event_mode is None else counts[event_mode].sum(0) == 0
-        events = self.add(stats.events_device(prod, prod_counts, finite))
-        slots = {}
-        if rows.count:
-            for mode, statistics in hidden.items():
-                slots[mode] = self.add(statistics)
+        work = stats.site_device(prod, shadows, rows.device_index, rows.index)
+        shadow.record_kernel(self, "hidden_stats", work.how)
+        slots = [self.add(t) for t in work.tensors]
+        modes = len(shadows) or 1
         numel = prod.shape[-1]
         where = {"seq": seq, "step": step, "layer": layer, "site": site}
 
         def decode(arrays: list[np.ndarray]) -> list[tuple[str, dict, int]]:
-            out = _events(arrays[events], rows.positions, where)
-            for mode, slot in slots.items():
-                cols = stats.hidden_from_host(arrays[slot], numel)
+            events, hidden = work.rows([arrays[slot] for slot in slots])
+            out = _events(events, rows.positions, where)
+            for mode, statistics in hidden.items():
+                cols = stats.hidden_from_host(statistics, numel)
                 cols.update(token=rows.recorded, shadow_mode=mode, **where)
                 out.append(("hidden", cols, rows.count))
             return out
 
-        self.defer(decode, {"hidden": rows.count * len(slots)})
+        self.defer(decode, {"hidden": rows.count * modes})
 
     def indexer_events(
         self, layer: int, scores: torch.Tensor, q_pos: torch.Tensor, positions: np.ndarray

@@ -6,10 +6,13 @@ for one copy to the host (shadowtrace_hooks.transfer); the host turns them into 
 Definitions are the columns' docs in schemas/v1/hidden.json, events.json and logits.json.
 `hidden_columns`, `nonfinite_events`, `indexer_events` and `logits_columns` compute the same
 on the host in one call, for tests and callers off the forward's path. On CUDA,
-`site_device` computes a site's counts and statistics in one Triton pass per shadow mode.
+`site_device` computes a site's counts, statistics and events in one Triton pass per shadow
+mode, and the host finishes them.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,6 +58,48 @@ def slot_nonfinite_device(window: torch.Tensor) -> torch.Tensor:
             return counted
     others = [d for d in range(window.dim()) if d != window.dim() - 2]
     return torch.isfinite(window).logical_not_().sum(others)
+
+
+def sentinel_device(caches: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """[B, 2, len(caches), 4] int64: the KV sentinel's reads of each batch row of every cache
+    [B, ..., S, D] (slots along dim -2, as HF's caches hold them), read 0 of slot 0 and read 1
+    of the slots `positions` [B, P]: the non-finite elements of the slots read, the first
+    slot read holding one (the first slot read when none), the least and greatest slot read
+    (`kernels.sentinel_reads`). On CUDA one launch a cache (each launch is replayed with the
+    graph that captured it); elsewhere, or when a cache's heads do not merge, torch's ops."""
+    positions = positions.to(torch.int64)
+    merged = [_batch_merged(c) for c in caches]
+    if all(m is not None for m in merged):
+        read = lambda: kernels.sentinel_reads(merged, positions)  # type: ignore[arg-type]  # noqa: E731
+        done, _ = kernels.attempt("sentinel_reads", positions, read)
+        if done is not None:
+            return done
+    rows = []
+    for b, slots in enumerate(positions.unbind(0)):
+        reads = (torch.zeros_like(slots[:1]), slots)
+        rows.append(torch.stack([_sentinel_read([c[b] for c in caches], read) for read in reads]))
+    return torch.stack(rows)
+
+
+def _sentinel_read(windows: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """[len(windows), 4] int64: `sentinel_device`'s one read of one batch row, by torch's ops."""
+    parts = []
+    for window in windows:
+        per_slot = slot_nonfinite_device(window.index_select(-2, slots))
+        found = slots.index_select(0, (per_slot > 0).to(torch.int8).argmax().reshape(1))[0]
+        parts.append(torch.stack([per_slot.sum(), found, slots.min(), slots.max()]))
+    return torch.stack(parts)
+
+
+def _batch_merged(cache: torch.Tensor) -> torch.Tensor | None:
+    """cache [B, ..., S, D] as a view [B, O, S, D]; None when it has fewer than three
+    dimensions or its middle ones cannot merge without a copy."""
+    if cache.dim() < 3:
+        return None
+    try:
+        return cache.view(cache.shape[0], -1, *cache.shape[-2:])
+    except RuntimeError:  # strides that do not merge: torch's ops read them where they lie
+        return None
 
 
 def _leading_merged(window: torch.Tensor) -> torch.Tensor | None:
@@ -121,43 +166,95 @@ def _compared(
     return [*sc.float(), s_max, s_l2] + [torch.where(bad, nan, v) for v in (rel, cosine, max_diff)]
 
 
+@dataclass
+class Site:
+    """One hidden site's device work (`site_device`): the tensors a capture ships, what
+    computed them, and `rows`, which turns their host copies (in the same order) into the
+    site's `events_device` summary and each mode's `hidden_device` statistics (key None: prod
+    alone). `rows` holds no device tensor: it runs on the writer's thread, and again after
+    each replay of a graph that captured the site."""
+
+    tensors: list[torch.Tensor]
+    how: str
+    rows: Callable[[list[np.ndarray]], tuple[np.ndarray, dict[str | None, np.ndarray]]]
+
+
 def site_device(
-    prod: torch.Tensor, shadows: dict[str, torch.Tensor], tokens: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str | None, torch.Tensor], str]:
-    """One hidden site's device work: prod's `counts_device`, each shadow mode's, the
-    `hidden_device` statistics of rows `tokens` per mode (key None: prod alone, when there
-    is no shadow) and what computed them: on CUDA one pass of Triton's `kernels.row_stats`
-    per mode ("triton"), else torch's ops ("torch", with the reason)."""
-    done, reason = kernels.attempt("row_stats", prod, lambda: _site_kernel(prod, shadows, tokens))
+    prod: torch.Tensor,
+    shadows: dict[str, torch.Tensor],
+    tokens: torch.Tensor | None,
+    index: np.ndarray | None,
+) -> Site:
+    """One hidden site's device work: the statistics of rows `tokens` (device) / `index`
+    (host; None: every row, empty: none) per shadow mode, and prod's non-finite events, with
+    whether the event mode's shadow (local, else the first) was finite at the event's row.
+    On CUDA one pass of Triton's `kernels.row_stats` per mode, and nothing else on the
+    device ("triton"): the rows are picked, the norms finished and the events found on the
+    host from its per-row sums. Elsewhere torch's ops ("torch", with the reason)."""
+    event_mode = "local" if "local" in shadows else next(iter(shadows), None)
+    recorded = index is None or len(index) > 0
+    done, reason = kernels.attempt("row_stats", prod, lambda: _site_sums(prod, shadows))
     if done is not None:
-        return (*done, "triton")
+        modes = list(done)
+
+        def from_sums(arrays: list[np.ndarray]) -> tuple[np.ndarray, dict[str | None, np.ndarray]]:
+            sums = dict(zip(modes, arrays, strict=True))
+            events = _events_from_sums(sums, event_mode)
+            if not recorded:
+                return events, {}
+            return events, {m: _hidden_from_sums(r, index, m is not None) for m, r in sums.items()}
+
+        return Site(list(done.values()), "triton", from_sums)
     prod_counts = counts_device(prod)
     counts = {mode: counts_device(s) for mode, s in shadows.items()}
-    hidden: dict[str | None, torch.Tensor] = {}
-    for mode, shadow in (shadows or {None: None}).items():
-        hidden[mode] = hidden_device(prod, prod_counts, shadow, counts.get(mode), tokens)
-    return prod_counts, counts, hidden, f"torch ({reason})"
+    finite = None if event_mode is None else counts[event_mode].sum(0) == 0
+    tensors = [events_device(prod, prod_counts, finite)]
+    recorded_modes: list[str | None] = list(shadows or {None: None}) if recorded else []
+    for mode in recorded_modes:
+        shadow = None if mode is None else shadows[mode]
+        tensors.append(hidden_device(prod, prod_counts, shadow, counts.get(mode), tokens))
+
+    def as_made(arrays: list[np.ndarray]) -> tuple[np.ndarray, dict[str | None, np.ndarray]]:
+        return arrays[0], dict(zip(recorded_modes, arrays[1:], strict=True))
+
+    return Site(tensors, f"torch ({reason})", as_made)
 
 
-def _site_kernel(
-    prod: torch.Tensor, shadows: dict[str, torch.Tensor], tokens: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str | None, torch.Tensor]]:
+def _site_sums(prod: torch.Tensor, shadows: dict[str, torch.Tensor]) -> dict[str | None, torch.Tensor]:
     prod = prod.detach()
-    sums = {mode: kernels.row_stats(prod, s.detach()) for mode, s in shadows.items()} or {
+    return {mode: kernels.row_stats(prod, s.detach()) for mode, s in shadows.items()} or {
         None: kernels.row_stats(prod)
     }
+
+
+def _hidden_from_sums(sums: np.ndarray, index: np.ndarray | None, shadowed: bool) -> np.ndarray:
+    """`hidden_device`'s statistics from `kernels.row_stats`' sums [C, T], rows `index`: the
+    same fp32 operations the device would run (IEEE square roots and quotients), on the host."""
+    r = torch.from_numpy(np.array(sums if index is None else sums[:, index], dtype=np.float32))
+    out = [r[0], r[1], r[2], r[3], r[4].sqrt()]
+    if shadowed:
+        out += _compared(r[0:3], out[4], r[5:8], r[8], r[9].sqrt(), r[10].sqrt(), r[11], r[12])
+    return torch.stack(out).numpy()
+
+
+def _events_from_sums(sums: dict[str | None, np.ndarray], event_mode: str | None) -> np.ndarray:
+    """`events_device`'s summary [3, 4] from `kernels.row_stats`' sums of every row: prod's
+    counts and first elements per row (alike in every mode's sums), and the event mode's
+    shadow counts. Equal to what `events_device` makes of the same rows, element for element."""
     first = next(iter(sums.values()))
-    prod_counts = first[:3].to(torch.int32)
-    counts = {mode: sums[mode][5:8].to(torch.int32) for mode in shadows}
-    hidden = {}
-    for mode, r in sums.items():
-        if tokens is not None:
-            r = r.index_select(1, tokens)
-        out = [r[0], r[1], r[2], r[3], r[4].sqrt()]
-        if mode is not None:
-            out += _compared(r[0:3], out[4], r[5:8], r[8], r[9].sqrt(), r[10].sqrt(), r[11], r[12])
-        hidden[mode] = torch.stack(out)
-    return prod_counts, counts, hidden
+    counts = first[: len(KINDS)].astype(np.int64)  # [3, T]
+    if counts.shape[1] == 0:
+        return np.array([[0, 0, 0, -1]] * len(KINDS), dtype=np.int64)
+    total = counts.sum(1)
+    rows = (counts > 0).argmax(1)  # the first row holding each kind (0 if none)
+    at = first[-len(KINDS) :].astype(np.int64)[np.arange(len(KINDS)), rows]
+    channels = np.where(total > 0, at, 0)
+    if event_mode is None:
+        finite = np.full(len(KINDS), -1, dtype=np.int64)
+    else:
+        shadow_counts = sums[event_mode][len(PROD_STATS) : len(PROD_STATS) + _COUNTS]
+        finite = (shadow_counts[:, rows].sum(0) == 0).astype(np.int64)
+    return np.stack([total, rows, channels, finite], axis=1)
 
 
 def hidden_from_host(stats: np.ndarray, numel: int) -> dict[str, np.ndarray]:

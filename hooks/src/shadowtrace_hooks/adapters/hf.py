@@ -1048,10 +1048,10 @@ class _Tracer:
             return
         seq = step.positions.shape[1]
         names = list(tensors)
+        if step.capture is not None:
+            self._record_sentinels_graphed(layer, step, tensors)
+            return
         for b, run in enumerate(self.runs):
-            if step.capture is not None:
-                self._record_sentinels_graphed(layer, step, b, run, tensors)
-                continue
             end = int(step.positions_host[b].max()) + 1
             for check, first, last in (("kv_slot0_finite", 0, 1), ("kv_new_slots_finite", end - seq, end)):
                 parts = []
@@ -1068,28 +1068,24 @@ class _Tracer:
                 detail = f"slots {first}..{last - 1} of {', '.join(names)}"
                 run.defer(functools.partial(_sentinel_rows, slot, names, first, row, detail), {})
 
-    def _record_sentinels_graphed(
-        self, layer: int, step: _Step, b: int, run: Run, tensors: dict[str, torch.Tensor]
-    ) -> None:
+    def _record_sentinels_graphed(self, layer: int, step: _Step, tensors: dict[str, torch.Tensor]) -> None:
         """The sentinel's two checks inside a CUDA graph: the new slots are read at the
         step's positions on the device (the static input each replay rewrites), and the
         summary names absolute slots, so its rows need no host positions. The same rows as
-        the eager checks for a step whose positions are contiguous (every HF step's)."""
+        the eager checks for a step whose positions are contiguous (every HF step's). Every
+        request's reads of every cache come from one launch a cache (`stats.sentinel_device`):
+        each replay reruns them."""
         names = list(tensors)
-        positions = step.positions[b].to(torch.int64)
-        for check in ("kv_slot0_finite", "kv_new_slots_finite"):
-            slots = torch.zeros_like(positions[:1]) if check == "kv_slot0_finite" else positions
-            parts = []
-            for t in tensors.values():
-                per_slot = stats.slot_nonfinite_device(t[b].index_select(-2, slots))
-                found = slots.index_select(0, (per_slot > 0).to(torch.int8).argmax().reshape(1))[0]
-                parts.append(torch.stack([per_slot.sum(), found, slots.min(), slots.max()]))
-            slot = run.add(torch.stack(parts))
-            row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
-                   "path": "prod", "kind": "sentinel", "count": 1, "check": check}  # fmt: skip
-            decode = functools.partial(_sentinel_rows, slot, names, None, row, None)
-            decode.absolute_tokens = True  # type: ignore[attr-defined]  # slots, not row indices
-            run.defer(decode, {})
+        n = len(self.runs)
+        reads = stats.sentinel_device([t[:n] for t in tensors.values()], step.positions[:n])
+        for b, run in enumerate(self.runs):
+            for i, check in enumerate(("kv_slot0_finite", "kv_new_slots_finite")):
+                slot = run.add(reads[b, i])
+                row = {"seq": run.next_seq(), "step": run.step, "layer": layer, "site": "layer_out",
+                       "path": "prod", "kind": "sentinel", "count": 1, "check": check}  # fmt: skip
+                decode = functools.partial(_sentinel_rows, slot, names, None, row, None)
+                decode.absolute_tokens = True  # type: ignore[attr-defined]  # slots, not row indices
+                run.defer(decode, {})
 
     def _shadow_layer(
         self, layer: int, module: torch.nn.Module, modes: tuple[str, ...] = ("local", "free")
