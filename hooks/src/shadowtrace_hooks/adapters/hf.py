@@ -368,6 +368,7 @@ class _Step:
         self.rows: dict[int, session.TokenRows] = {}  # batch row -> its recorded tokens
         self.decode = decode
         self.layer_input: torch.Tensor | None = None
+        self.layer: int | None = None  # the decoder layer running now
         self.layer_kwargs: dict = {}
         self.prod_sites: dict[str, torch.Tensor] = {}
         self.shadow_sites: dict[str, dict[str, torch.Tensor]] = {}
@@ -922,9 +923,15 @@ class _Tracer:
         bound.update(bound.pop("kwargs", {}))
         del bound["self"]
         hidden = bound.pop("hidden_states")
-        step.layer_input = hidden.detach().clone()
-        step.layer_kwargs = bound
+        step.layer, step.layer_kwargs = layer, bound
         step.prod_sites, step.shadow_sites = {}, {}
+        if _records_as_made(step):
+            step.layer_input = hidden.detach()
+            self.sess.guarded(
+                "hidden", self.runs[0], self._record_sites, layer, [("layer_in", hidden.detach(), {})]
+            )
+        else:
+            step.layer_input = hidden.detach().clone()
         if layer == 0 and "free" in self.settings.layer_modes and not step.decode:
             step.free = hidden.detach().to(self.dtype)
 
@@ -932,6 +939,11 @@ class _Tracer:
         step = self.step
         assert step is not None
         tensor = output[0] if isinstance(output, tuple) else output
+        if _records_as_made(step) and step.layer is not None:
+            self.sess.guarded(
+                "hidden", self.runs[0], self._record_sites, step.layer, [(site, tensor.detach(), {})]
+            )
+            return
         step.prod_sites[site] = tensor.detach().clone()
 
     def _layer_out(self, layer: int, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -1178,22 +1190,36 @@ class _Tracer:
         step = self.step
         assert step is not None
         assert step.layer_input is not None
-        s = self.settings
-        length = int(step.positions_host.max()) + 1
         # layer_in is the local shadow's own input, and the free chain's is the previous
         # layer's free layer_out: recorded for prod only.
-        sites = [("layer_in", step.layer_input, {})]
-        sites += [
-            (name, step.prod_sites[name], {}) for name in ("attn_out", "mlp_out") if name in step.prod_sites
-        ]
+        sites = []
+        if not _records_as_made(step):  # else recorded at their hooks already
+            sites = [("layer_in", step.layer_input, {})]
+            sites += [
+                (name, step.prod_sites[name], {})
+                for name in ("attn_out", "mlp_out")
+                if name in step.prod_sites
+            ]
         sites.append(("layer_out", prod_out, shadows))
+        self._record_sites(layer, sites)
+
+    def _record_sites(
+        self, layer: int, sites: list[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]
+    ) -> None:
+        """Rows of one layer's `sites` (name, prod, its shadows by mode) for every request."""
+        step = self.step
+        assert step is not None
+        s = self.settings
+        if not s.layer(layer):
+            return
+        length = int(step.positions_host.max()) + 1
         for b, run in enumerate(self.runs):
             rows = step.rows.get(b)
             if rows is None and step.capture is not None:
                 # Positions are known at each replay only: every row is recorded.
                 rows = step.rows[b] = session.TokenRows(step.positions_host[b], None, None)
             elif rows is None:
-                rows = step.rows[b] = s.token_rows(step.positions_host[b], length, prod_out.device)
+                rows = step.rows[b] = s.token_rows(step.positions_host[b], length, sites[0][1].device)
             for site, prod, layer_shadows in sites:
                 if not s.site(site):
                     continue
@@ -1400,6 +1426,14 @@ class _Tracer:
 # Hooks whose captures cannot run inside a CUDA graph: the indexer's top-k lists, whose sizes
 # only the device knows, and which the host must wait for.
 GRAPH_SKIPPED = ("indexer", "scorer")
+
+
+def _records_as_made(step: _Step) -> bool:
+    """Whether the step records its production-only sites (layer_in, attn_out, mlp_out) at
+    their hooks, from the tensors as they are then, rather than from copies at the layer's
+    end: inside a CUDA graph, where no shadow re-runs the layer (a prefix hit's scratch
+    would) and every copy is a kernel each replay reruns."""
+    return step.capture is not None and step.scratch is None
 
 
 def _skip(capture: graphs.Capture, kind: str) -> None:
