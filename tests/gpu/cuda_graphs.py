@@ -307,6 +307,8 @@ def time_the_hooks() -> None:
     _timed_method(session.Session, "close_run", "close run")
     _timed_method(session.Run, "replay", "ship a replay's rows")
     _timed_method(hf._Tracer, "_begin_step", "open the step")
+    if hasattr(hf, "_ReplayInputs"):  # hooks that open a replay's step after its launch
+        _timed_method(hf._ReplayInputs, "__init__", "queue the inputs' copy (before a replay's launch)")
     _timed_method(hf._Tracer, "_replayed", "a replay's rows and counters")
     _timed_method(hf._Tracer, "_logits", "logits (eager)")
     _timed_method(hf._Tracer, "_ship", "ship (eager)")

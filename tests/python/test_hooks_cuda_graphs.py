@@ -211,6 +211,36 @@ def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_
     assert all(r["kind"] == "sentinel" and r["passed"] for r in events)
 
 
+def test_a_replay_given_position_ids_counts_the_cache_before_its_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given position_ids, a replay's step learns what the cache held by counting it, which
+    the replay's own work then grows by one: counted after the launch, each step would look
+    like a new request on a cache one token longer, and close the runs."""
+    from shadowtrace_hooks import session, startup
+
+    def with_position_ids(model, ids, cache, position=None):
+        given = {} if position is None else {"cache_position": position, "position_ids": position[None, :]}
+        return model(ids, **{cache_arg(model): cache}, **given, use_cache=True)
+
+    monkeypatch.setitem(globals(), "forward", with_position_ids)
+    model = llama()
+    results = {}
+    for name, decode in (("eager", eager_decode), ("graph", graph_decode)):
+        runs = tmp_path / name
+        assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs)}) is not None
+        try:
+            with torch.no_grad():
+                decode(model)
+        finally:
+            session.stop()
+        results[name] = tables(runs)
+    assert len(results["graph"]) == 2  # the prefill, then one request for every replay
+    assert results["graph"][1][1]["hidden"][-1]["step"] == len(DECODED) - 1
+    for table in ("hidden", "logits", "events"):
+        assert merged(results["graph"], table) == merged(results["eager"], table), table
+
+
 def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_model(traced: Path) -> None:
     """The replays continue one run per request; an eager forward closes it (complete, not at
     exit) and is a request of its own; a replay after it opens a new run, which the session's

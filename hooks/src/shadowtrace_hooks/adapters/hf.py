@@ -383,16 +383,58 @@ class _Step:
         self.graft: tuple[int, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
 
-def _replayed_inputs(given: dict[str, Any]) -> tuple[list[list[int]] | None, np.ndarray]:
+class _ReplayInputs:
     """A replay's token ids (None where the graph takes embeddings) and positions [B, S], as
-    its static inputs hold them now: read in one device-to-host copy."""
-    positions, input_ids = given["positions"], given["input_ids"]
-    if input_ids is None:
-        return None, positions.cpu().numpy().astype(np.int32)
-    batch, seq = input_ids.shape
-    both = torch.cat([input_ids.reshape(-1).long(), positions.reshape(-1).long()]).cpu().numpy()
-    ids, pos = both[: batch * seq].reshape(batch, seq), both[batch * seq :].reshape(positions.shape)
-    return ids.tolist(), pos.astype(np.int32)
+    its static inputs hold them when the replay is launched: one device-to-host copy queued
+    before the launch (into pinned memory, not waited for), read after it (`read`), so that
+    the host opens the step while the device runs the replay. `past_len`: what the cache held
+    before the step, where it cannot be told from the positions (position_ids given): counted
+    before the launch, which appends to the cache."""
+
+    def __init__(self, given: dict[str, Any]) -> None:
+        positions, input_ids = given["positions"], given["input_ids"]
+        self.shape = tuple(positions.shape)
+        self.batch = None if input_ids is None else tuple(input_ids.shape)
+        parts = [positions.reshape(-1).long()]
+        if input_ids is not None:
+            parts.insert(0, input_ids.reshape(-1).long())
+        flat = torch.cat(parts)  # a tensor of its own: the static inputs are never held
+        self.done: torch.cuda.Event | None = None
+        self.host = flat
+        if flat.is_cuda:
+            # the copy and its event on the inputs' device, whose current stream runs the replay
+            with torch.cuda.device(flat.device):
+                try:
+                    self.host = torch.empty(flat.shape, dtype=torch.int64, pin_memory=True)
+                except RuntimeError:  # no pinned memory to be had: a plain (synchronous) copy
+                    self.host = flat.cpu()
+                else:
+                    self.host.copy_(flat, non_blocking=True)
+                    self.done = torch.cuda.Event()
+                    self.done.record()
+        cache = given["cache"]
+        from_cache = given["position_ids"] is None and given["cache_position"] is not None
+        self.past_len: int | None = None
+        if cache is None:
+            self.past_len = 0
+        elif not from_cache:
+            self.past_len = int(cache.get_seq_length())
+
+    def read(self) -> tuple[list[list[int]] | None, np.ndarray, int]:
+        """(ids, positions [B, S] int32, what the cache held before the step): waits for the
+        copy alone, queued ahead of the replay."""
+        if self.done is not None:
+            self.done.synchronize()
+        both = self.host.numpy()
+        ids = None
+        if self.batch is not None:
+            n = self.batch[0] * self.batch[1]
+            ids, both = both[:n].reshape(self.batch).tolist(), both[n:]
+        positions = both.reshape(self.shape).astype(np.int32)
+        # The step's first position is what the cache held before it, where the positions are
+        # the cache's (no padding): no count of the cache's slots.
+        past_len = int(positions[0, 0]) if self.past_len is None else self.past_len
+        return ids, positions, past_len
 
 
 class _TopkInput(torch.overrides.TorchFunctionMode):
@@ -448,6 +490,7 @@ class _Tracer:
         self.step: _Step | None = None
         self.window: session.Forward | None = None  # the traced forward in flight
         self.replaying: session.Forward | None = None  # a graph replay's, while it is launched
+        self.replay_inputs: _ReplayInputs | None = None  # its inputs, read before the launch
         self.eager: tuple[list[Run], _Step | None] | None = None  # put aside by a graph capture
         self.looping: graphs.Capture | None = None  # the capture whose replays hold the runs open
         self.forwards = 0
@@ -645,18 +688,25 @@ class _Tracer:
             return
         window = self.sess.begin_forward()
         self.window = self.replaying = window
-        self.sess.guarded(
-            "transformers:step", None, self._begin_step, self.model, capture.args, capture.kwargs,
-            replay=capture, disable=False,
-        )  # fmt: skip
+        self.replay_inputs = self.sess.guarded(
+            "transformers:step", None, _ReplayInputs, capture.given, disable=False
+        )
 
     def after_replay(self, capture: graphs.Capture) -> None:
-        """The replay's work is launched: its rows ship (copies queued after it), and the
-        captures a graph could not hold are counted in each run of the step. Outside
-        `generate`, the runs stay open for the graph's next replay (`_begin_step`)."""
+        """The replay's work is launched: its step opens from the inputs read before the
+        launch (the host's bookkeeping runs while the device runs the replay), its rows ship
+        (copies queued after it), and the captures a graph could not hold are counted in each
+        run of the step. Outside `generate`, the runs stay open for the graph's next replay
+        (`_begin_step`)."""
         window, self.replaying = self.replaying, None
+        inputs, self.replay_inputs = self.replay_inputs, None
         if window is None:
             return
+        if inputs is not None:
+            self.sess.guarded(
+                "transformers:step", None, self._begin_step, self.model, capture.args, capture.kwargs,
+                replay=capture, inputs=inputs, disable=False,
+            )  # fmt: skip
         step, self.step = self.step, None
         if step is not None:
             self.sess.guarded("transformers:graph_replay", None, self._replayed, capture, step)
@@ -745,26 +795,26 @@ class _Tracer:
             )
 
     def _begin_step(
-        self, model: torch.nn.Module, args: tuple, kwargs: dict, replay: graphs.Capture | None = None
+        self,
+        model: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        replay: graphs.Capture | None = None,
+        inputs: _ReplayInputs | None = None,
     ) -> None:
         """Opens a forward's step (`replay`: the capture a graph replay launches, whose
-        captures are held: no prefix-cache shadow chain starts, as none could be recorded).
+        captures are held: no prefix-cache shadow chain starts, as none could be recorded;
+        `inputs`: its static inputs as read before the launch).
         A graph's replays are one request: a replay continues the runs its graph's last
         replay left open when their tokens are exactly what the cache holds; any other
         forward, or a replay that does not continue them, closes them first."""
         # A replay's inputs as its capture bound them (the same static tensors).
-        bound = replay.given if replay is not None else None
+        bound = replay.given if replay is not None and inputs is not None else None
         if bound:
+            assert inputs is not None
             given = bound
-            ids, positions_host = _replayed_inputs(given)
+            ids, positions_host, past_len = inputs.read()
             cache = given["cache"]
-            # The step's first position is what the cache held before it, where the positions
-            # are the cache's (no padding): no count of the cache's slots, one copy fewer.
-            from_cache = given["position_ids"] is None and given["cache_position"] is not None
-            if cache is None:
-                past_len = 0
-            else:
-                past_len = int(positions_host[0, 0]) if from_cache else int(cache.get_seq_length())
         else:
             given = self.inputs(model, args, kwargs)
             cache = given["cache"]
