@@ -164,7 +164,9 @@ def merged(runs: list, table: str) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("token", 0), r.get("layer", 0), str(r.get("site")), str(r)))
 
 
-def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_path: Path) -> None:
+def eager_and_graph(tmp_path: Path) -> dict[str, tuple[list[torch.Tensor], list]]:
+    """The same decode steps traced eagerly and replayed from a graph: each one's logits and
+    runs, by name."""
     from shadowtrace_hooks import session, startup
 
     model = llama()
@@ -178,6 +180,11 @@ def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_
         finally:
             session.stop()
         results[name] = (logits, tables(runs))
+    return results
+
+
+def test_a_replayed_graph_step_writes_the_rows_the_same_step_writes_eagerly(tmp_path: Path) -> None:
+    results = eager_and_graph(tmp_path)
     (eager_logits, eager_runs), (graph_logits, graph_runs) = results["eager"], results["graph"]
     for a, b in zip(eager_logits, graph_logits, strict=True):
         assert torch.equal(a, b)
@@ -217,28 +224,17 @@ def test_a_replay_given_position_ids_counts_the_cache_before_its_launch(
     """Given position_ids, a replay's step learns what the cache held by counting it, which
     the replay's own work then grows by one: counted after the launch, each step would look
     like a new request on a cache one token longer, and close the runs."""
-    from shadowtrace_hooks import session, startup
 
     def with_position_ids(model, ids, cache, position=None):
         given = {} if position is None else {"cache_position": position, "position_ids": position[None, :]}
         return model(ids, **{cache_arg(model): cache}, **given, use_cache=True)
 
     monkeypatch.setitem(globals(), "forward", with_position_ids)
-    model = llama()
-    results = {}
-    for name, decode in (("eager", eager_decode), ("graph", graph_decode)):
-        runs = tmp_path / name
-        assert startup.activate({"SHADOWTRACE": "1", "SHADOWTRACE_DIR": str(runs)}) is not None
-        try:
-            with torch.no_grad():
-                decode(model)
-        finally:
-            session.stop()
-        results[name] = tables(runs)
-    assert len(results["graph"]) == 2  # the prefill, then one request for every replay
-    assert results["graph"][1][1]["hidden"][-1]["step"] == len(DECODED) - 1
+    (_, eager_runs), (_, graph_runs) = eager_and_graph(tmp_path).values()
+    assert len(graph_runs) == 2  # the prefill, then one request for every replay
+    assert graph_runs[1][1]["hidden"][-1]["step"] == len(DECODED) - 1
     for table in ("hidden", "logits", "events"):
-        assert merged(results["graph"], table) == merged(results["eager"], table), table
+        assert merged(graph_runs, table) == merged(eager_runs, table), table
 
 
 def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_model(traced: Path) -> None:
