@@ -271,6 +271,34 @@ def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_mode
     assert all(m["status"] == "complete" for m, _ in runs)
 
 
+def test_a_replay_of_another_graph_closes_the_request_leaving_the_ids_its_cache_held(traced: Path) -> None:
+    """Two graphs of one cache: the second's replay closes the first's request after its own
+    launch (its step opens while the device runs it), when the cache already holds its token.
+    The closed request leaves the ids the cache held before, so the new one knows its prefix."""
+    from shadowtrace_hooks import session
+
+    model = llama()
+    cache = cache_for(model)
+    with torch.no_grad():
+        prefill(model, cache)
+        first, ids, position = captured(model, cache)
+        for i in range(2):
+            ids.fill_(DECODED[i])
+            position.fill_(len(PROMPT) + i)
+            first.replay()
+        second, ids, position = captured(model, cache)
+        ids.fill_(DECODED[2])
+        position.fill_(len(PROMPT) + 2)
+        second.replay()
+    session.stop()
+    runs = tables(traced)
+    p = len(PROMPT)
+    tokens = [sorted({r["token"] for r in rows["hidden"]}) for _, rows in runs]
+    assert tokens == [list(range(p)), [p, p + 1], [p + 2]]
+    assert [m["settings"].get("cached_prefix_tokens") for m, _ in runs] == [None, p, p + 2]
+    assert not [m for m, _ in runs if "cache_hit_prefix_ids_unknown" in m["counters"]]
+
+
 def test_a_nan_planted_in_one_replay_is_recorded_at_that_replays_token_and_layer(traced: Path) -> None:
     """The NaN enters at layer 1's MLP in the second replay only (a static factor the graph
     reads: 1, NaN, 1). That step's rows say so from layer 1 on; the KV sentinel sees layer 2

@@ -493,6 +493,8 @@ class _Tracer:
         self.replay_inputs: _ReplayInputs | None = None  # its inputs, read before the launch
         self.eager: tuple[list[Run], _Step | None] | None = None  # put aside by a graph capture
         self.looping: graphs.Capture | None = None  # the capture whose replays hold the runs open
+        # What the cache held after its last replay (its last position + 1; None: unknown).
+        self.looping_length: int | None = None
         self.forwards = 0
         self.fired: set[str] = set()
         self.inner = inner = self._decoder()
@@ -715,6 +717,7 @@ class _Tracer:
         self.sess.end_forward(window)
         if not self.in_generate:
             self.looping = capture
+            self.looping_length = None if step is None else int(step.positions_host.max()) + 1
 
     def _replayed(self, capture: graphs.Capture, step: "_Step") -> None:
         if len(capture.held) != len(self.runs):
@@ -956,8 +959,13 @@ class _Tracer:
     def close_runs(self) -> None:
         if self.looping is not None and self.runs:
             # A graph's request leaves the cache's ids for a later prefix hit at its close: read
-            # after each replay, the cache's length would wait for the replay to finish.
-            self.sess.guarded("transformers:cache_ids", None, hf_prefix.remember, self.looping.out, self.runs)
+            # after each replay, the cache's length would wait for the replay to finish. Its
+            # length is the one its last replay left, known on the host: a replay that closes
+            # the request opens its step after its own launch, which grows the cache.
+            self.sess.guarded(
+                "transformers:cache_ids", None, hf_prefix.remember, self.looping.out, self.runs,
+                self.looping_length,
+            )  # fmt: skip
         runs, self.runs, self.looping = self.runs, [], None
         interrupted, self.interrupted = self.interrupted, False
         for run in runs:

@@ -56,13 +56,14 @@ def tag(run: Run, past_len: int, prefix: list[int] | None) -> None:
         run.count("cache_hit_prefix_ids_unknown")
 
 
-def remember(out: Any, runs: list[Run]) -> None:
-    """Leaves on the forward's cache the ids it now holds (each run's prompt so far)."""
+def remember(out: Any, runs: list[Run], length: int | None = None) -> None:
+    """Leaves on the forward's cache the ids it holds (each run's prompt so far), when it
+    holds `length` tokens (None: as many as it counts now)."""
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if cache is None or not runs or not hasattr(cache, "get_seq_length"):
         return
     ids = [list(run.state.get("ids", [])) for run in runs]
-    length = int(cache.get_seq_length())
+    length = int(cache.get_seq_length()) if length is None else length
     if all(len(row) == length for row in ids):
         setattr(cache, _IDS, ids)
     elif hasattr(cache, _IDS):
