@@ -120,6 +120,14 @@ def captured(model: torch.nn.Module, cache) -> tuple[StandInGraph, torch.Tensor,
     return graph, ids, position
 
 
+def replay_steps(graph: StandInGraph, ids: torch.Tensor, position: torch.Tensor, steps: range) -> None:
+    """The captured decode step replayed for each step i of `steps`: DECODED[i] at its position."""
+    for i in steps:
+        ids.fill_(DECODED[i])
+        position.fill_(len(PROMPT) + i)
+        graph.replay()
+
+
 def graph_decode(model: torch.nn.Module, poison: list[float] | None = None) -> list[torch.Tensor]:
     cache = cache_for(model)
     prefill(model, cache)
@@ -248,10 +256,7 @@ def test_a_graphs_replays_are_one_request_until_another_forward_runs_on_the_mode
     with torch.no_grad():
         prefill(model, cache)
         graph, ids, position = captured(model, cache)
-        for i in range(2):
-            ids.fill_(DECODED[i])
-            position.fill_(len(PROMPT) + i)
-            graph.replay()
+        replay_steps(graph, ids, position, range(2))
         forward(model, torch.tensor([[DECODED[2]]]), cache, torch.tensor([len(PROMPT) + 2]))
         ids.fill_(7)
         position.fill_(len(PROMPT) + 3)
@@ -281,15 +286,8 @@ def test_a_replay_of_another_graph_closes_the_request_leaving_the_ids_its_cache_
     cache = cache_for(model)
     with torch.no_grad():
         prefill(model, cache)
-        first, ids, position = captured(model, cache)
-        for i in range(2):
-            ids.fill_(DECODED[i])
-            position.fill_(len(PROMPT) + i)
-            first.replay()
-        second, ids, position = captured(model, cache)
-        ids.fill_(DECODED[2])
-        position.fill_(len(PROMPT) + 2)
-        second.replay()
+        replay_steps(*captured(model, cache), range(2))
+        replay_steps(*captured(model, cache), range(2, 3))
     session.stop()
     runs = tables(traced)
     p = len(PROMPT)
