@@ -588,7 +588,7 @@ def _sentinel_kernel() -> Any:
         for block in range(P_BLOCKS):  # read 0's blocks past its slot are masked whole
             idx = block * BLOCK_P + tl.arange(0, BLOCK_P)
             ok = idx < n
-            listed = tl.load(row_pos + idx * stride_pp, mask=ok & (read == 1), other=0)
+            listed = tl.load(row_pos + idx * stride_pp, mask=idx < n * read, other=0)  # read 0 lists none
             slot = tl.where(read == 0, 0, listed).to(tl.int64)
             held = ok & (slot >= 0) & (slot < S)
             count = tl.zeros([BLOCK_P], dtype=tl.int32)
@@ -606,7 +606,7 @@ def _sentinel_kernel() -> Any:
             high = tl.maximum(high, tl.where(ok, slot, -(2**62)))
         at = tl.min(first, axis=0)
         at = tl.where(at < none, at, 0)
-        found = tl.load(row_pos + at * stride_pp, mask=read == 1, other=0).to(tl.int64)
+        found = tl.load(row_pos + at * stride_pp).to(tl.int64)  # at < P: a slot listed (read 0's is 0)
         out = out_ptr + row.to(tl.int64) * stride_ob + read * stride_or
         tl.store(out, tl.sum(total, axis=0))
         tl.store(out + 1, tl.where(read == 0, 0, found))
