@@ -182,7 +182,7 @@ def _blocks(n: int) -> int:
     """`_ROW_BLOCK`-element blocks for a row of n, rounded up to a power of two: a kernel
     compiled for one row length serves every length up to twice it (the indexer's rows grow
     with the prompt; a constexpr length would compile anew for each)."""
-    return 1 << max(0, (-(-n // _ROW_BLOCK) - 1).bit_length())
+    return _pow2(-(-n // _ROW_BLOCK))
 
 
 # (slots, elements of a slot's vector) per program of `slot_counts`

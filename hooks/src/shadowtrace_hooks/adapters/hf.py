@@ -811,11 +811,9 @@ class _Tracer:
         A graph's replays are one request: a replay continues the runs its graph's last
         replay left open when their tokens are exactly what the cache holds; any other
         forward, or a replay that does not continue them, closes them first."""
-        # A replay's inputs as its capture bound them (the same static tensors).
-        bound = replay.given if replay is not None and inputs is not None else None
-        if bound:
-            assert inputs is not None
-            given = bound
+        if inputs is not None:  # a replay's: read as its capture bound them (the same static tensors)
+            assert replay is not None
+            given = replay.given
             ids, positions_host, past_len = inputs.read()
             cache = given["cache"]
         else:
@@ -839,7 +837,7 @@ class _Tracer:
             batch, seq = input_ids.shape
             ids = input_ids.tolist() if ids is None else ids
             device = input_ids.device
-        if bound:
+        if inputs is not None:
             position_ids = given["positions"]
         else:
             position_ids = given["position_ids"]
@@ -986,7 +984,7 @@ class _Tracer:
         if _records_as_made(step):
             step.layer_input = hidden.detach()
             self.sess.guarded(
-                "hidden", self.runs[0], self._record_sites, layer, [("layer_in", hidden.detach(), {})]
+                "hidden", self.runs[0], self._record_sites, layer, [("layer_in", step.layer_input, {})]
             )
         else:
             step.layer_input = hidden.detach().clone()
